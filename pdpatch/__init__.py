@@ -1,0 +1,34 @@
+"""pdpatch: make P/D disaggregation with stock vLLM's NixlConnector work where it breaks.
+
+``import pdpatch`` is cheap on purpose (it runs from a ``.pth`` in every interpreter of the
+environment): the installer and the patch modules load only when ``install()`` is called.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+
+def install() -> Any:
+    """Arm every enabled patch in this process (idempotent); see ``pdpatch.installer``."""
+    from pdpatch import installer
+
+    return installer.install()
+
+
+def uninstall() -> Any:
+    """Restore vLLM's original objects in this process."""
+    from pdpatch import installer
+
+    return installer.uninstall()
+
+
+def status() -> dict[str, Any]:
+    from pdpatch import installer
+
+    return installer.status()
+
+
+__all__ = ["__version__", "install", "status", "uninstall"]

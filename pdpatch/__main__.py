@@ -1,0 +1,3 @@
+from pdpatch.cli import main
+
+raise SystemExit(main())

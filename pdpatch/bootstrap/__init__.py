@@ -1,0 +1,2 @@
+"""The three ways into ``pdpatch.install()``: the ``.pth`` hook, vLLM's plugin entry point,
+and ``sitecustomize`` (``pdpatch-run``)."""

@@ -1,0 +1,32 @@
+"""The ``pdpatch`` command: ``doctor`` and the small tools operators need."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from pdpatch import doctor
+
+    return doctor.run(as_json=args.json, check_targets=not args.no_import)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdpatch", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    doc = sub.add_parser("doctor", help="what pdpatch would patch here, and why not")
+    doc.add_argument("--json", action="store_true", help="machine-readable output")
+    doc.add_argument("--no-import", action="store_true",
+                     help="do not import vLLM to check that each patch target exists")
+    doc.set_defaults(func=_doctor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

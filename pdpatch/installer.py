@@ -1,0 +1,252 @@
+"""``install()`` / ``uninstall()``: apply the declared patches in this process, reversibly.
+
+Every way in (the ``.pth`` import hook, vLLM's general-plugin entry point, ``sitecustomize``)
+ends here.  Wrapping is deferred per target module with wrapt post-import hooks, so installing
+imports no vLLM submodule: a NIXL class is wrapped the moment vLLM itself imports it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.util
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import wrapt
+
+from pdpatch import config, log, versions
+from pdpatch.registry import Patch, Target
+
+logger = log.logger
+
+
+class StrictModeError(RuntimeError):
+    """Raised only under ``PDPATCH_STRICT=1``: an enabled patch could not apply."""
+
+
+@dataclass
+class TargetState:
+    target: Target
+    status: str = "armed"          # armed | wrapped | failed | cancelled | unwrapped | disabled
+    detail: str = ""
+    handle: Any = None
+    owner: Any = None              # the class or module object holding the attribute
+
+
+@dataclass
+class PatchState:
+    patch: Patch
+    status: str                    # active | skipped
+    reason: str
+    targets: list[TargetState] = field(default_factory=list)
+
+    @property
+    def live(self) -> bool:
+        """Consulted by every wrapper call: a wrapper we could not remove becomes a no-op."""
+        return self.status == "active"
+
+
+@dataclass
+class _Process:
+    installed: bool = False
+    pid: int = 0
+    settings: config.Settings | None = None
+    vllm: str = "absent"
+    patches: dict[str, PatchState] = field(default_factory=dict)
+    error: str = ""
+
+
+_lock = threading.RLock()
+_state = _Process()
+
+
+def install() -> dict[str, PatchState]:
+    """Arm every enabled patch whose vLLM version gate matches; idempotent per process.
+
+    Raises ``config.ConfigError`` for invalid settings and ``StrictModeError`` under
+    ``PDPATCH_STRICT=1``; the bootstrap entry points decide whether to let those escape.
+    """
+    with _lock:
+        if _state.installed:
+            return _state.patches
+        from pdpatch.patches import all_patches
+
+        patches = all_patches()
+        settings = config.read_settings([p.name for p in patches])
+        log.configure(settings.log_level)
+        version = versions.vllm_version()
+        _state.settings = settings
+        _state.vllm = str(version) if version else "absent"
+        _state.pid = os.getpid()
+        _state.patches = {}
+        for patch in patches:
+            _state.patches[patch.name] = _decide(patch, settings, version)
+        _state.installed = True
+        for ps in _state.patches.values():
+            if ps.status == "active":
+                for ts in ps.targets:
+                    _arm(ps, ts)
+        logger.info(summary_line())
+        return _state.patches
+
+
+def _decide(patch: Patch, settings: config.Settings, version) -> PatchState:
+    on, why = settings.patch_toggle(patch.name)
+    if not on:
+        return PatchState(patch, "skipped", f"toggled off ({why})")
+    if version is None:
+        return PatchState(patch, "skipped", "vLLM is not installed")
+    if not versions.supported(patch.versions, version):
+        gate = f"vLLM {version} outside {patch.versions}"
+        if patch.why_version:
+            gate += f": {patch.why_version}"
+        if not settings.allow_untested:
+            return PatchState(patch, "skipped", gate)
+        reason = f"{gate}, applied because PDPATCH_ALLOW_UNTESTED_VLLM=1"
+    else:
+        reason = why
+    targets = [TargetState(t) for t in patch.targets(version)]
+    if not targets:
+        return PatchState(patch, "skipped", f"no target in vLLM {version}")
+    return PatchState(patch, "active", reason, targets)
+
+
+def _arm(ps: PatchState, ts: TargetState) -> None:
+    def on_import(module: Any) -> None:
+        with _lock:
+            if ts.status != "armed":
+                return
+            try:
+                _wrap(ps, ts, module)
+            except Exception as exc:
+                ts.status, ts.detail = "failed", f"{type(exc).__name__}: {exc}"
+                logger.warning("pdpatch: patch %s could not wrap %s: %s",
+                               ps.patch.name, ts.target.label, ts.detail)
+                if _state.settings is not None and _state.settings.strict:
+                    raise StrictModeError(
+                        f"pdpatch (PDPATCH_STRICT=1): patch {ps.patch.name} could not wrap "
+                        f"{ts.target.label}: {ts.detail}") from exc
+
+    wrapt.register_post_import_hook(on_import, ts.target.module)
+
+
+def _wrap(ps: PatchState, ts: TargetState, module: Any) -> None:
+    owner, attr = _resolve_owner(module, ts.target.qualname)
+    current = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+    mine = wrapt.find_wrapper(current, predicate=lambda w: _is_ours(w, ps.patch.name))
+    if mine is not None:
+        ts.status, ts.detail, ts.handle, ts.owner = "wrapped", "already wrapped", mine, owner
+        return
+    handle = wrapt.wrap_object(
+        owner, attr, wrapt.FunctionWrapper, (ts.target.wrapper,),
+        {"enabled": lambda: ps.live})
+    handle._self_pdpatch_patch = ps.patch.name
+    ts.status, ts.handle, ts.owner = "wrapped", handle, owner
+    logger.debug("pdpatch: %s wrapped %s", ps.patch.name, ts.target.label)
+
+
+def _is_ours(wrapper: Any, name: str) -> bool:
+    return getattr(wrapper, "_self_pdpatch_patch", None) == name
+
+
+def _resolve_owner(module: Any, qualname: str) -> tuple[Any, str]:
+    """The object holding the attribute; for methods, the class must define it itself."""
+    *path, attr = qualname.split(".")
+    owner = module
+    for part in path:
+        owner = getattr(owner, part)
+    if isinstance(owner, type) and attr not in owner.__dict__:
+        definer = next((c.__name__ for c in owner.__mro__ if attr in c.__dict__), None)
+        where = f"it is inherited from {definer}" if definer else "it does not exist"
+        raise LookupError(f"{qualname} is not defined on {owner.__name__} ({where})")
+    if not isinstance(owner, type) and not hasattr(owner, attr):
+        raise LookupError(f"{qualname} does not exist in {module.__name__}")
+    return owner, attr
+
+
+def uninstall() -> dict[str, PatchState]:
+    """Restore the original objects; a wrapper buried under a foreign ``setattr`` patch (which
+    wrapt cannot splice out) is switched to pass-through instead, and reported as such."""
+    with _lock:
+        for ps in _state.patches.values():
+            if ps.status != "active":
+                continue
+            ps.status = "uninstalled"
+            for ts in ps.targets:
+                _unwrap(ts)
+        _state.installed = False
+        return _state.patches
+
+
+def _unwrap(ts: TargetState) -> None:
+    if ts.status == "armed":
+        ts.status = "cancelled"
+        return
+    if ts.status != "wrapped":
+        return
+    attr = ts.target.qualname.rsplit(".", 1)[-1]
+    try:
+        wrapt.unwrap_object(ts.owner, attr, ts.handle)
+        ts.status = "unwrapped"
+    except (wrapt.WrapperNotOutermostError, wrapt.WrapperNotFoundError) as exc:
+        # Another patcher replaced the attribute with a plain function that calls ours
+        # (kvcached's setattr style): our wrapper cannot be taken out of its closure.
+        ts.status, ts.detail = "disabled", f"left in place as a no-op: {exc}"
+        logger.warning("pdpatch: %s: %s", ts.target.label, ts.detail)
+
+
+def summary_line() -> str:
+    """The one grep-able line per process (stable wording: scripts and tests match it)."""
+    active = [n for n, ps in _state.patches.items() if ps.status == "active"]
+    skipped = [f"{n} ({ps.reason})" for n, ps in _state.patches.items()
+               if ps.status == "skipped"]
+    return (f"pdpatch: pid={os.getpid()} role={process_role()} vllm={_state.vllm} "
+            f"patched=[{', '.join(active)}] skipped=[{'; '.join(skipped)}]")
+
+
+def process_role() -> str:
+    """vLLM names its processes (``EngineCore``, ``EngineCore_DP0``, ``VllmWorker-3``)."""
+    name = multiprocessing.current_process().name
+    if name == "MainProcess":
+        return "main"
+    if name.startswith("EngineCore"):
+        return "engine-core" + name[len("EngineCore"):].replace("_", "-").lower()
+    if name.startswith("VllmWorker-"):
+        return "worker-" + name[len("VllmWorker-"):]
+    return name.replace(" ", "_")
+
+
+def status() -> dict[str, Any]:
+    """A snapshot for `pdpatch doctor` and tests."""
+    with _lock:
+        return {
+            "installed": _state.installed,
+            "pid": os.getpid(),
+            "vllm": _state.vllm,
+            "patches": {
+                n: {"status": ps.status, "reason": ps.reason,
+                    "targets": {ts.target.label: (ts.status, ts.detail) for ts in ps.targets}}
+                for n, ps in _state.patches.items()
+            },
+        }
+
+
+def _after_multiprocessing_fork(_: object) -> None:
+    """Forked vLLM children (EngineCore, workers) inherit the wrapped classes and skip vLLM's
+    plugin loading, so nothing else would log for them.  multiprocessing runs this after it
+    has named the child, which gives the summary its role."""
+    if _state.installed and _state.pid != os.getpid():
+        _state.pid = os.getpid()
+        logger.info(summary_line())
+
+
+class _ForkAnchor:
+    """multiprocessing keeps after-fork callbacks in a weak registry keyed by an object."""
+
+
+_fork_anchor = _ForkAnchor()
+multiprocessing.util.register_after_fork(_fork_anchor, _after_multiprocessing_fork)
+
+__all__ = ["StrictModeError", "install", "status", "summary_line", "uninstall"]

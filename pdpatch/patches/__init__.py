@@ -1,0 +1,16 @@
+"""Every pdpatch patch, in the order they are applied."""
+
+from __future__ import annotations
+
+from pdpatch.registry import Patch
+
+
+def all_patches() -> list[Patch]:
+    """Imported lazily: patch modules are tiny, but the bootstrap should not pay for them."""
+    from pdpatch.patches import read_guard
+
+    return [read_guard.PATCH]
+
+
+def patch_names() -> list[str]:
+    return [p.name for p in all_patches()]

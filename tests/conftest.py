@@ -1,0 +1,22 @@
+"""Shared test setup: real vLLM on a CPU machine, pdpatch state reset around each test."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# The vLLM wheel on a GPU-less machine cannot infer its platform without this.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+for _var in [v for v in os.environ if v.startswith("PDPATCH_") or v == "ENABLE_PDPATCH"]:
+    del os.environ[_var]
+
+
+@pytest.fixture
+def fresh_pdpatch(monkeypatch):
+    """pdpatch uninstalled before and after; yields the installer module."""
+    from pdpatch import installer
+
+    installer.uninstall()
+    yield installer
+    installer.uninstall()

@@ -1,0 +1,162 @@
+"""install()/uninstall() against real vLLM 0.33 classes: wrapping, restoring, gates, kvcached."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import wrapt
+from packaging.version import Version
+
+from pdpatch import patches, versions
+from pdpatch.registry import Patch, Target
+
+PULL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
+BASE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+
+
+def pull_cls():
+    return importlib.import_module(PULL).NixlPullConnectorWorker
+
+
+def read_attr():
+    return pull_cls().__dict__["_read_blocks_for_req"]
+
+
+def test_install_wraps_and_uninstall_restores_the_exact_original(fresh_pdpatch, monkeypatch):
+    original = read_attr()
+    monkeypatch.setenv("ENABLE_PDPATCH", "1")
+    states = fresh_pdpatch.install()
+    assert states["read_guard"].status == "active"
+    wrapped = read_attr()
+    assert isinstance(wrapped, wrapt.FunctionWrapper) and wrapped.__wrapped__ is original
+    assert fresh_pdpatch.install() is states          # idempotent: nothing re-wrapped
+    assert read_attr() is wrapped
+    fresh_pdpatch.uninstall()
+    assert read_attr() is original
+
+
+def test_install_reapplied_after_uninstall_wraps_once(fresh_pdpatch):
+    original = read_attr()
+    fresh_pdpatch.install()
+    fresh_pdpatch.uninstall()
+    fresh_pdpatch.install()
+    chain = list(wrapt.wrapper_chain(read_attr()))
+    assert len([w for w in chain if isinstance(w, wrapt.FunctionWrapper)]) == 1
+    fresh_pdpatch.uninstall()
+    assert read_attr() is original
+
+
+def test_toggle_off_skips_with_reason(fresh_pdpatch, monkeypatch):
+    monkeypatch.setenv("PDPATCH_READ_GUARD", "0")
+    original = read_attr()
+    states = fresh_pdpatch.install()
+    assert states["read_guard"].status == "skipped"
+    assert "PDPATCH_READ_GUARD=0" in states["read_guard"].reason
+    assert read_attr() is original
+    assert "skipped=[read_guard (toggled off (PDPATCH_READ_GUARD=0))]" in \
+        fresh_pdpatch.summary_line()
+
+
+def test_version_gate_skips_unless_untested_allowed(fresh_pdpatch, monkeypatch):
+    monkeypatch.setattr(versions, "vllm_version", lambda: Version("0.34.0"))
+    original = read_attr()
+    states = fresh_pdpatch.install()
+    assert states["read_guard"].status == "skipped"
+    assert "vLLM 0.34.0 outside" in states["read_guard"].reason
+    assert read_attr() is original
+    fresh_pdpatch.uninstall()
+    monkeypatch.setenv("PDPATCH_ALLOW_UNTESTED_VLLM", "1")
+    states = fresh_pdpatch.install()
+    assert states["read_guard"].status == "active"
+    assert "PDPATCH_ALLOW_UNTESTED_VLLM=1" in states["read_guard"].reason
+    assert isinstance(read_attr(), wrapt.FunctionWrapper)
+
+
+def _inherited_target_patch() -> Patch:
+    # NixlPullConnectorWorker inherits register_kv_caches from NixlBaseConnectorWorker:
+    # wrapping it on the subclass would miss the push worker, so the installer refuses.
+    return Patch(name="bad_target", summary="test", versions=">=0.1",
+                 targets=lambda v: [Target(PULL, "NixlPullConnectorWorker.register_kv_caches",
+                                           lambda w, i, a, k: w(*a, **k))])
+
+
+def test_target_on_a_subclass_that_only_inherits_is_refused(fresh_pdpatch, monkeypatch):
+    monkeypatch.setattr(patches, "all_patches", lambda: [_inherited_target_patch()])
+    states = fresh_pdpatch.install()
+    (ts,) = states["bad_target"].targets
+    assert ts.status == "failed"
+    assert "inherited from NixlBaseConnectorWorker" in ts.detail
+    assert "register_kv_caches" not in pull_cls().__dict__
+
+
+def test_strict_mode_turns_a_failed_target_into_an_error(fresh_pdpatch, monkeypatch):
+    monkeypatch.setattr(patches, "all_patches", lambda: [_inherited_target_patch()])
+    monkeypatch.setenv("PDPATCH_STRICT", "1")
+    with pytest.raises(fresh_pdpatch.StrictModeError, match="inherited from"):
+        fresh_pdpatch.install()
+
+
+def _kvcached_style_setattr(cls, name):
+    """What kvcached's nixl_compat does: save the live attribute, install a plain function."""
+    saved = cls.__dict__[name]
+    calls = []
+
+    def replacement(self, *args, **kwargs):
+        calls.append(args)
+        return saved.__get__(self, cls)(*args, **kwargs)
+
+    setattr(cls, f"_kvcached_original_{name}", saved)
+    setattr(cls, name, replacement)
+    return saved, calls
+
+
+class _Worker:
+    """A stand-in instance: the guarded method only needs failure bookkeeping attributes."""
+
+    def __init__(self):
+        self.failed = []
+        self._recv_failures = set()
+
+    def _handle_failed_transfer(self, req_id, handle, failures, record_failed_transfer=True):
+        failures.add(req_id)
+        self.failed.append(req_id)
+        return True
+
+
+def _bound_read(cls, worker):
+    """``self._read_blocks_for_req`` as vLLM calls it, on a stand-in instance."""
+    return cls.__dict__["_read_blocks_for_req"].__get__(worker, cls)
+
+
+def _raise_in_read(cls, monkeypatch):
+    def boom(self, req_id, meta):
+        raise AssertionError("num_local_blocks <= len(remote)")
+
+    monkeypatch.setattr(cls, "_read_blocks_for_req", boom)
+    return boom
+
+
+@pytest.mark.parametrize("order", ["kvcached_first", "pdpatch_first"])
+def test_coexists_with_kvcached_style_setattr(fresh_pdpatch, monkeypatch, order):
+    cls = pull_cls()
+    boom = _raise_in_read(cls, monkeypatch)
+    if order == "kvcached_first":
+        _, calls = _kvcached_style_setattr(cls, "_read_blocks_for_req")
+        fresh_pdpatch.install()
+    else:
+        fresh_pdpatch.install()
+        _, calls = _kvcached_style_setattr(cls, "_read_blocks_for_req")
+    worker = _Worker()
+    assert _bound_read(cls, worker)("req-1", None) is None   # contained, not raised
+    assert worker.failed == ["req-1"] and len(calls) == 1
+    fresh_pdpatch.uninstall()
+    if order == "kvcached_first":
+        assert cls.__dict__["_read_blocks_for_req"].__name__ == "replacement"
+    else:
+        # Buried under a plain function wrapt cannot splice: left in place as a pass-through.
+        status = fresh_pdpatch.status()["patches"]["read_guard"]["targets"]
+        assert next(iter(status.values()))[0] == "disabled"
+    with pytest.raises(AssertionError, match="num_local_blocks"):
+        _bound_read(cls, _Worker())("req-2", None)
+    monkeypatch.setattr(cls, "_read_blocks_for_req", boom)
