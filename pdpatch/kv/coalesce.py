@@ -1,0 +1,128 @@
+"""Fewer descriptors for the same bytes: merged ranges and NIXL >= 1.5 strided rows.
+
+Why: with NIXL the cost of a transfer is mostly per descriptor (about 2.8 µs each on an H200
+over cuda_ipc, see research/gpu_probe.md), so a split->fused conversion that emits one
+descriptor per segment runs at half the fused path's speed, and far less for runs of
+consecutive blocks, which the fused path merges.  Two tools:
+
+* :func:`coalesce` -- merge descriptor pairs whose local AND remote ranges are both contiguous
+  (fused<->fused runs collapse to one descriptor per run; a split side stays per segment,
+  because its K and V are apart).  Same bytes moved, fewer descriptors.
+* strided rows ``(addr, len, dev, stride, count)`` -- NIXL >= 1.5's compressed descriptor
+  list (``prep_xfer_dlist`` with an Nx5 array): :func:`strided_pair_rows` compresses runs of
+  equal-length, equally-spaced descriptor pairs, :func:`expand_strided` restores Nx3.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pdpatch.kv.plan import DescPlan
+
+_U64 = np.uint64
+
+
+def coalesce(plan: DescPlan) -> DescPlan:
+    """Merge pairs that are contiguous on both sides (after ordering by local address).
+
+    Order does not matter to a NIXL transfer, so sorting is safe as long as local ranges do
+    not overlap (a valid plan never writes a byte twice).
+    """
+    n = len(plan)
+    if n <= 1:
+        return plan
+    order = np.argsort(plan.local_addr, kind="stable")
+    la = plan.local_addr[order]
+    ra = plan.remote_addr[order]
+    ln = plan.length[order]
+    ends_l = la[:-1] + ln[:-1]
+    ends_r = ra[:-1] + ln[:-1]
+    joins = (la[1:] == ends_l) & (ra[1:] == ends_r)
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return DescPlan(
+        la[starts], ra[starts], np.add.reduceat(ln, starts).astype(_U64),
+        plan.local_dev, plan.remote_dev,
+    )
+
+
+def strided_pair_rows(plan: DescPlan) -> tuple[np.ndarray, np.ndarray]:
+    """Compress a plan (in its order) into local and remote Nx5 strided rows.
+
+    A row covers a maximal greedy run of descriptors with equal length whose local and remote
+    addresses both advance by a constant step of at least that length; both sides get the same
+    row boundaries, so expanding them gives back the plan's pairs in order.
+    """
+    n = len(plan)
+    la = plan.local_addr.astype(np.int64)
+    ra = plan.remote_addr.astype(np.int64)
+    ln = plan.length.astype(np.int64)
+    if n == 0:
+        empty = np.empty((0, 5), dtype=_U64)
+        return empty, empty.copy()
+    dl = np.diff(la)
+    dr = np.diff(ra)
+    # link k joins descriptor k and k+1
+    link_ok = (ln[1:] == ln[:-1]) & (dl >= ln[:-1]) & (dr >= ln[:-1])
+    # link k continues the run of link k-1 when both are ok with the same steps
+    cont = np.zeros(max(n - 1, 0), dtype=bool)
+    if n > 2:
+        cont[1:] = link_ok[1:] & link_ok[:-1] & (dl[1:] == dl[:-1]) & (dr[1:] == dr[:-1])
+    breaks = np.flatnonzero(~cont)  # links that do not continue the previous one
+    starts: list[int] = []
+    counts: list[int] = []
+    i = 0
+    while i < n:
+        if i == n - 1 or not link_ok[i]:
+            starts.append(i)
+            counts.append(1)
+            i += 1
+            continue
+        # run of links i .. e-1 (same step), e = first break after i
+        pos = np.searchsorted(breaks, i + 1)
+        e = int(breaks[pos]) if pos < breaks.size else n - 1
+        starts.append(i)
+        counts.append(e - i + 1)
+        i = e + 1
+    s = np.asarray(starts, dtype=np.int64)
+    c = np.asarray(counts, dtype=np.int64)
+    step_l = np.where(c > 1, np.concatenate((dl, [0]))[s], ln[s])
+    step_r = np.where(c > 1, np.concatenate((dr, [0]))[s], ln[s])
+    local = np.stack([la[s], ln[s], np.full_like(s, plan.local_dev), step_l, c], axis=1)
+    remote = np.stack([ra[s], ln[s], np.full_like(s, plan.remote_dev), step_r, c], axis=1)
+    return local.astype(_U64), remote.astype(_U64)
+
+
+def strided_rows(addr: np.ndarray, length: np.ndarray, dev: int) -> np.ndarray:
+    """Nx5 strided rows for one side's descriptor list (in order)."""
+    plan = DescPlan(np.asarray(addr, dtype=_U64), np.asarray(addr, dtype=_U64),
+                    np.asarray(length, dtype=_U64), dev, dev)
+    return strided_pair_rows(plan)[0]
+
+
+def expand_strided(rows: np.ndarray) -> np.ndarray:
+    """Nx5 ``(addr, len, dev, stride, count)`` rows -> Nx3 ``(addr, len, dev)`` descriptors,
+    the list NIXL prepares from them."""
+    rows = np.asarray(rows, dtype=_U64).reshape(-1, 5)
+    counts = rows[:, 4].astype(np.int64)
+    total = int(counts.sum())
+    out = np.empty((total, 3), dtype=_U64)
+    if total == 0:
+        return out
+    idx = np.repeat(np.arange(rows.shape[0]), counts)
+    first = np.cumsum(counts) - counts
+    within = (np.arange(total, dtype=np.int64) - np.repeat(first, counts)).astype(_U64)
+    out[:, 0] = rows[idx, 0] + within * rows[idx, 3]
+    out[:, 1] = rows[idx, 1]
+    out[:, 2] = rows[idx, 2]
+    return out
+
+
+def plan_from_nx3(local: np.ndarray, remote: np.ndarray) -> DescPlan:
+    """Pair two equally long Nx3 lists (e.g. expanded strided rows) back into a plan."""
+    local = np.asarray(local, dtype=_U64).reshape(-1, 3)
+    remote = np.asarray(remote, dtype=_U64).reshape(-1, 3)
+    if local.shape != remote.shape or not np.array_equal(local[:, 1], remote[:, 1]):
+        raise ValueError("local and remote descriptor lists differ in count or lengths")
+    ldev = int(local[0, 2]) if local.shape[0] else 0
+    rdev = int(remote[0, 2]) if remote.shape[0] else 0
+    return DescPlan(local[:, 0].copy(), remote[:, 0].copy(), local[:, 1].copy(), ldev, rdev)
