@@ -216,3 +216,11 @@ def test_core_imports_neither_torch_nor_vllm() -> None:
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
                          env={"PYTHONPATH": ":".join(p for p in sys.path if p)})
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_single_head_or_token_has_no_head_order() -> None:
+    # (2, N, bs=1, H, D): one token per block -- NHD and HND are the same bytes
+    g = infer_layer_geometry((2, 4, 1, 4, 8), (128, 32, 32, 8, 1), 2, 0)
+    assert g.head_major is None
+    g = infer_layer_geometry((2, 4, 16, 1, 8), (512, 128, 8, 8, 1), 2, 0)
+    assert g.head_major is None

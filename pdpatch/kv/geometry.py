@@ -110,6 +110,8 @@ class LayerGeometry:
     kvcached's virtual pool); only ``num_blocks`` (the planned ones) may be addressed.
     ``num_heads``/``head_major`` describe the inside of a segment when known: head slices
     for heterogeneous TP are contiguous only when heads are the outermost dimension.
+    ``head_major=None`` means unknown (stock handshake) or irrelevant (one head or one token
+    per block, where both orders are the same bytes).
     """
 
     base: int

@@ -42,8 +42,9 @@ def _dense_inner(shape: Sequence[int], stride: Sequence[int], dims: Sequence[int
                  what: str) -> bool | None:
     """Check that ``dims`` (the last one innermost with stride 1) tile one dense segment.
 
-    Returns whether the first of ``dims[:-1]`` (the heads dim, by convention of the caller)
-    is outermost -- i.e. head slices are contiguous -- or None when that is undecidable.
+    Returns whether the heads dim is outside the tokens dim (head-major, HND: head slices are
+    contiguous), or None when one of them has size 1 -- then both orders are the same bytes
+    and any head slice is contiguous.
     """
     heads_dim, tokens_dim, content_dim = dims
     if shape[content_dim] > 1 and stride[content_dim] != 1:
@@ -62,7 +63,7 @@ def _dense_inner(shape: Sequence[int], stride: Sequence[int], dims: Sequence[int
             )
         expect *= shape[d]
     if shape[heads_dim] == 1 or shape[tokens_dim] == 1:
-        return True  # a single head, or a single token: any head slice is contiguous
+        return None
     return stride[heads_dim] > stride[tokens_dim]
 
 
