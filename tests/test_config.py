@@ -38,7 +38,7 @@ def test_disable_list_and_star():
 
 
 def test_unknown_patch_in_disable_list_is_an_error():
-    with pytest.raises(config.ConfigError, match="unknown patch.*lay_out"):
+    with pytest.raises(config.ConfigError, match=r"unknown patch.*lay_out"):
         read(PDPATCH_DISABLE="lay_out")
 
 

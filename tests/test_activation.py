@@ -1,0 +1,76 @@
+"""pdpatch reaches every process: .pth hook, plugin entry point, fork/spawn/forkserver, -I."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+CHILD = HERE / "activation_child.py"
+SUMMARY = "[pdpatch] pdpatch: pid="
+
+
+def run_child(mode: str, *, enable: bool, flags: tuple[str, ...] = ()) -> tuple[dict, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PDPATCH_") and k != "ENABLE_PDPATCH"}
+    env["VLLM_TARGET_DEVICE"] = "cpu"
+    if enable:
+        env["ENABLE_PDPATCH"] = "true"
+    out = subprocess.run([sys.executable, *flags, str(CHILD), mode], env=env, cwd=HERE,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def summary_pids(stderr: str) -> list[int]:
+    return [int(line.split("pid=")[1].split()[0]) for line in stderr.splitlines()
+            if SUMMARY in line]
+
+
+def test_enabled_process_is_patched_and_logs_one_summary_line():
+    result, err = run_child("self", enable=True)
+    assert result["wrapped"] and result["installed"]
+    assert summary_pids(err) == [result["pid"]]
+    assert "role=main vllm=0.33.0 patched=[" in err
+
+
+def test_unset_switch_wraps_nothing_and_logs_nothing():
+    result, err = run_child("self", enable=False)
+    assert not result["wrapped"] and not result["installed"]
+    assert SUMMARY not in err
+
+
+def test_isolated_mode_still_runs_the_pth_hook():
+    result, _ = run_child("self", enable=True, flags=("-I",))
+    assert result["wrapped"]
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_children_of_every_start_method_are_patched(method):
+    result, err = run_child(method, enable=True)
+    child = result["child"]
+    assert child["wrapped"] and child["installed"], result
+    pids = summary_pids(err)
+    assert result["parent"] in pids and child["pid"] in pids, err
+    assert f"pid={child['pid']} role=worker-7" in err or method == "forkserver"
+
+
+def test_switch_set_after_start_activates_through_the_plugin_entry_point():
+    result, err = run_child("late-env", enable=False)
+    assert not result["before"]["wrapped"]
+    assert result["after"]["wrapped"] and result["after"]["installed"]
+    assert len(summary_pids(err)) == 1
+
+
+def test_invalid_switch_fails_vllm_plugin_loading_with_a_clear_message():
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", ENABLE_PDPATCH="maybe")
+    out = subprocess.run(
+        [sys.executable, "-c", "from vllm.plugins import load_general_plugins as f; f()"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "ENABLE_PDPATCH='maybe' is not a valid value" in out.stderr

@@ -1,0 +1,98 @@
+"""The wheel carries every way in; a fresh interpreter activates from it, from an editable
+install and from PYTHONPATH=sitecustomize/ (chaining to another sitecustomize)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHILD = Path(__file__).parent / "activation_child.py"
+DEPS = sysconfig.get_paths()["purelib"]     # this venv: wrapt, vllm, torch ...
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(out), str(ROOT)],
+                   check=True, capture_output=True, timeout=600)
+    (whl,) = out.glob("pdpatch-*.whl")
+    return whl
+
+
+def bare_venv(path: Path) -> Path:
+    """A venv without pdpatch whose first .pth puts this venv's packages on sys.path (a path
+    line, so the .pth files in there, ours included, do not run)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
+    site = next(path.glob("lib/python*/site-packages"))
+    (site / "000-deps.pth").write_text(DEPS + "\n")
+    return path
+
+
+def probe(python: Path, **env: str) -> tuple[dict, str]:
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("PDPATCH_") and k not in ("ENABLE_PDPATCH", "PYTHONPATH")}
+    out = subprocess.run([str(python), str(CHILD), "self"], capture_output=True, text=True,
+                         env={**base, "VLLM_TARGET_DEVICE": "cpu", **env}, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def test_wheel_contains_pth_entry_point_and_scripts(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        eps = z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "pdpatch_autoload.pth" in names
+    assert "pdpatch_bootstrap/sitecustomize.py" in names
+    assert "[vllm.general_plugins]\npdpatch = pdpatch.bootstrap.plugin:load" in eps
+    assert "pdpatch = pdpatch.cli:main" in eps and "pdpatch-run = pdpatch.bootstrap.run:main" in eps
+
+
+def test_installed_wheel_activates_in_a_fresh_interpreter(wheel, tmp_path):
+    venv = bare_venv(tmp_path / "v")
+    site = next(venv.glob("lib/python*/site-packages"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                    str(site), str(wheel)], check=True, timeout=300)
+    assert (site / "pdpatch_autoload.pth").is_file()
+    assert (site / "bin" / "pdpatch").is_file() and (site / "bin" / "pdpatch-run").is_file()
+    result, err = probe(venv / "bin" / "python", ENABLE_PDPATCH="1")
+    assert result["wrapped"] and f"pid={result['pid']} role=main" in err
+    off, _ = probe(venv / "bin" / "python")
+    assert not off["wrapped"]
+
+
+def test_editable_install_of_this_checkout_has_the_pth():
+    site = Path(DEPS)
+    direct = json.loads(next(site.glob("pdpatch-*.dist-info/direct_url.json")).read_text())
+    assert direct.get("dir_info", {}).get("editable") is True
+    assert (site / "pdpatch_autoload.pth").is_file()   # activation itself: test_activation.py
+
+
+def test_pythonpath_sitecustomize_activates_and_chains(tmp_path):
+    venv = bare_venv(tmp_path / "v")
+    other = tmp_path / "other"
+    other.mkdir()
+    marker = tmp_path / "chained"
+    (other / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    path = os.pathsep.join([str(ROOT / "sitecustomize"), str(other)])
+    result, err = probe(venv / "bin" / "python", ENABLE_PDPATCH="1", PYTHONPATH=path)
+    assert result["wrapped"] and "[pdpatch] pdpatch: pid=" in err
+    assert marker.read_text() == "ran"
+
+
+def test_pdpatch_run_sets_up_sitecustomize(tmp_path):
+    venv = bare_venv(tmp_path / "v")
+    runner = Path(sys.executable).parent / "pdpatch-run"
+    base = {k: v for k, v in os.environ.items() if k not in ("ENABLE_PDPATCH", "PYTHONPATH")}
+    out = subprocess.run([str(runner), str(venv / "bin" / "python"), str(CHILD), "self"],
+                         env={**base, "VLLM_TARGET_DEVICE": "cpu"}, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["wrapped"]
