@@ -297,6 +297,11 @@ def test_every_requested_byte_lands_and_nothing_else_moves(sc) -> None:
     assert np.array_equal(again.local_addr, plan.local_addr)
     assert np.array_equal(again.remote_addr, plan.remote_addr)
     assert np.array_equal(again.length, plan.length)
+    # NIXL 1.5 refuses rows with stride < len or leaving one registered region
+    assert (lrows[:, 3] >= lrows[:, 1]).all() and (rrows[:, 3] >= rrows[:, 1]).all()
+    row_of = np.repeat(np.arange(lrows.shape[0]), lrows[:, 4].astype(np.int64))
+    for row in np.unique(row_of):
+        assert np.unique(plan.region[row_of == row]).size == 1
 
     # desc ids into vLLM-ordered tables select the same pairs
     lid, rid = pair.desc_ids(sc["lids"], sc["rids"])

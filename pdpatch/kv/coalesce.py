@@ -39,18 +39,21 @@ def coalesce(plan: DescPlan) -> DescPlan:
     ends_r = ra[:-1] + ln[:-1]
     joins = (la[1:] == ends_l) & (ra[1:] == ends_r)
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    region = None if plan.region is None else plan.region[order][starts]
     return DescPlan(
         la[starts], ra[starts], np.add.reduceat(ln, starts).astype(_U64),
-        plan.local_dev, plan.remote_dev,
+        plan.local_dev, plan.remote_dev, region,
     )
 
 
 def strided_pair_rows(plan: DescPlan) -> tuple[np.ndarray, np.ndarray]:
     """Compress a plan (in its order) into local and remote Nx5 strided rows.
 
-    A row covers a maximal greedy run of descriptors with equal length whose local and remote
-    addresses both advance by a constant step of at least that length; both sides get the same
-    row boundaries, so expanding them gives back the plan's pairs in order.
+    A row covers a maximal greedy run of descriptors of one region with equal length whose
+    local and remote addresses both advance by a constant step of at least that length (NIXL
+    1.5 refuses a row whose stride is below its length, or that leaves one registered memory
+    region); both sides get the same row boundaries, so expanding them gives back the plan's
+    pairs in order.
     """
     n = len(plan)
     la = plan.local_addr.astype(np.int64)
@@ -63,6 +66,8 @@ def strided_pair_rows(plan: DescPlan) -> tuple[np.ndarray, np.ndarray]:
     dr = np.diff(ra)
     # link k joins descriptor k and k+1
     link_ok = (ln[1:] == ln[:-1]) & (dl >= ln[:-1]) & (dr >= ln[:-1])
+    if plan.region is not None:
+        link_ok &= plan.region[1:] == plan.region[:-1]
     # link k continues the run of link k-1 when both are ok with the same steps
     cont = np.zeros(max(n - 1, 0), dtype=bool)
     if n > 2:

@@ -61,13 +61,18 @@ class HeadSlice:
 
 @dataclass(frozen=True)
 class DescPlan:
-    """Descriptor pairs: ``length[i]`` bytes at ``local_addr[i]`` <-> ``remote_addr[i]``."""
+    """Descriptor pairs: ``length[i]`` bytes at ``local_addr[i]`` <-> ``remote_addr[i]``.
+
+    ``region[i]`` (optional) is the logical region (layer, segment) of pair ``i``: NIXL wants
+    every strided row inside one registered memory region, so rows never cross regions.
+    """
 
     local_addr: np.ndarray
     remote_addr: np.ndarray
     length: np.ndarray
     local_dev: int = 0
     remote_dev: int = 0
+    region: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.length.shape[0])
@@ -250,9 +255,11 @@ class PairPlan:
             l_addr += self._l_chunk[:, None] * lchunk[None, :]
         r_addr = self._r_base[:, None] + self._r_stride[:, None] * rids[None, :]
         length = np.broadcast_to(self._xfer[:, None], l_addr.shape)
+        region = np.repeat(np.arange(self.num_regions, dtype=np.int32), sub.size)
         return DescPlan(
             l_addr.reshape(-1).astype(_U64), r_addr.reshape(-1).astype(_U64),
             length.reshape(-1).astype(_U64), self.local.device_id, self.remote.device_id,
+            region,
         )
 
     def desc_ids(
