@@ -1,0 +1,380 @@
+"""Patch ``layout``: NixlConnector asks for a token-major KV layout where kvcached allocates.
+
+Why: NixlConnector asks for the head-major layout (``HND``; ``LBHNC`` from vLLM 0.29) for faster
+transfers, and vLLM then re-strides the KV tensors -- which kvcached's ``from_blob`` views over
+CUDA virtual memory cannot be.  Where kvcached runs in this deployment (its ``init_kvcached`` ran
+in this process, :mod:`pdpatch.kvcached`) or the operator forces it, the connector's answer
+becomes the release's token-major name instead: ``NHD`` up to 0.28, ``LBNHC`` from 0.29.
+
+Why return the name rather than ``None``: ``None`` also ends at token-major with most backends
+(0.19-0.28 ``get_kv_connector_cache_layout`` defaults to ``NHD``; 0.29+ takes the first
+candidate, ``LBNHC`` for most CUDA backends), but an explicit name (a) wins over a backend whose
+preference merely *lists* a head-major layout first, and (b) makes ``MultiConnector`` report a
+sibling that insists on head-major instead of silently taking the sibling's answer.
+
+Where it acts: up to 0.28 the classmethod is consulted lazily in each worker process (through the
+lru_cached ``get_kv_cache_layout``); from 0.29 once, in EngineCore, by ``resolve_kv_cache_layout``
+(``vllm_nixl_patch_points.md`` §2.2-2.3).  Both resolvers are wrapped too: when the override is
+active and the layout in force is still head-major (an attention backend that supports only
+head-major, a ``MultiConnector`` sibling, ``VLLM_KV_CACHE_LAYOUT``, a preset
+``cache_config.kv_cache_layout``), startup fails with a message naming the component and what to
+change, instead of kvcached crashing later on a tensor it cannot re-stride.
+
+On 0.19 (no upstream guard) a handshake that would split heads across heterogeneous TP on a
+token-major layout is rejected: 0.19 slices a token-major block as if it were head-major and
+corrupts data silently.  vLLM 0.20 added the same check.
+
+Settings: toggle ``PDPATCH_LAYOUT``; per deployment ``kv_connector_extra_config["pdpatch"]``
+``{"layout": false}`` switches it off, ``{"layout_force": true}`` forces token-major without
+kvcached (``PDPATCH_LAYOUT_FORCE=1`` does the same once the settings module accepts it).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from packaging.version import Version
+
+from pdpatch import config, kvcached, versions, vllm_sites
+from pdpatch.log import logger
+from pdpatch.registry import Patch, Target
+
+FORCE_KEY = "layout_force"
+FORCE_ENV = "PDPATCH_LAYOUT_FORCE"
+
+
+class LayoutForcedError(RuntimeError):
+    """The token-major layout pdpatch asked for is not the one in force."""
+
+
+@dataclass
+class _Status:
+    decided: str = ""          # the last decision, for status_line()
+    reason: str = ""
+    hinted: bool = False       # the operator hint about the peer was logged
+    checked: bool = False      # the layout in force was verified (<=0.28 per process)
+
+
+_status = _Status()
+_lock = threading.Lock()
+
+
+# ----------------------------------------------------------------------------------- decision
+
+
+def _version() -> Version:
+    return versions.vllm_version() or Version("0.33.0")
+
+
+def _extra_config(vllm_config: Any) -> Mapping | None:
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(ktc, "kv_connector_extra_config", None) if ktc is not None else None
+    return extra if isinstance(extra, Mapping) else None
+
+
+def _forced(extra: Mapping | None, env: Mapping[str, str] | None = None) -> tuple[bool, str]:
+    env = os.environ if env is None else env
+    section = (extra or {}).get(config.EXTRA_CONFIG_KEY)
+    if isinstance(section, Mapping) and FORCE_KEY in section:
+        value = section[FORCE_KEY]
+        if not isinstance(value, bool):
+            raise config.ConfigError(
+                f'kv_connector_extra_config["{config.EXTRA_CONFIG_KEY}"]["{FORCE_KEY}"] must be '
+                f"true or false, got {value!r}")
+        if value:
+            return True, f'kv_connector_extra_config["pdpatch"]["{FORCE_KEY}"]=true'
+    if FORCE_ENV in env and config.parse_bool(FORCE_ENV, env[FORCE_ENV]):
+        return True, f"{FORCE_ENV}=1"
+    return False, ""
+
+
+def decide(vllm_config: Any, state: kvcached.KvcachedState | None = None,
+           env: Mapping[str, str] | None = None) -> tuple[bool, str]:
+    """Whether this engine needs the token-major override, and why (for logs and status)."""
+    extra = _extra_config(vllm_config)
+    if not config.extra_config_allows(PATCH_NAME, extra):
+        return False, 'switched off by kv_connector_extra_config["pdpatch"]'
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is None:
+        return False, "no model config (vLLM falls back to its default)"
+    if getattr(model_config, "use_mla", False):
+        return False, "MLA model: the layout does not matter, vLLM's choice stands"
+    forced, why = _forced(extra, env)
+    if forced:
+        return True, f"forced by {why}"
+    state = kvcached.read_state() if state is None else state
+    if state.in_deployment:
+        return True, state.describe()
+    return False, "kvcached not running in this process; vLLM's choice stands"
+
+
+# ------------------------------------------------------------------------ classmethod wrapper
+
+
+def _vllm_config_arg(args: tuple, kwargs: dict) -> Any:
+    return kwargs["vllm_config"] if "vllm_config" in kwargs else (args[0] if args else None)
+
+
+def required_layout(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Wrapper of ``get_required_kvcache_layout`` (a classmethod; ``instance`` is the class)."""
+    original = wrapped(*args, **kwargs)
+    vllm_config = _vllm_config_arg(args, kwargs)
+    active, reason = decide(vllm_config)
+    if not active:
+        _status.decided, _status.reason = "vllm", reason
+        return original
+    token_major, head_major = vllm_sites.layout_names(_version())
+    _status.decided, _status.reason = "token-major", reason
+    if original != token_major:
+        logger.info("pdpatch layout: %s asked for KV layout %s; answering %s (%s)",
+                    getattr(instance, "__name__", instance), original, token_major, reason)
+    _hint_peer(vllm_config, token_major, head_major)
+    return token_major
+
+
+def _hint_peer(vllm_config: Any, token_major: str, head_major: str) -> None:
+    with _lock:
+        if _status.hinted:
+            return
+        _status.hinted = True
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    role = getattr(ktc, "kv_role", None)
+    permute = bool(getattr(ktc, "enable_permute_local_kv", False))
+    if role == "kv_consumer" and permute:
+        logger.info("pdpatch layout: this engine uses %s; a stock peer uses %s, and "
+                    "enable_permute_local_kv=true on this decode engine makes the pair work.",
+                    token_major, head_major)
+        return
+    if role == "kv_consumer":
+        advice = ("set kv_transfer_config.enable_permute_local_kv=true on this decode engine "
+                  "(it then permutes received blocks), or run the prefill engine with "
+                  "pdpatch's layout override too")
+    else:
+        advice = ("vLLM rejects a token-major prefill paired with a head-major decode; run "
+                  "the decode engine with the same override (pdpatch layout_force, or "
+                  "VLLM_KV_CACHE_LAYOUT=NHD)")
+    logger.warning("pdpatch layout: this engine uses KV layout %s; a stock vLLM peer (no "
+                   "kvcached) uses %s and the handshake will fail unless you %s.",
+                   token_major, head_major, advice)
+
+
+# -------------------------------------------------------------------------- layout in force
+
+
+def _diagnose(vllm_config: Any, token_major: str, supported: list[list[str]] | None,
+              preset: str | None, connector_error: Exception | None = None) -> str:
+    """Name the component that forced a head-major layout, and what to change."""
+    causes: list[str] = []
+    if preset is not None and preset != token_major:
+        causes.append(f"cache_config.kv_cache_layout was already {preset} before resolution "
+                      f"(set by the caller or a plugin); leave it unset")
+    env_layout = os.environ.get("VLLM_KV_CACHE_LAYOUT")
+    if env_layout and env_layout not in (token_major, "NHD"):
+        causes.append(f"VLLM_KV_CACHE_LAYOUT={env_layout} is set; unset it or set it to "
+                      f"{token_major}")
+    if supported:
+        first = supported[0]
+        if token_major not in first:
+            backend = _backend_name(vllm_config)
+            causes.append(f"the attention backend{backend} supports only {first}; choose a "
+                          f"backend that supports {token_major} (e.g. FLASH_ATTN; FlashInfer on "
+                          f"Blackwell and CPU attention are head-major only) or do not use "
+                          f"kvcached on this engine")
+    override = _backend_override()
+    if override and override != token_major:
+        causes.append(f"the attention backend forced {override} (set_kv_cache_layout; e.g. "
+                      f"FlashInfer on Blackwell, CPU attention); choose another backend")
+    causes += _sibling_causes(vllm_config, token_major, connector_error)
+    if not causes:
+        causes.append("no single cause found; check VLLM_KV_CACHE_LAYOUT, the attention backend "
+                      "and every connector of a MultiConnector")
+    return "; ".join(causes)
+
+
+def _backend_name(vllm_config: Any) -> str:
+    att = getattr(vllm_config, "attention_config", None)
+    backend = getattr(att, "backend", None)
+    return f" ({getattr(backend, 'name', backend)})" if backend else ""
+
+
+def _backend_override() -> str | None:
+    """<=0.28: the layout an attention backend forced with ``set_kv_cache_layout``."""
+    import sys
+
+    mod = sys.modules.get("vllm.v1.attention.backends.utils")
+    return getattr(mod, "_KV_CACHE_LAYOUT_OVERRIDE", None) if mod is not None else None
+
+
+def _sibling_causes(vllm_config: Any, token_major: str, error: Exception | None) -> list[str]:
+    """MultiConnector: every sub-connector that asks for another layout."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        ktc = vllm_config.kv_transfer_config
+        cls = KVConnectorFactory.get_connector_class(ktc)
+        if not hasattr(cls, "_get_connector_classes_and_configs"):
+            return [f"connector {cls.__name__} asks for another layout ({error})"] if error else []
+        out = []
+        for sub_cls, sub_cfg in cls._get_connector_classes_and_configs(vllm_config):
+            want = sub_cls.get_required_kvcache_layout(sub_cfg)
+            if want is not None and want not in (token_major, "NHD"):
+                out.append(f"MultiConnector sibling {sub_cls.__name__} requires {want}; remove it "
+                           f"from kv_connector_extra_config['connectors'] on this engine, or do "
+                           f"not use kvcached here")
+        return out
+    except Exception as exc:  # diagnosis is best effort; never mask the real failure
+        return [f"({type(exc).__name__} while inspecting connectors: {exc})"] if error else []
+
+
+def _fail(vllm_config: Any, in_force: str, token_major: str, reason: str, causes: str,
+          error: Exception | None = None) -> LayoutForcedError:
+    what = f"KV layout {in_force} is in force" if in_force else f"KV layout resolution failed " \
+        f"({error})"
+    return LayoutForcedError(
+        f"pdpatch layout: {what}, but this engine needs {token_major} ({reason}): {causes}. "
+        f"Without {token_major}, vLLM re-strides the KV tensors, which kvcached's views cannot "
+        f"take. To run anyway, switch the override off with PDPATCH_LAYOUT=0 "
+        f'(or kv_connector_extra_config["pdpatch"]["layout"]=false).')
+
+
+def resolve_checked(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Wrapper of ``resolve_kv_cache_layout`` (>=0.29, EngineCore): verify the result."""
+    vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+    active, reason = decide(vllm_config)
+    if not active:
+        return wrapped(*args, **kwargs)
+    token_major, _ = vllm_sites.layout_names(_version())
+    supported = kwargs.get("supported_layouts", args[1] if len(args) > 1 else None)
+    preset = getattr(getattr(vllm_config, "cache_config", None), "kv_cache_layout", None)
+    try:
+        layout = wrapped(*args, **kwargs)
+    except ValueError as exc:
+        raise _fail(vllm_config, "", token_major, reason,
+                    _diagnose(vllm_config, token_major, supported, preset, exc), exc) from exc
+    name = getattr(layout, "name", str(layout))
+    if name != token_major:
+        raise _fail(vllm_config, name, token_major, reason,
+                    _diagnose(vllm_config, token_major, supported, preset))
+    _status.checked = True
+    logger.info("pdpatch layout: %s in force (%s)", name, reason)
+    return layout
+
+
+def get_layout_checked(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Wrapper of ``get_kv_cache_layout`` (<=0.28, each worker): verify once per process."""
+    try:
+        layout = wrapped(*args, **kwargs)
+    except ValueError as exc:
+        vllm_config = _current_vllm_config()
+        active, reason = decide(vllm_config) if vllm_config is not None else (False, "")
+        if not active:
+            raise
+        token_major, _ = vllm_sites.layout_names(_version())
+        raise _fail(vllm_config, "", token_major, reason,
+                    _diagnose(vllm_config, token_major, None, None, exc), exc) from exc
+    if _status.checked:
+        return layout
+    vllm_config = _current_vllm_config()
+    if vllm_config is None:
+        return layout
+    active, reason = decide(vllm_config)
+    if not active:
+        return layout
+    token_major, _ = vllm_sites.layout_names(_version())
+    if layout != token_major:
+        raise _fail(vllm_config, str(layout), token_major, reason,
+                    _diagnose(vllm_config, token_major, None, None))
+    _status.checked = True
+    return layout
+
+
+def _current_vllm_config() -> Any:
+    try:
+        from vllm.config import get_current_vllm_config
+
+        cfg = get_current_vllm_config()
+    except Exception:
+        return None
+    return cfg if getattr(cfg, "model_config", None) is not None else None
+
+
+# --------------------------------------------------------------------- 0.19 hetero-TP guard
+
+
+def hetero_tp_guard(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """0.19 ``_validate_remote_agent_handshake``: add the check vLLM 0.20 introduced.
+
+    Runs after vLLM's own validation (which may switch ``enable_permute_local_kv`` on) in the
+    handshake thread, so a rejection fails the requests for that peer, not the worker.
+    """
+    result = wrapped(*args, **kwargs)
+    meta = kwargs.get("nixl_agent_meta", args[0] if args else None)
+    worker = instance
+    if meta is None or getattr(worker, "use_mla", False):
+        return result
+    topo = getattr(worker, "kv_topo", None) or getattr(worker, "transfer_topo", None)
+    if topo is None:
+        return result
+    remote = meta.engine_id
+    tp_ratio = topo.tp_ratio_from_engine_id(remote)
+    layout = (worker.kv_cache_layout if not getattr(worker, "use_host_buffer", False)
+              else worker.host_buffer_kv_cache_layout)
+    if (abs(tp_ratio) != 1 and not topo.is_kv_replicated(remote) and layout != "HND"
+            and not getattr(worker, "enable_permute_local_kv", False)):
+        raise RuntimeError(
+            f"pdpatch layout: heterogeneous TP (ratio {tp_ratio}) with remote engine {remote} "
+            f"needs head-dimension splitting, which requires contiguous heads (HND); this "
+            f"engine's KV layout is {layout}. vLLM 0.19 would slice the blocks as if they "
+            f"were HND and corrupt the KV silently, so the handshake is refused. Use the same "
+            f"TP size on both engines, or HND on both (no kvcached).")
+    return result
+
+
+# ----------------------------------------------------------------------------- registration
+
+PATCH_NAME = "layout"
+
+
+def _targets(version: Version) -> list[Target]:
+    out: list[Target] = []
+    site = vllm_sites.lookup(vllm_sites.REQUIRED_KV_LAYOUT, version)
+    if site is not None:
+        out.append(Target(site.module, site.qualname, required_layout))
+    for s in vllm_sites.LAYOUT_RESOLVERS:
+        if s.matches(version):
+            wrapper = get_layout_checked if s.qualname == "get_kv_cache_layout" \
+                else resolve_checked
+            out.append(Target(s.module, s.qualname, wrapper))
+    if versions.release_of(version) < Version("0.20"):
+        site = vllm_sites.lookup(vllm_sites.VALIDATE_HANDSHAKE, version)
+        if site is not None:
+            out.append(Target(site.module, site.qualname, hetero_tp_guard))
+    return out
+
+
+def status_line() -> str:
+    """Short, for the installer's summary: who decides the KV layout in this process."""
+    if not _status.decided:
+        return "layout=not-consulted"
+    if _status.decided == "vllm":
+        return "layout=vllm"
+    return "layout=token-major" + ("(checked)" if _status.checked else "")
+
+
+def _reset_for_tests() -> None:
+    global _status
+    _status = _Status()
+
+
+PATCH = Patch(
+    name=PATCH_NAME,
+    summary="token-major KV layout for NixlConnector where kvcached allocates (or forced), "
+            "verified after resolution; 0.19 hetero-TP head-split guard",
+    versions=">=0.19,<0.34",
+    why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
+    targets=_targets,
+)

@@ -1,0 +1,366 @@
+"""Patch ``num_blocks``: a NIXL worker registers and advertises exactly the blocks its engine
+planned, whatever the allocator handed it.
+
+Why: kvcached's KV tensors are views over a virtual range sized from the whole GPU, 1.2-7x more
+blocks than ``kv_cache_config.num_blocks``.  Stock NixlConnector then asserts (0.19-0.29:
+``shape[0] == num_blocks``), or mis-partitions (0.30-0.33: "cannot be partitioned into NIXL
+regions", or bogus segments), and from 0.29 registers the tensor's whole storage -- the entire
+virtual range -- with NIXL.  kvcached's own fix rewrites ``worker.num_blocks``, which from 0.30
+changes only what is advertised (registration reads ``kv_cache_config.num_blocks``).
+
+What this does, in a wrapper of ``register_kv_caches`` on the class defining it per release
+(:data:`pdpatch.vllm_sites.REGISTER_KV_CACHES`):
+
+* plan = ``kv_cache_config.num_blocks`` x ``physical_blocks_per_logical`` (kernel blocks), the
+  ids the scheduler (kvcached's ``ElasticBlockPool`` included) can hand out;
+* every attention tensor with more blocks is **narrowed** to the plan (a view: same memory);
+  on releases that register a tensor's whole storage (>= 0.29) the narrowed views are re-based on
+  a storage object that spans exactly their bytes, so what vLLM registers ends where the plan
+  ends.  Why slicing and not "advertise the virtual capacity": see :mod:`pdpatch.block_counts`
+  (GPU probe: a past-the-plan index then fails cleanly with ``NIXL_ERR_NOT_FOUND`` instead of
+  silently reading kvcached's zero page; every TP rank advertises the same count because they
+  share one ``KVCacheConfig``);
+* a tensor with fewer blocks than planned fails registration with a message saying why;
+* ``worker.num_blocks`` / ``_logical_num_blocks`` are restored to the plan if kvcached's own
+  register patch (detected by its markers) changed them, so exactly one reconciliation is in
+  effect -- pdpatch's; the ``KVCacheConfig`` shared with the model runner is never mutated;
+* afterwards the advertised handshake metadata (``num_blocks``, ``region_num_blocks``) is
+  decoded and checked against the target count.
+
+Switch: ``kv_connector_extra_config["pdpatch"]["num_blocks_mode"]`` = ``"slice"`` (default) or
+``"virtual"`` (advertise and register the tensors' whole, equal, block count; the worker gets a
+private ``KVCacheConfig`` copy carrying it).  Toggle: ``PDPATCH_NUM_BLOCKS``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from packaging.version import Version
+
+from pdpatch import block_counts, config, kvcached, versions, vllm_sites
+from pdpatch.block_counts import BlockCountError, LayerBlocks
+from pdpatch.log import logger
+from pdpatch.registry import Patch, Target
+
+PATCH_NAME = "num_blocks"
+MODE_KEY = "num_blocks_mode"
+
+# From 0.29 the worker registers `cache.untyped_storage()` whole (§3.2 of the patch-point notes).
+STORAGE_REGISTRATION_FROM = Version("0.29")
+
+
+@dataclass
+class _Status:
+    in_charge: str = ""          # pdpatch | kvcached | stock
+    kvcached_patch_seen: bool = False
+    last: str = ""               # last reconciliation, human readable
+
+
+_status = _Status()
+_lock = threading.Lock()
+
+
+def _version() -> Version:
+    return versions.vllm_version() or Version("0.33.0")
+
+
+def _extra(worker: Any) -> Mapping | None:
+    ktc = getattr(getattr(worker, "vllm_config", None), "kv_transfer_config", None)
+    extra = getattr(ktc, "kv_connector_extra_config", None) if ktc is not None else None
+    return extra if isinstance(extra, Mapping) else None
+
+
+def mode_of(extra: Mapping | None) -> str:
+    section = (extra or {}).get(config.EXTRA_CONFIG_KEY)
+    if not isinstance(section, Mapping) or MODE_KEY not in section:
+        return block_counts.MODE_SLICE
+    mode = section[MODE_KEY]
+    if mode not in block_counts.MODES:
+        raise config.ConfigError(
+            f'kv_connector_extra_config["{config.EXTRA_CONFIG_KEY}"]["{MODE_KEY}"]={mode!r} is '
+            f"not valid; accepted: {', '.join(repr(m) for m in block_counts.MODES)}")
+    return mode
+
+
+# ------------------------------------------------------------------------------ the wrapper
+
+
+def reconcile_register(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    worker = instance
+    if "kv_caches" in kwargs:
+        kwargs = dict(kwargs)
+        kv_caches, rest = kwargs.pop("kv_caches"), args
+    else:
+        kv_caches, rest = args[0], args[1:]
+    extra = _extra(worker)
+    kvc_patch = kvcached.register_patched(type(worker))
+    if not config.extra_config_allows(PATCH_NAME, extra):
+        _note("kvcached" if kvc_patch else "stock", kvc_patch, "switched off by extra config")
+        return wrapped(kv_caches, *rest, **kwargs)
+    mode = mode_of(extra)
+    ratio = int(getattr(worker, "_physical_blocks_per_logical_kv_block", 1) or 1)
+    kv_cache_config = getattr(worker, "kv_cache_config", None)
+    logical = int(getattr(kv_cache_config, "num_blocks", 0) or worker._logical_num_blocks)
+    planned = logical * ratio
+    layers = _layer_blocks(worker, kv_caches)
+    context = (f" (kv_cache_config.num_blocks={logical} x {ratio} kernel blocks per block, "
+               f"engine {getattr(worker, 'engine_id', '?')}, TP rank "
+               f"{getattr(worker, 'tp_rank', '?')})")
+    if not layers:
+        return wrapped(kv_caches, *rest, **kwargs)
+    rec = block_counts.reconcile(layers, planned, mode, context=context)
+    if rec.over_allocated and getattr(worker, "_has_mamba", False):
+        raise BlockCountError(
+            f"pdpatch num_blocks: over-allocated KV tensors in a hybrid (Mamba) model are not "
+            f"supported{context}; Mamba state regions use a different block count")
+    neutralized = _restore_counts(worker, planned, logical, rec)
+    if mode == block_counts.MODE_SLICE:
+        new_caches = _sliced(kv_caches, rec)
+        if rec.changed and versions.release_of(_version()) >= STORAGE_REGISTRATION_FROM:
+            new_caches = _rebased(new_caches, [lb.name for lb in rec.layers])
+    else:
+        new_caches = kv_caches
+        _advertise_virtual(worker, rec, ratio, kv_cache_config)
+    result = wrapped(new_caches, *rest, **kwargs)
+    verify_advertised(worker, rec.target)
+    summary = rec.describe() + (" ; kvcached's num_blocks rewrite undone" if neutralized else "")
+    _note("pdpatch", kvc_patch, summary)
+    if rec.changed or neutralized:
+        logger.info("pdpatch num_blocks: %s%s", summary, context)
+    return result
+
+
+def _note(in_charge: str, kvc_patch: bool, last: str) -> None:
+    with _lock:
+        _status.in_charge, _status.kvcached_patch_seen, _status.last = in_charge, kvc_patch, last
+
+
+def _layer_blocks(worker: Any, kv_caches: Mapping[str, Any]) -> list[LayerBlocks]:
+    """Attention tensors whose block dimension is known; Mamba state tuples, flat byte views and
+    host-resident (HiSparse) groups keep vLLM's own handling."""
+    specs = getattr(worker, "_layer_specs", None) or {}
+    out = []
+    for name, t in kv_caches.items():
+        if not hasattr(t, "shape") or not hasattr(t, "stride") or len(t.shape) < 2:
+            continue
+        spec = specs.get(name)
+        if spec is not None and type(spec).__name__ == "MambaSpec":
+            continue
+        if _host_resident(worker, name):
+            continue
+        dim = block_counts.block_dim(tuple(t.shape))
+        out.append(LayerBlocks(name, dim, int(t.shape[dim])))
+    return out
+
+
+def _host_resident(worker: Any, name: str) -> bool:
+    kvc = getattr(worker, "kv_cache_config", None)
+    try:
+        index = kvc.transfer_group_index_by_layer[name]
+        return bool(kvc.transfer_groups[index].host_resident)
+    except Exception:
+        return False
+
+
+def _restore_counts(worker: Any, planned: int, logical: int, rec: Any) -> bool:
+    """Undo kvcached's ``worker.num_blocks = <virtual>`` (it ran first when it wraps outside us).
+
+    In virtual mode the counts are set afterwards by :func:`_advertise_virtual`.
+    """
+    changed = getattr(worker, "num_blocks", planned) != planned
+    if changed:
+        worker.num_blocks = planned
+    if getattr(worker, "_logical_num_blocks", logical) != logical:
+        worker._logical_num_blocks = logical
+        changed = True
+    return changed
+
+
+def _sliced(kv_caches: Mapping[str, Any], rec: Any) -> dict[str, Any]:
+    by_name = {lb.name: lb for lb in rec.layers}
+    out = dict(kv_caches)
+    for name, action in rec.actions.items():
+        if action == block_counts.ACTION_SLICE:
+            lb = by_name[name]
+            out[name] = kv_caches[name].narrow(lb.dim, 0, rec.planned)
+    return out
+
+
+def _advertise_virtual(worker: Any, rec: Any, ratio: int, kv_cache_config: Any) -> None:
+    if rec.target % ratio:
+        raise BlockCountError(
+            f"pdpatch num_blocks (mode virtual): {rec.target} blocks is not a multiple of "
+            f"{ratio} kernel blocks per block")
+    worker.num_blocks = rec.target
+    worker._logical_num_blocks = rec.target // ratio
+    if kv_cache_config is not None and dataclasses.is_dataclass(kv_cache_config):
+        # A private copy: the model runner and the scheduler keep the shared one.
+        worker.kv_cache_config = dataclasses.replace(kv_cache_config,
+                                                     num_blocks=rec.target // ratio)
+
+
+# ------------------------------------------------------------- bounded storage (>= 0.29)
+
+
+def _rebased(kv_caches: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """Give the narrowed views a storage that spans exactly their bytes.
+
+    From 0.29 vLLM registers ``cache.untyped_storage()`` whole, and decides a region is
+    "block-major" by comparing ``storage.nbytes()`` with ``num_blocks x block stride``; a view
+    narrowed over kvcached's virtual range keeps the whole range as its storage.  Views sharing
+    one storage (kvcached's contiguous layout interleaves every layer's blocks) are re-based
+    together onto the single interval they cover, so vLLM still sees one shared storage.
+    """
+    groups: dict[tuple[Any, int], list[str]] = {}
+    for name in names:
+        t = kv_caches[name]
+        groups.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(name)
+    out = dict(kv_caches)
+    for (_, _), members in groups.items():
+        first = kv_caches[members[0]]
+        storage = first.untyped_storage()
+        extents = {m: block_counts.byte_extent(kv_caches[m].storage_offset(),
+                                               tuple(kv_caches[m].shape),
+                                               tuple(kv_caches[m].stride()),
+                                               kv_caches[m].element_size())
+                   for m in members}
+        span = block_counts.covering_range(extents.values())
+        if span is None:
+            merged = block_counts.merge(extents.values())
+            if sum(hi - lo for lo, hi in merged) != sum(hi - lo for lo, hi in extents.values()):
+                raise BlockCountError(
+                    f"pdpatch num_blocks: KV views {members} share one storage, overlap and "
+                    f"leave gaps; no registration can cover exactly their planned blocks")
+            spans = {m: extents[m] for m in members}
+        else:
+            if span == (0, storage.nbytes()):
+                continue
+            spans = {m: span for m in members}
+        bases: dict[tuple[int, int], Any] = {}
+        for m in members:
+            lo, hi = spans[m]
+            if (lo, hi) not in bases:
+                bases[(lo, hi)] = _bounded_bytes(storage, first.device, lo, hi)
+            t = kv_caches[m]
+            isz = t.element_size()
+            if lo % isz:
+                raise BlockCountError(f"pdpatch num_blocks: view {m} is not {isz}-byte aligned")
+            out[m] = bases[(lo, hi)].view(t.dtype).as_strided(
+                tuple(t.shape), tuple(t.stride()), t.storage_offset() - lo // isz)
+    return out
+
+
+class _Memory:
+    """An array-interface description of ``[ptr, ptr + n)`` that keeps its owner alive.
+
+    numpy (CPU) and torch (CUDA) keep this object referenced for as long as the tensor built on
+    it lives, so the original storage -- kvcached's mapping -- outlives every re-based view.
+    """
+
+    def __init__(self, ptr: int, nbytes: int, owner: Any, cuda: bool) -> None:
+        iface = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+        if cuda:
+            iface["strides"] = None
+            iface["version"] = 2
+            self.__cuda_array_interface__ = iface
+        else:
+            self.__array_interface__ = iface
+        self.owner = owner
+
+
+def _bounded_bytes(storage: Any, device: Any, lo: int, hi: int) -> Any:
+    import torch
+
+    ptr = storage.data_ptr() + lo
+    if device.type == "cpu":
+        import numpy as np
+
+        return torch.from_numpy(np.asarray(_Memory(ptr, hi - lo, storage, cuda=False)))
+    if device.type == "cuda":
+        return torch.as_tensor(_Memory(ptr, hi - lo, storage, cuda=True), device=device)
+    raise BlockCountError(
+        f"pdpatch num_blocks: cannot bound the NIXL registration of {device.type} memory; use "
+        f'kv_connector_extra_config["pdpatch"]["{MODE_KEY}"]="virtual" or PDPATCH_NUM_BLOCKS=0')
+
+
+# ---------------------------------------------------------------------------- verification
+
+
+def advertised(worker: Any) -> dict[str, Any]:
+    """``num_blocks`` and ``region_num_blocks`` as the peer will decode them."""
+    payload = getattr(worker, "xfer_handshake_metadata", None)
+    raw = getattr(payload, "agent_metadata_bytes", None)
+    if raw is not None:
+        import msgspec
+
+        meta = msgspec.msgpack.decode(raw)
+        if isinstance(meta, list):  # array_like structs: fall back to the worker's fields
+            meta = {}
+    else:
+        meta = {k: getattr(payload, k) for k in ("num_blocks", "region_num_blocks")
+                if payload is not None and hasattr(payload, k)}
+    return {"num_blocks": meta.get("num_blocks", getattr(worker, "num_blocks", None)),
+            "region_num_blocks": list(meta.get("region_num_blocks")
+                                      or getattr(worker, "region_num_blocks", None) or [])}
+
+
+def verify_advertised(worker: Any, target: int) -> None:
+    """Fail startup if what the peer will read disagrees with what was registered."""
+    adv = advertised(worker)
+    bad = []
+    if adv["num_blocks"] is not None and adv["num_blocks"] != target:
+        bad.append(f"num_blocks={adv['num_blocks']}")
+    if not getattr(worker, "_has_mamba", False):
+        regions = [n for n in adv["region_num_blocks"] if n != target]
+        if regions:
+            bad.append(f"region_num_blocks contains {sorted(set(regions))}")
+    own = getattr(worker, "dst_num_blocks", {}).get(getattr(worker, "engine_id", None))
+    if own is not None and own != target:
+        bad.append(f"dst_num_blocks[self]={own}")
+    if bad:
+        raise BlockCountError(
+            f"pdpatch num_blocks: after registration the worker advertises {', '.join(bad)}, "
+            f"but registered {target} blocks per region; a peer would address blocks that are "
+            f"not registered")
+
+
+# ----------------------------------------------------------------------------- registration
+
+
+def _targets(version: Version) -> list[Target]:
+    site = vllm_sites.lookup(vllm_sites.REGISTER_KV_CACHES, version)
+    return [] if site is None else [Target(site.module, site.qualname, reconcile_register)]
+
+
+def status_line() -> str:
+    """Short, for the installer's summary: which reconciliation is in charge in this process."""
+    with _lock:
+        if not _status.in_charge:
+            return "num_blocks=not-registered-yet"
+        seen = "+kvcached-patch-neutralized" if (
+            _status.kvcached_patch_seen and _status.in_charge == "pdpatch") else ""
+        return f"num_blocks={_status.in_charge}{seen}"
+
+
+def last_reconciliation() -> str:
+    return _status.last
+
+
+def _reset_for_tests() -> None:
+    global _status
+    _status = _Status()
+
+
+PATCH = Patch(
+    name=PATCH_NAME,
+    summary="NIXL registers/advertises exactly the planned KV blocks (over-allocated views "
+            "sliced, under-allocation refused); kvcached's own rewrite neutralized",
+    versions=">=0.19,<0.34",
+    why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
+    targets=_targets,
+)
