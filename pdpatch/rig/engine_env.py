@@ -102,7 +102,8 @@ def build_overlay() -> Path:
     src = installed_vllm_dir()
     kernels = _kernels()
     version = importlib.metadata.version("vllm")
-    ident = [str(src), version] + [f"{k}:{k.stat().st_size}:{k.stat().st_mtime_ns}" for k in kernels]
+    ident = [str(src), version]
+    ident += [f"{k}:{k.stat().st_size}:{k.stat().st_mtime_ns}" for k in kernels]
     key = hashlib.sha256("\n".join(ident).encode()).hexdigest()[:12]
     root = cache_dir() / f"overlay-{key}"
     if (root / ".pdpatch-overlay").exists():

@@ -50,6 +50,7 @@ class Completion:
     token_times: list[float] = field(default_factory=list)  # arrival, from request start
     kv_transfer_params: dict[str, Any] | None = None
     finish_reason: str | None = None
+    error: str | None = None  # an error event in the stream (the HTTP status was already 200)
 
     @property
     def decode_tok_per_s(self) -> float | None:
@@ -125,6 +126,7 @@ def stream(
     logprobs: list[float] = []
     times: list[float] = []
     finish: str | None = None
+    error: str | None = None
     t0 = time.perf_counter()
     deadline = t0 + timeout_s
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
@@ -138,6 +140,9 @@ def stream(
             if payload == "[DONE]":
                 break
             chunk = json.loads(payload)
+            if "error" in chunk:
+                err = chunk["error"]
+                error = err.get("message", str(err)) if isinstance(err, dict) else str(err)
             for choice in chunk.get("choices", []):
                 ids = choice.get("token_ids") or []
                 if ids:
@@ -155,6 +160,7 @@ def stream(
         ttft_s=times[0] if times else None,
         token_times=times,
         finish_reason=finish,
+        error=error,
     )
 
 
@@ -168,6 +174,7 @@ class TransferStats:
     failed: int
     external_hit_tokens: int
     external_query_tokens: int
+    local_hit_tokens: int
 
     @classmethod
     def delta(cls, before: dict[str, float], after: dict[str, float]) -> TransferStats:
@@ -181,6 +188,7 @@ class TransferStats:
             failed=int(d("vllm:nixl_num_failed_transfers_total")),
             external_hit_tokens=int(d("vllm:external_prefix_cache_hits_total")),
             external_query_tokens=int(d("vllm:external_prefix_cache_queries_total")),
+            local_hit_tokens=int(d("vllm:prefix_cache_hits_total")),
         )
 
 

@@ -187,10 +187,24 @@ class Engine:
         """Lines of this engine's log that contain ``pdpatch:`` (the patch summary lines)."""
         return [ln for ln in self.log_text().splitlines() if "pdpatch:" in ln]
 
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def info_labels(self, metric: str) -> dict[str, str]:
+        """Labels of an info-style gauge, e.g. ``vllm:cache_config_info`` -> block_size."""
+        for line in self.metrics_text().splitlines():
+            if line.startswith(metric + "{"):
+                return dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+        return {}
+
+    def block_size(self) -> int:
+        """The KV block size the engine really uses (the CPU platform forces 128)."""
+        return int(self.info_labels("vllm:cache_config_info")["block_size"])
+
     def metrics(self) -> dict[str, float]:
         """Prometheus counters from ``/metrics``, summed over label sets, by metric name."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
+        text = self.metrics_text()
         out: dict[str, float] = {}
         for line in text.splitlines():
             if not line or line.startswith("#"):
@@ -207,10 +221,8 @@ class Engine:
         if proc is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
             # The API server may exit before its children; sweep the group either way.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -1,0 +1,65 @@
+"""Shared plumbing for the end-to-end tests: real vLLM engines doing P/D over real NIXL.
+
+Every test here is marked ``e2e`` (deselect with ``-m "not e2e"``).  Engines are started once
+per module by module-scoped fixtures; when a test fails, the tail of every live engine's log is
+attached to that test's report (``pytest_runtest_makereport``), so a CI failure shows what P
+and D said without anyone having to fetch files.  A missing engine runtime is a failure with
+the fix in the message, not a skip: CI must not go green without having run the engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdpatch.rig.servers import EngineGroup
+
+LOG_TAIL_LINES = 150
+_live_groups: list[EngineGroup] = []
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed:
+        for group in _live_groups:
+            for eng in group:
+                rep.sections.append(
+                    (
+                        f"engine {eng.spec.name} log (last {LOG_TAIL_LINES} lines; "
+                        f"full log {eng.log_path})",
+                        eng.log_tail(LOG_TAIL_LINES),
+                    )
+                )
+
+
+@pytest.fixture(scope="module")
+def rig(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineGroup]:
+    """The module's engines, started once: the module defines ``RIG_SPECS`` (a list of
+    :class:`EngineSpec`, or a callable returning one) and optionally ``RIG_START_TIMEOUT_S``."""
+    specs = request.module.RIG_SPECS
+    specs = specs() if callable(specs) else specs
+    log_dir = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1] + "_logs")
+    group = EngineGroup(specs, log_dir)
+    _live_groups.append(group)
+    try:
+        group.start(
+            timeout_s=getattr(request.module, "RIG_START_TIMEOUT_S", 300.0), progress=None
+        )
+        print(f"\nengines healthy after {group.start_s:.0f}s (logs: {log_dir})")
+        yield group
+    finally:
+        group.stop()
+        _live_groups.remove(group)

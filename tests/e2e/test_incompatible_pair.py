@@ -1,0 +1,57 @@
+"""A deliberately incompatible P/D pair fails fast and cleanly, never hangs.
+
+D serves the tiny Llama with 3 layers, P with 2 (pdpatch enabled on both).  vLLM 0.33.0's
+NixlConnector refuses the handshake: the compatibility hash covers the model path, dtype, KV
+heads, head size and layer count ("NIXL compatibility hash mismatch").  What stock vLLM then
+does, and what these tests pin down: the handshake failure marks the request's KV load as
+failed, and with the default ``kv_load_failure_policy="fail"`` D finishes that one request with
+an error instead of waiting for KV that will never arrive; D itself stays healthy and keeps
+serving.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+
+from pdpatch.rig import proxy
+from pdpatch.rig.model import model_dir
+from pdpatch.rig.servers import EngineGroup, EngineSpec
+
+MAX_TOKENS = 8
+BOUND_S = 60.0  # the whole failing request must be answered within this
+
+
+def RIG_SPECS() -> list[EngineSpec]:
+    return [
+        EngineSpec("P", "kv_producer", pdpatch=True),
+        EngineSpec("D-3layers", "kv_consumer", pdpatch=True, model=model_dir(num_hidden_layers=3)),
+    ]
+
+
+def test_layer_mismatch_fails_the_request_cleanly(rig: EngineGroup) -> None:
+    p, d = rig["P"], rig["D-3layers"]
+    prompt = list(range(10, 150))
+    t0 = time.monotonic()
+    try:
+        res = proxy.pd_request(p, d, prompt, MAX_TOKENS, timeout_s=BOUND_S)
+        error, tokens = res.decode.error, res.decode.token_ids
+    except urllib.error.HTTPError as exc:  # a non-streaming client would get this instead
+        error, tokens = f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:300]}", []
+    elapsed = time.monotonic() - t0
+    print(f"incompatible pair: error={error!r} tokens={tokens} after {elapsed:.1f}s")
+    assert elapsed < BOUND_S
+    assert error is not None and tokens == []
+    log = d.log_text()
+    assert "NIXL compatibility hash mismatch" in log
+    assert "due to KV load failure (failure_policy=fail" in log
+    # D is not wedged: a plain local request still works.
+    local = proxy.stream(d, prompt, MAX_TOKENS, timeout_s=BOUND_S)
+    assert local.error is None and len(local.token_ids) == MAX_TOKENS
+    assert d.healthy()
+
+
+def test_p_unaffected(rig: EngineGroup) -> None:
+    """P keeps serving after D rejected it."""
+    out = proxy.stream(rig["P"], list(range(20, 40)), MAX_TOKENS)
+    assert len(out.token_ids) == MAX_TOKENS
