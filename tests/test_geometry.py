@@ -224,3 +224,18 @@ def test_single_head_or_token_has_no_head_order() -> None:
     assert g.head_major is None
     g = infer_layer_geometry((2, 4, 16, 1, 8), (512, 128, 8, 8, 1), 2, 0)
     assert g.head_major is None
+
+
+def test_handshake_kind_is_the_cheap_pass_through_test() -> None:
+    from pdpatch.kv import handshake_kind, needs_conversion
+
+    _, split = _infer(LayoutSpec("fa_split"))
+    _, fused = _infer(LayoutSpec("fused"))
+    assert handshake_kind(2 * L, L) == KIND_SPLIT
+    assert handshake_kind(L, L) == KIND_FUSED
+    assert handshake_kind(L, L, layout="packed") == KIND_PACKED
+    assert handshake_kind(L, L, advertised=split.to_wire()) == KIND_SPLIT  # kvcached-style
+    assert needs_conversion(fused, handshake_kind(2 * L, L))
+    assert not needs_conversion(fused, handshake_kind(L, L))
+    with pytest.raises(UnsupportedLayout, match="neither"):
+        handshake_kind(3, L)

@@ -27,6 +27,8 @@ from pdpatch.kv.geometry import (
     Segment,
     UnsupportedLayout,
     geometry_from_handshake,
+    handshake_kind,
+    needs_conversion,
 )
 from pdpatch.kv.infer import infer_geometry, infer_layer_geometry, tensor_info
 from pdpatch.kv.plan import (
@@ -59,8 +61,10 @@ __all__ = [
     "coalesce",
     "expand_strided",
     "geometry_from_handshake",
+    "handshake_kind",
     "infer_geometry",
     "infer_layer_geometry",
+    "needs_conversion",
     "plan_from_nx3",
     "plan_transfer",
     "strided_pair_rows",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 ROLE_K = "K"
@@ -152,11 +153,11 @@ class LayerGeometry:
                         f" {cap} blocks)"
                     )
 
-    @property
+    @cached_property
     def roles(self) -> tuple[str, ...]:
         return tuple(s.role for s in self.segments)
 
-    @property
+    @cached_property
     def kind(self) -> str:
         if self.roles == (ROLE_KV,):
             return KIND_PACKED
@@ -290,6 +291,39 @@ class KVGeometry:
                 None if head_major < 0 else bool(head_major),
             ))
         return cls(tuple(layers), int(wire.get("dev", 0)), label)
+
+
+def handshake_kind(
+    num_regions: int,
+    num_layers: int,
+    *,
+    layout: str = "auto",
+    advertised: dict[str, Any] | None = None,
+) -> str:
+    """The peer's segment placement (split / fused / packed) from handshake metadata, without
+    building its geometry -- the cheap test a patch runs before delegating to stock code when
+    both sides already agree (see :func:`geometry_from_handshake` for the rules)."""
+    if advertised is not None:
+        return KVGeometry.from_wire(advertised).kind
+    if layout != "auto":
+        return layout
+    if num_regions == 2 * num_layers:
+        return KIND_SPLIT
+    if num_regions == num_layers:
+        return KIND_FUSED
+    raise UnsupportedLayout(
+        f"peer registers {num_regions} regions for {num_layers} layers: neither 2·L "
+        "(split K/V) nor L (blocks-first)"
+    )
+
+
+def needs_conversion(local: KVGeometry, remote_kind: str) -> bool:
+    """Whether stock vLLM's remote descriptors would be wrong for this pair.
+
+    Stock code builds the remote descriptors with the *local* layout, which is right exactly
+    when both sides place K and V the same way; only then may a patch stay a pass-through.
+    """
+    return local.kind != remote_kind
 
 
 def geometry_from_handshake(

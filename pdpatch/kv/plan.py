@@ -24,7 +24,7 @@ Anything that does not pair up byte-exactly raises :class:`GeometryMismatch`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +33,7 @@ from pdpatch.kv.geometry import (
     BlockIdError,
     GeometryMismatch,
     KVGeometry,
+    LayerGeometry,
 )
 
 logger = logging.getLogger("pdpatch.kv")
@@ -101,6 +102,65 @@ def as_tuples(rows: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(a), int(n), int(d)) for a, n, d in rows.tolist()]
 
 
+def _shape_key(la: LayerGeometry) -> tuple:
+    return (la.block_stride, la.segments, la.num_heads, la.head_major)
+
+
+def _pair_layer(
+    li: int, la: LayerGeometry, ra: LayerGeometry, p: int, pi: int, q: int, qi: int, r: int,
+    fail: Callable[[str], GeometryMismatch],
+) -> list[tuple[int, int, int, int]]:
+    """Validate one layer pair; per segment ``(local offset, remote offset, local chunk,
+    transfer length)`` with the head-slice offsets applied."""
+    if la.roles != ra.roles:
+        raise fail(
+            f"layer {li}: local segments {'/'.join(la.roles)} ({la.kind}) vs remote "
+            f"{'/'.join(ra.roles)} ({ra.kind}); K|V packed per token cannot be split "
+            "into K and V byte ranges"
+        )
+    if la.head_major is not None and ra.head_major is not None and la.head_major != ra.head_major:
+        raise fail(
+            f"layer {li}: local segments are {'head' if la.head_major else 'token'}-major, "
+            f"remote {'head' if ra.head_major else 'token'}-major; the bytes mean different "
+            "things"
+        )
+    for side, geo, parts in (("local", la, p), ("remote", ra, q)):
+        if parts > 1 and geo.head_major is False:
+            raise fail(
+                f"layer {li}: {side} heads are not outermost inside a segment "
+                f"(token-major), so a 1/{parts} head slice is not contiguous"
+            )
+        if parts > 1 and geo.num_heads is not None and geo.num_heads % parts:
+            raise fail(
+                f"layer {li}: {side} has {geo.num_heads} heads, not divisible into "
+                f"{parts} head slices"
+            )
+    if la.num_heads is not None and ra.num_heads is not None and (
+        la.num_heads * q != ra.num_heads * p
+    ):
+        raise fail(
+            f"layer {li}: local {la.num_heads} heads / {p} local slices != remote "
+            f"{ra.num_heads} heads / {q} remote slices"
+        )
+    out = []
+    for lseg, rseg in zip(la.segments, ra.segments, strict=True):
+        if lseg.length % (r * p):
+            raise fail(
+                f"layer {li} segment {lseg.role}: local {lseg.length} B is not divisible "
+                f"by block-size ratio {r} x {p} local slices"
+            )
+        chunk = lseg.length // r
+        n = chunk // p
+        if rseg.length % q or rseg.length // q != n:
+            raise fail(
+                f"layer {li} segment {lseg.role}: spans differ -- local {lseg.length} B "
+                f"/ block-size ratio {r} / {p} local slices = {n} B per descriptor, but "
+                f"remote {rseg.length} B / {q} remote slices = {rseg.length / q:g} B"
+            )
+        out.append((lseg.offset + pi * n, rseg.offset + qi * n, chunk, n))
+    return out
+
+
 class PairPlan:
     """A validated transfer geometry between one local and one remote worker.
 
@@ -139,58 +199,18 @@ class PairPlan:
         r_base: list[int] = []
         r_stride: list[int] = []
         xfer: list[int] = []
+        # Layers usually share one shape: validate each distinct (local, remote) shape once.
+        checked: dict[tuple, list[tuple[int, int, int, int]]] = {}
         for li, (la, ra) in enumerate(zip(local.layers, remote.layers, strict=True)):
-            if la.roles != ra.roles:
-                raise fail(
-                    f"layer {li}: local segments {'/'.join(la.roles)} ({la.kind}) vs remote "
-                    f"{'/'.join(ra.roles)} ({ra.kind}); K|V packed per token cannot be split "
-                    "into K and V byte ranges"
-                )
-            if (la.head_major is not None and ra.head_major is not None
-                    and la.head_major != ra.head_major):
-                raise fail(
-                    f"layer {li}: local segments are "
-                    f"{'head' if la.head_major else 'token'}-major, remote "
-                    f"{'head' if ra.head_major else 'token'}-major; the bytes mean different "
-                    "things"
-                )
-            for side, geo, parts in (("local", la, p), ("remote", ra, q)):
-                if parts > 1 and geo.head_major is False:
-                    raise fail(
-                        f"layer {li}: {side} heads are not outermost inside a segment "
-                        f"(token-major), so a 1/{parts} head slice is not contiguous"
-                    )
-                if parts > 1 and geo.num_heads is not None and geo.num_heads % parts:
-                    raise fail(
-                        f"layer {li}: {side} has {geo.num_heads} heads, not divisible into "
-                        f"{parts} head slices"
-                    )
-            if la.num_heads is not None and ra.num_heads is not None and (
-                la.num_heads * q != ra.num_heads * p
-            ):
-                raise fail(
-                    f"layer {li}: local {la.num_heads} heads / {p} local slices != remote "
-                    f"{ra.num_heads} heads / {q} remote slices"
-                )
-            for lseg, rseg in zip(la.segments, ra.segments, strict=True):
-                if lseg.length % (r * p):
-                    raise fail(
-                        f"layer {li} segment {lseg.role}: local {lseg.length} B is not divisible "
-                        f"by block-size ratio {r} x {p} local slices"
-                    )
-                chunk = lseg.length // r
-                n = chunk // p
-                if rseg.length % q or rseg.length // q != n:
-                    raise fail(
-                        f"layer {li} segment {lseg.role}: spans differ -- local {lseg.length} B "
-                        f"/ block-size ratio {r} / {p} local slices = {n} B per descriptor, but "
-                        f"remote {rseg.length} B / {q} remote slices = "
-                        f"{rseg.length / q:g} B"
-                    )
-                l_base.append(la.base + lseg.offset + pi * n)
+            key = (_shape_key(la), _shape_key(ra))
+            segs = checked.get(key)
+            if segs is None:
+                segs = checked[key] = _pair_layer(li, la, ra, p, pi, q, qi, r, fail)
+            for l_off, r_off, chunk, n in segs:
+                l_base.append(la.base + l_off)
                 l_stride.append(la.block_stride)
                 l_chunk.append(chunk)
-                r_base.append(ra.base + rseg.offset + qi * n)
+                r_base.append(ra.base + r_off)
                 r_stride.append(ra.block_stride)
                 xfer.append(n)
         self.num_regions = len(xfer)
