@@ -1,0 +1,170 @@
+"""Run a check against an OLD vLLM release's real source tree, in a subprocess.
+
+Why a subprocess: the venv has vLLM 0.33 installed; an older release's ``.py`` tree (extracted by
+``scripts/fetch_vllm_sources.sh`` into ``~/.cache/pdpatch/vllm-src/<ver>/``) can only shadow it
+in a fresh interpreter whose ``sys.path`` starts with that tree.  There the compiled ``vllm._C``
+is absent (fine on CPU) and ``importlib.metadata`` still reports 0.33.0, so the child replaces
+``pdpatch.versions.vllm_version`` to report the release under test before anything in pdpatch
+asks (``versions.py`` itself is not changed).
+
+Usage (any test module)::
+
+    from versions_harness import release_versions, run_in_release
+
+    @pytest.mark.parametrize("ver", release_versions(">=0.24"))
+    def test_something(ver):
+        run = run_in_release(ver, '''
+            import vllm
+            emit({"file": vllm.__file__})
+        ''')
+        assert run.result["file"].startswith(str(source_tree(ver)))
+
+Inside the snippet: ``VERSION`` (the release string), ``TREE`` (its source root) and
+``emit(obj)`` (JSON-serialisable; the last call wins and becomes ``run.result``) are predefined;
+``tests/`` and the repository root are importable.  A snippet exception makes ``run.result``
+None and its traceback lands in ``run.stderr``; ``run.check()`` raises with the output tail.
+
+Releases before 0.24 import ``gguf`` at ``import vllm`` time, which the 0.33 venv does not need
+and lacks; :func:`extras_dir` installs the real package (``pip install --target``, no deps) once
+into ``~/.cache/pdpatch/oldvllm-extras`` and appends it to the child's path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+SOURCES_ROOT = Path(os.environ.get("PDPATCH_VLLM_SOURCES",
+                                   Path.home() / ".cache" / "pdpatch" / "vllm-src"))
+EXTRAS_ROOT = Path(os.environ.get("PDPATCH_OLDVLLM_EXTRAS",
+                                  Path.home() / ".cache" / "pdpatch" / "oldvllm-extras"))
+# Third-party modules older releases import eagerly but vLLM 0.33 no longer needs.
+EXTRA_PACKAGES = ("gguf",)
+RESULT_MARK = "@@PDPATCH-RESULT@@"
+
+_extras_lock = threading.Lock()
+
+
+def source_tree(version: str) -> Path:
+    return SOURCES_ROOT / version
+
+
+def available_versions() -> list[str]:
+    """Releases whose source tree is fully extracted (``.complete`` marker), oldest first."""
+    if not SOURCES_ROOT.is_dir():
+        return []
+    found = [d.name for d in SOURCES_ROOT.iterdir()
+             if (d / ".complete").exists() and (d / "vllm" / "__init__.py").exists()]
+    return sorted(found, key=Version)
+
+
+def release_versions(spec: str = "") -> list[str]:
+    """Extracted releases matching ``spec`` (e.g. ``">=0.19,<0.21"``), for parametrize.
+
+    An empty match is returned as one ``"<none>"`` entry so that the test is reported as
+    skipped with a reason instead of silently vanishing from the run.
+    """
+    wanted = SpecifierSet(spec)
+    vs = [v for v in available_versions() if wanted.contains(Version(v), prereleases=True)]
+    return vs or ["<none>"]
+
+
+def require_tree(version: str) -> Path:
+    tree = source_tree(version)
+    if version == "<none>" or not (tree / ".complete").exists():
+        pytest.skip(f"vLLM {version} source tree not extracted under {SOURCES_ROOT}; run "
+                    "scripts/fetch_vllm_sources.sh [VERSION...]")
+    return tree
+
+
+def extras_dir() -> Path:
+    """The real third-party packages old releases need (see module docstring)."""
+    with _extras_lock:
+        missing = [p for p in EXTRA_PACKAGES if not (EXTRAS_ROOT / p).exists()]
+        if missing:
+            EXTRAS_ROOT.mkdir(parents=True, exist_ok=True)
+            proc = subprocess.run(
+                [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                 str(EXTRAS_ROOT), *missing], capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0:
+                pytest.skip(f"could not install {missing} for old vLLM trees: "
+                            f"{proc.stderr[-500:]}")
+    return EXTRAS_ROOT
+
+
+@dataclass
+class ReleaseRun:
+    version: str
+    returncode: int
+    result: Any
+    stdout: str
+    stderr: str
+
+    def tail(self, n: int = 4000) -> str:
+        return f"--- stdout ---\n{self.stdout[-n:]}\n--- stderr ---\n{self.stderr[-n:]}"
+
+    def check(self) -> Any:
+        if self.returncode != 0 or self.result is None:
+            raise AssertionError(
+                f"snippet under vLLM {self.version} failed (rc={self.returncode})\n{self.tail()}")
+        return self.result
+
+
+_PRELUDE = """
+import json as _json, sys as _sys
+from packaging.version import Version as _V
+import pdpatch.versions as _pv
+VERSION = {version!r}
+TREE = {tree!r}
+_pv.vllm_version = lambda: _V(VERSION)
+def emit(obj):
+    _sys.stdout.write("\\n{mark}" + _json.dumps(obj, default=str) + "\\n")
+    _sys.stdout.flush()
+import vllm as _vllm
+if not _vllm.__file__.startswith(TREE):
+    raise RuntimeError(f"vllm resolved to {{_vllm.__file__}}, not the tree {{TREE}}")
+"""
+
+
+def child_env(version: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The child's environment: the release tree first on PYTHONPATH, no inherited pdpatch
+    settings (a test passes what it wants in ``env``), CPU platform."""
+    tree = require_tree(version)
+    path = [str(tree), str(REPO), str(TESTS)]
+    if Version(version) < Version("0.24"):
+        path.append(str(extras_dir()))
+    base = {k: v for k, v in os.environ.items()
+            if not (k.startswith("PDPATCH_") or k in ("ENABLE_PDPATCH", "PYTHONPATH"))}
+    base.update({"PYTHONPATH": os.pathsep.join(path), "VLLM_TARGET_DEVICE": "cpu",
+                 "PYTHONDONTWRITEBYTECODE": "1", "TOKENIZERS_PARALLELISM": "false",
+                 "HF_HUB_OFFLINE": "1"})
+    base.update(env or {})
+    return base
+
+
+def run_in_release(version: str, snippet: str, *, env: dict[str, str] | None = None,
+                   timeout: float = 300) -> ReleaseRun:
+    """Run ``snippet`` under vLLM ``version``'s source tree; see the module docstring."""
+    tree = require_tree(version)
+    code = _PRELUDE.format(version=version, tree=str(tree), mark=RESULT_MARK) \
+        + textwrap.dedent(snippet)
+    proc = subprocess.run([sys.executable, "-c", code], env=child_env(version, env),
+                          capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
+    result = None
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_MARK):
+            result = json.loads(line[len(RESULT_MARK):])
+    return ReleaseRun(version, proc.returncode, result, proc.stdout, proc.stderr)
