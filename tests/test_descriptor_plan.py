@@ -22,6 +22,7 @@ from pdpatch.kv import (
     plan_from_nx3,
     plan_transfer,
     strided_pair_rows,
+    vllm_local_descs,
     vllm_remote_descs,
 )
 
@@ -129,6 +130,14 @@ def test_vllm_remote_descs_forms_keep_stock_count_and_order() -> None:
             assert nx3[region * N + blk, 1] == seg
     with pytest.raises(ValueError, match="form"):
         vllm_remote_descs(lg, rg, form="bogus")
+    # a kvcached split-half LOCAL side (vLLM 0.23-0.25 would describe it as [K|V] blocks)
+    loc = vllm_local_descs(rg, form="tuples")
+    assert len(loc) == 2 * L * N
+    assert loc[N] == (rg.layers[0].segment_addr(1, 0), seg, 0)  # region 1 = layer 0 V
+    with pytest.raises(ValueError, match="form"):
+        vllm_local_descs(rg, form="bogus")
+    with pytest.raises(GeometryMismatch, match="not divisible by block-size ratio 3"):
+        vllm_local_descs(rg, block_size_ratio=3)
 
 
 def test_block_ids_are_checked() -> None:
@@ -310,6 +319,9 @@ def test_every_requested_byte_lands_and_nothing_else_moves(sc) -> None:
     assert np.array_equal(rtab[rid, 0], plan.remote_addr)
     assert np.array_equal(rtab[rid, 1], plan.length)
     assert np.array_equal(expand_strided(pair.local_rows()), ltab)
+    kw = dict(block_size_ratio=sc["ratio"], local_slice=HeadSlice(sc["p"], sc["pi"]))
+    assert np.array_equal(vllm_local_descs(lg, **kw), ltab)
+    assert np.array_equal(vllm_local_descs(lg, form="nx5", **kw), pair.local_rows())
     assert np.array_equal(expand_strided(pair.remote_rows()), rtab)
     assert rtab.shape[0] == pair.num_regions * sc["n_remote"]
 

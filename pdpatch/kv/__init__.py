@@ -37,6 +37,7 @@ from pdpatch.kv.plan import (
     PairPlan,
     as_tuples,
     plan_transfer,
+    vllm_local_descs,
     vllm_remote_descs,
 )
 
@@ -70,5 +71,6 @@ __all__ = [
     "strided_pair_rows",
     "strided_rows",
     "tensor_info",
+    "vllm_local_descs",
     "vllm_remote_descs",
 ]

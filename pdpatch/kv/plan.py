@@ -392,3 +392,58 @@ def vllm_remote_descs(
     if form == "tuples":
         return as_tuples(table)
     raise ValueError(f"form must be 'tuples', 'nx3' or 'nx5', got {form!r}")
+
+
+def vllm_local_descs(
+    local: KVGeometry,
+    *,
+    block_size_ratio: int = 1,
+    local_slice: HeadSlice | None = None,
+    form: str = "nx3",
+) -> np.ndarray | list[tuple[int, int, int]]:
+    """The local descriptor list a patched ``_build_fa_local`` returns, for local memory that
+    stock code cannot describe (kvcached split-half on vLLM 0.23-0.25, where stock assumes
+    blocks-first ``[K|V]``).
+
+    Desc-id order as stock: per layer one region per segment role, ``num_blocks * ratio``
+    sub-blocks per region, each ``segment / ratio / parts`` bytes at slice ``index``.
+    Equals :meth:`PairPlan.local_table` / :meth:`PairPlan.local_rows` of any pair with this
+    local side.
+    """
+    sl = local_slice or HeadSlice()
+    r = int(block_size_ratio)
+    if r < 1:
+        raise GeometryMismatch(f"block-size ratio must be a positive integer, got {r}", local)
+    n_blocks = local.num_blocks
+    rows: list[np.ndarray] = []
+    for li, la in enumerate(local.layers):
+        for seg in la.segments:
+            if seg.length % (r * sl.parts):
+                raise GeometryMismatch(
+                    f"layer {li} segment {seg.role}: {seg.length} B is not divisible by "
+                    f"block-size ratio {r} x {sl.parts} slices", local)
+            chunk = seg.length // r
+            n = chunk // sl.parts
+            base = la.base + seg.offset + sl.index * n
+            if form == "nx5" and (r == 1 or la.block_stride == r * chunk):
+                rows.append(np.array([[base, n, local.device_id, la.block_stride // r,
+                                       n_blocks * r]], dtype=_U64))
+                continue
+            blk = np.arange(n_blocks, dtype=np.int64)
+            if form == "nx5":
+                part = np.empty((n_blocks, 5), dtype=_U64)
+                part[:, 0] = base + blk * la.block_stride
+                part[:, 1] = n
+                part[:, 2] = local.device_id
+                part[:, 3] = chunk
+                part[:, 4] = r
+                rows.append(part)
+                continue
+            addr = (base + blk[:, None] * la.block_stride
+                    + np.arange(r, dtype=np.int64)[None, :] * chunk).reshape(-1)
+            rows.append(_nx3(addr, np.full(addr.shape, n, dtype=np.int64), local.device_id))
+    if form not in ("nx3", "nx5", "tuples"):
+        raise ValueError(f"form must be 'tuples', 'nx3' or 'nx5', got {form!r}")
+    width = 5 if form == "nx5" else 3
+    out = np.concatenate(rows) if rows else np.empty((0, width), dtype=_U64)
+    return as_tuples(out) if form == "tuples" else out
