@@ -3,6 +3,19 @@
 Pure core (numpy only; no torch, no vLLM): :mod:`geometry` (the model), :mod:`infer` (from
 tensor strides), :mod:`plan` (descriptor pairs and vLLM-ordered tables), :mod:`coalesce`
 (merged ranges, NIXL strided rows).
+
+Wiring into vLLM (the PDPATCH_KV_SEGMENTS patch):
+
+* ``register_kv_caches``: ``local = infer_geometry([tensor_info(t) for t in caches],
+  num_blocks=worker.num_blocks)``; advertise ``local.to_wire()`` as an extra handshake field.
+* handshake: ``kind = handshake_kind(len(meta.kv_caches_base_addr), num_layers,
+  advertised=...)``; if ``not needs_conversion(local, kind)`` call stock code unchanged.
+  Otherwise ``remote = geometry_from_handshake(meta.kv_caches_base_addr, meta.block_lens,
+  meta.num_blocks, num_layers=..., advertised=...)`` and return ``vllm_remote_descs(local,
+  remote, remote_slice=HeadSlice(tp_ratio, plan.rank_offset_factor), block_size_ratio=r,
+  form="tuples")`` from ``_build_fa_remote`` (same count and order as stock, so desc ids and
+  the per-request path stay untouched).  :class:`GeometryMismatch` raised there fails only
+  that peer's requests.
 """
 
 from pdpatch.kv.coalesce import (
