@@ -1,0 +1,98 @@
+"""Cost of pdpatch on `python -c "import vllm"`: not installed vs installed-but-disabled vs enabled.
+
+All three run the same interpreter binary in throwaway venvs that see this venv's packages
+through a path-only .pth (so no other .pth of this venv runs); "installed" adds pdpatch's own
+`pdpatch_autoload.pth`, exactly as the wheel installs it.  Runs are interleaved, median of N.
+Also checks that enabling pdpatch imports no vLLM submodule eagerly.
+
+    .venv/bin/python scripts/bench_activation.py [--runs 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PTH = ROOT / "pdpatch" / "bootstrap" / "pdpatch_autoload.pth"
+LIST_MODULES = ("import vllm, sys, json; "
+                "print(json.dumps(sorted(m for m in sys.modules if m.startswith('vllm'))))")
+
+
+def make_venv(path: Path, with_pdpatch: bool) -> Path:
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
+    site = next(path.glob("lib/python*/site-packages"))
+    (site / "000-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    if with_pdpatch:
+        (site / "001-pdpatch-src.pth").write_text(str(ROOT) + "\n")
+        (site / PTH.name).write_text(PTH.read_text())
+    return path / "bin" / "python"
+
+
+def env_for(enabled: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PDPATCH_") and k not in ("ENABLE_PDPATCH", "PYTHONPATH")}
+    env["VLLM_TARGET_DEVICE"] = "cpu"
+    if enabled:
+        env["ENABLE_PDPATCH"] = "1"
+    return env
+
+
+def timed(python: Path, env: dict[str, str]) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (user+sys) of the child: CPU time stays meaningful when
+    other work shares the machine, wall time is what an operator waits."""
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    subprocess.run([str(python), "-c", "import vllm"], env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+
+
+def vllm_modules(python: Path, env: dict[str, str]) -> list[str]:
+    out = subprocess.run([str(python), "-c", LIST_MODULES], env=env, check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=10)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        bare = make_venv(Path(tmp) / "bare", with_pdpatch=False)
+        installed = make_venv(Path(tmp) / "installed", with_pdpatch=True)
+        variants = {"not installed": (bare, env_for(False)),
+                    "installed, disabled": (installed, env_for(False)),
+                    "installed, enabled": (installed, env_for(True))}
+        for python, env in variants.values():       # warm the page cache once
+            timed(python, env)
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+        for _ in range(args.runs):
+            for name, (python, env) in variants.items():
+                times[name].append(timed(python, env))
+        print(f"python -c 'import vllm', median of {args.runs} interleaved runs")
+        for kind, index in (("wall", 0), ("cpu", 1)):
+            base = statistics.median(t[index] for t in times["not installed"])
+            for name, samples in times.items():
+                med = statistics.median(t[index] for t in samples)
+                print(f"  {kind:4s} {name:22s} {med * 1000:8.1f} ms   ratio {med / base:6.3f}"
+                      f"   ({(med - base) * 1000:+7.1f} ms)")
+        extra = sorted(set(vllm_modules(*variants["installed, enabled"]))
+                       - set(vllm_modules(*variants["installed, disabled"])))
+        print(f"vLLM submodules imported only because pdpatch is enabled: {extra or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
