@@ -20,6 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--no-import", action="store_true",
                      help="do not import vLLM to check that each patch target exists")
     doc.set_defaults(func=_doctor)
+    from pdpatch.hashing import commands as hash_commands
+
+    hash_commands.register(sub)
     return parser
 
 
