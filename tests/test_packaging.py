@@ -7,15 +7,14 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
 import pytest
+from venvs import DEPS, bare_venv, clean_env, site_packages
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).parent / "activation_child.py"
-DEPS = sysconfig.get_paths()["purelib"]     # this venv: wrapt, vllm, torch ...
 
 
 @pytest.fixture(scope="module")
@@ -27,20 +26,9 @@ def wheel(tmp_path_factory) -> Path:
     return whl
 
 
-def bare_venv(path: Path) -> Path:
-    """A venv without pdpatch whose first .pth puts this venv's packages on sys.path (a path
-    line, so the .pth files in there, ours included, do not run)."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
-    site = next(path.glob("lib/python*/site-packages"))
-    (site / "000-deps.pth").write_text(DEPS + "\n")
-    return path
-
-
 def probe(python: Path, **env: str) -> tuple[dict, str]:
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith("PDPATCH_") and k not in ("ENABLE_PDPATCH", "PYTHONPATH")}
     out = subprocess.run([str(python), str(CHILD), "self"], capture_output=True, text=True,
-                         env={**base, "VLLM_TARGET_DEVICE": "cpu", **env}, timeout=300)
+                         env=clean_env(**env), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
@@ -57,7 +45,7 @@ def test_wheel_contains_pth_entry_point_and_scripts(wheel):
 
 def test_installed_wheel_activates_in_a_fresh_interpreter(wheel, tmp_path):
     venv = bare_venv(tmp_path / "v")
-    site = next(venv.glob("lib/python*/site-packages"))
+    site = site_packages(venv)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
                     str(site), str(wheel)], check=True, timeout=300)
     assert (site / "pdpatch_autoload.pth").is_file()
@@ -90,9 +78,8 @@ def test_pythonpath_sitecustomize_activates_and_chains(tmp_path):
 def test_pdpatch_run_sets_up_sitecustomize(tmp_path):
     venv = bare_venv(tmp_path / "v")
     runner = Path(sys.executable).parent / "pdpatch-run"
-    base = {k: v for k, v in os.environ.items() if k not in ("ENABLE_PDPATCH", "PYTHONPATH")}
     out = subprocess.run([str(runner), str(venv / "bin" / "python"), str(CHILD), "self"],
-                         env={**base, "VLLM_TARGET_DEVICE": "cpu"}, capture_output=True,
+                         env=clean_env(), capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])["wrapped"]

@@ -1,0 +1,62 @@
+"""`pdpatch doctor`: reports ways in, settings and per-patch verdicts; exit 1 when broken."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from venvs import DEPS, bare_venv, clean_env, site_packages
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def doctor(python: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([python, "-m", "pdpatch", "doctor", *args], env=clean_env(**env),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_healthy_install_reports_ways_in_and_patch_targets():
+    out = doctor(sys.executable, ENABLE_PDPATCH="1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "pdpatch_autoload.pth" in out.stdout
+    assert "entry point: pdpatch -> pdpatch.bootstrap.plugin:load" in out.stdout
+    assert "patch read_guard: would apply (default)" in out.stdout
+    assert "NixlPullConnectorWorker._read_blocks_for_req: present" in out.stdout
+
+
+def test_json_output_and_toggle_reason():
+    out = doctor(sys.executable, "--json", "--no-import", ENABLE_PDPATCH="1",
+                 PDPATCH_READ_GUARD="0")
+    data = json.loads(out.stdout)
+    assert data["patches"]["read_guard"] == {"status": "skipped",
+                                             "reason": "toggled off (PDPATCH_READ_GUARD=0)"}
+    assert data["problems"] == []
+
+
+def test_invalid_setting_is_a_problem():
+    out = doctor(sys.executable, "--no-import", ENABLE_PDPATCH="maybe")
+    assert out.returncode == 1
+    assert "ENABLE_PDPATCH='maybe' is not a valid value" in out.stdout
+
+
+def test_vllm_plugins_allowlist_without_pdpatch_is_reported():
+    out = doctor(sys.executable, "--no-import", VLLM_PLUGINS="lora_filesystem_resolver")
+    assert "does not list 'pdpatch': the plugin path is off" in out.stdout
+
+
+def test_enabled_without_any_way_in_exits_non_zero(tmp_path):
+    # pdpatch importable from a checkout but not installed: no .pth, no dist-info (so no entry
+    # point); only its own dependencies are visible.
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    for entry in Path(DEPS).iterdir():
+        if entry.name.split("-")[0].split(".")[0] in ("wrapt", "packaging", "cbor2", "_cbor2",
+                                                     "xxhash"):
+            (deps / entry.name).symlink_to(entry)
+    venv = bare_venv(tmp_path / "v", ROOT)
+    (site_packages(venv) / "000-deps.pth").write_text(f"{deps}\n{ROOT}\n")
+    out = doctor(str(venv / "bin" / "python"), "--no-import", ENABLE_PDPATCH="1")
+    assert out.returncode == 1, out.stdout
+    assert "no way in is visible to this interpreter" in out.stdout
