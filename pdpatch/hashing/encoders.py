@@ -100,26 +100,28 @@ class TokenTable:
             self._table, self._size = table, size
         return True
 
-    def lookup(self, tokens: Sequence[int]) -> tuple[bytes, ...] | None:
-        """The encodings of ``tokens`` (None entries possible: join will reject them), or None
-        when some token is certainly outside the table."""
+    def lookup(self, tokens: Sequence[int]) -> tuple[bytes | None, ...] | None:
+        """The encodings of ``tokens``; a ``None`` entry (or a None result) marks a token
+        outside the table, which ``bytes.join`` then rejects."""
         if not self._size:
             self._grow(_TABLE_MIN)
-        n = len(tokens)
-        for _attempt in range(2):
-            try:
-                if n == 1:
-                    return (self._table[tokens[0]],)  # type: ignore[return-value]
-                return operator.itemgetter(*tokens)(self._table)
-            except (IndexError, TypeError):
-                pass
-            try:
-                lo, hi = operator.index(min(tokens)), operator.index(max(tokens))
-            except TypeError:
-                return None
-            if lo < 0 or not self._grow(hi + 1):
-                return None
-        return None  # pragma: no cover
+        try:
+            if len(tokens) == 1:
+                return (self._table[tokens[0]],)
+            return operator.itemgetter(*tokens)(self._table)
+        except (IndexError, TypeError):
+            return None
+
+    def grow_for(self, tokens: Sequence[int]) -> bool:
+        """Grow to cover ``tokens`` if that can help; False if it cannot (negative ids,
+        ids >= TABLE_CAP, non-integers) or the table already covers them."""
+        try:
+            lo, hi = operator.index(min(tokens)), operator.index(max(tokens))
+        except (TypeError, ValueError):
+            return False
+        if lo < 0 or hi < self._size:
+            return False
+        return self._grow(hi + 1)
 
 
 CBOR_TABLE = TokenTable(cbor_uint)
@@ -222,9 +224,7 @@ def fast_chain(algorithm: Algorithm, parent: bytes, tokens: Sequence[int], block
     cbor = algorithm.serializer == "cbor"
     if not cbor and not FAST_PICKLE:
         return None
-    encs = (CBOR_TABLE if cbor else PICKLE_TABLE).lookup(tokens)
-    if encs is None:
-        return None
+    table = CBOR_TABLE if cbor else PICKLE_TABLE
     join = b"".join
     if cbor:
         tail_of = _TailCache(cbor_dumps, by_value=True)
@@ -239,11 +239,21 @@ def fast_chain(algorithm: Algorithm, parent: bytes, tokens: Sequence[int], block
         close_none = close + b"N" + _TUPLE3_MEMO_STOP
         tails = [close + enc(e) + _TUPLE3_MEMO_STOP if e is not None else close_none
                  for e in extras]
-    it = iter(encs)
-    try:
-        bodies = list(map(join, zip(repeat(head, n), *[it] * block_size, tails, strict=True)))
-    except TypeError:  # a None from the table: a token outside it
-        return None
+    tails = tails if isinstance(tails, list) else list(tails)
+    bodies: list[bytes] | None = None
+    for attempt in range(2):
+        encs = table.lookup(tokens)
+        if encs is not None:
+            it = iter(encs)
+            try:
+                bodies = list(map(join, zip(repeat(head, n), *[it] * block_size, tails,
+                                            strict=True)))
+                break
+            except TypeError:  # a None from the table: a token outside it
+                pass
+        if attempt or not table.grow_for(tokens):
+            return None
+    assert bodies is not None
     size = algorithm.digest_size
     rest = bodies[1:]
     if cbor:

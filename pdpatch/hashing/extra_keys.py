@@ -114,9 +114,9 @@ class ExtraKeys:
         self.fmt = fmt
         self.mm = _check_mm(mm)
         self.cache_salt = cache_salt
-        self.prompt_embeds = prompt_embeds
-        if prompt_embeds is not None and fmt.embeds_key == "none":
-            raise HashingError(f"vLLM {fmt.release} has no prompt-embeds block keys (0.12+)")
+        # <= 0.11 hashed an embeddings prompt as its placeholder token ids (0) alone, so two
+        # different embeddings prompts collide there; reproduce that rather than refuse.
+        self.prompt_embeds = prompt_embeds if fmt.embeds_key != "none" else None
         self.lora_keys: list[Any]
         if not lora:
             self.lora_keys = []

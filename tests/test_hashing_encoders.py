@@ -1,0 +1,189 @@
+"""The fast encoders write exactly what cbor2 / pickle write (hypothesis, every int width).
+
+``fast_chain`` is only allowed to exist because of these tests: it must equal
+``reference_chain`` (the real serializers per block, i.e. vLLM's formula) byte for byte, and
+must step aside (return None) for whatever it does not cover.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import cbor2
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdpatch.hashing import encoders
+from pdpatch.hashing.algorithms import ALGORITHMS, get_algorithm
+from pdpatch.hashing.encoders import (
+    TABLE_CAP,
+    cbor_head,
+    cbor_uint,
+    chain,
+    fast_chain,
+    pickle_int,
+    reference_chain,
+)
+
+BOUNDARIES = sorted({b + d for b in (0, 23, 24, 255, 256, 65535, 65536, 2**16, 2**31 - 1,
+                                     2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**64 - 1,
+                                     TABLE_CAP, TABLE_CAP // 2, 2**17)
+                     for d in (-1, 0, 1) if 0 <= b + d < 2**64})
+
+tokens_in_table = st.one_of(st.integers(0, 23), st.integers(24, 255), st.integers(256, 65535),
+                            st.integers(65536, TABLE_CAP - 1),
+                            st.sampled_from([b for b in BOUNDARIES if b < TABLE_CAP]))
+any_token = st.one_of(tokens_in_table, st.integers(TABLE_CAP, 2**64 - 1),
+                      st.sampled_from(BOUNDARIES), st.integers(-(2**40), -1),
+                      st.integers(2**64, 2**80))
+text = st.text(max_size=12)
+extra_key = st.one_of(
+    st.tuples(st.just("lora"), text, text),
+    st.tuples(st.just("mm"), text, st.integers(-300, 300)),
+    st.tuples(st.just("cache_salt"), text),
+    st.tuples(st.just("prompt_embeds"), st.binary(min_size=32, max_size=32)),
+    text, st.integers(0, 2**40), st.tuples(text, st.integers(-50, 50)),
+)
+extras_value = st.one_of(st.none(), st.lists(extra_key, min_size=1, max_size=4).map(tuple))
+
+SLOW = settings(max_examples=150, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.mark.parametrize("value", BOUNDARIES)
+def test_cbor_uint_boundaries(value: int) -> None:
+    assert cbor_uint(value) == cbor2.dumps(value, canonical=True)
+
+
+@given(st.integers(0, 2**64 - 1))
+def test_cbor_uint_random(value: int) -> None:
+    assert cbor_uint(value) == cbor2.dumps(value, canonical=True)
+
+
+@given(st.one_of(st.integers(0, 70000), st.sampled_from([b for b in BOUNDARIES if b < 70000])))
+def test_cbor_heads(n: int) -> None:
+    """Byte-string and array headers (parent hash, token array) as cbor2 writes them."""
+    assert cbor_head(2, n) == cbor2.dumps(b"\0" * n, canonical=True)[:-n or None]
+    assert cbor_head(4, n) == cbor2.dumps((0,) * n, canonical=True)[:-n or None]
+
+
+def _framed(op: bytes) -> bytes:
+    """Protocol 5 output for one opcode + STOP: framed once the frame reaches 4 bytes."""
+    rest = op + b"."
+    return b"\x80\x05" + (b"\x95" + len(rest).to_bytes(8, "little") if len(rest) >= 4 else b"") \
+        + rest
+
+
+@pytest.mark.parametrize("value", [b for b in BOUNDARIES if b < 2**31])
+def test_pickle_int_boundaries(value: int) -> None:
+    assert pickle.dumps(value, protocol=5) == _framed(pickle_int(value))
+
+
+@given(st.integers(0, 2**31 - 1))
+def test_pickle_int_random(value: int) -> None:
+    assert pickle.dumps(value, protocol=5) == _framed(pickle_int(value))
+
+
+def _run_both(algo: str, parent: bytes, tokens: list[int], bs: int, extras: list) -> None:
+    a = get_algorithm(algo)
+    fast = fast_chain(a, parent, tokens, bs, extras)
+    ref = reference_chain(a, parent, tokens, bs, extras)
+    if fast is not None:
+        assert fast == ref
+    assert chain(a, parent, tokens, bs, extras) == ref
+
+
+@SLOW
+@given(algo=st.sampled_from(ALGORITHMS), bs=st.integers(1, 40), nblocks=st.integers(0, 6),
+       data=st.data())
+def test_fast_chain_equals_real_serializers(algo: str, bs: int, nblocks: int, data) -> None:
+    tokens = data.draw(st.lists(tokens_in_table, min_size=bs * nblocks, max_size=bs * nblocks))
+    extras = data.draw(st.lists(extras_value, min_size=nblocks, max_size=nblocks))
+    parent = data.draw(st.sampled_from([get_algorithm(algo).hash_object("0"), b"\x01" * 32,
+                                        b"\x02" * 16, b"x"]))
+    a = get_algorithm(algo)
+    fast = fast_chain(a, parent, tokens, bs, extras)
+    if encoders.FAST_PICKLE or algo.endswith("_cbor"):
+        assert fast is not None, "every token is in the table: the fast path must apply"
+    _run_both(algo, parent, tokens, bs, extras)
+
+
+@SLOW
+@given(algo=st.sampled_from(ALGORITHMS), bs=st.integers(1, 20), nblocks=st.integers(1, 4),
+       data=st.data())
+def test_any_int_tokens_fall_back_correctly(algo: str, bs: int, nblocks: int, data) -> None:
+    """Tokens outside the tables (negative, >= 2**18, bignums) give the reference bytes."""
+    tokens = data.draw(st.lists(any_token, min_size=bs * nblocks, max_size=bs * nblocks))
+    extras = data.draw(st.lists(extras_value, min_size=nblocks, max_size=nblocks))
+    _run_both(algo, b"\x07" * 16, tokens, bs, extras)
+
+
+@pytest.mark.parametrize("algo", ALGORITHMS)
+def test_pickle_identity_memo_in_extras(algo: str) -> None:
+    """pickle memoizes by identity: a shared identifier object is a BINGET, two equal but
+    distinct strings are not; the fast path must keep that difference."""
+    ident = "".join(["img-", "shared"])
+    other = "".join(["img-", "shared"])
+    assert ident == other and ident is not other
+    shared = (("mm", ident, 0), ("mm", ident, 5))
+    distinct = (("mm", ident, 0), ("mm", other, 5))
+    a = get_algorithm(algo)
+    toks = list(range(100, 132))
+    same = chain(a, b"\x01" * 16, toks, 16, [shared, shared])
+    diff = chain(a, b"\x01" * 16, toks, 16, [distinct, distinct])
+    assert same == reference_chain(a, b"\x01" * 16, toks, 16, [shared, shared])
+    assert diff == reference_chain(a, b"\x01" * 16, toks, 16, [distinct, distinct])
+    if algo.endswith("_cbor"):
+        assert same == diff  # CBOR has no identity memo
+    else:
+        assert same != diff
+        assert pickle.dumps(shared, 5) != pickle.dumps(distinct, 5)
+
+
+def test_numpy_and_bool_tokens_are_their_int_values() -> None:
+    np = pytest.importorskip("numpy")
+    a = get_algorithm("sha256_cbor")
+    plain = [1, 0, 300, 70000]
+    assert chain(a, b"p" * 32, list(np.array(plain, dtype=np.int64)), 2, [None, None]) == \
+        chain(a, b"p" * 32, plain, 2, [None, None])
+    assert chain(a, b"p" * 32, [True, False, 300, 70000], 2, [None, None]) == \
+        chain(a, b"p" * 32, plain, 2, [None, None])
+
+
+def test_non_integer_tokens_are_rejected() -> None:
+    a = get_algorithm("sha256")
+    with pytest.raises(TypeError):
+        chain(a, b"p" * 32, [1, 2.5], 2, [None])
+    with pytest.raises(TypeError):
+        chain(a, b"p" * 32, ["1", 2], 2, [None])
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxhash"])
+def test_pickle_payload_near_frame_size_takes_reference_path(algo: str) -> None:
+    """The C pickler splits frames at 64 KiB: the fast path must not try to imitate that."""
+    a = get_algorithm(algo)
+    bs = 14000  # 14000 BININT tokens = 70 kB
+    toks = [70000 + i for i in range(bs)]
+    assert fast_chain(a, b"\x01" * 16, toks, bs, [None]) is None
+    assert chain(a, b"\x01" * 16, toks, bs, [None]) == \
+        reference_chain(a, b"\x01" * 16, toks, bs, [None])
+    big_extra = (b"\x00" * 70000,)  # vLLM 0.12-0.16 put raw prompt-embeds bytes here
+    assert chain(a, b"\x01" * 16, [1, 2], 2, [big_extra]) == \
+        reference_chain(a, b"\x01" * 16, [1, 2], 2, [big_extra])
+
+
+def test_table_grows_on_demand_and_caps() -> None:
+    table = encoders.TokenTable(cbor_uint)
+    assert table.lookup([1, 2, 3]) == tuple(cbor_uint(t) for t in (1, 2, 3))
+    big = TABLE_CAP - 1
+    first = table.lookup([5, big])
+    assert first is None or first[1] is None  # outside the initial table: never a wrong value
+    assert table.grow_for([5, big])
+    assert table.lookup([5, big]) == (cbor_uint(5), cbor_uint(big))
+    assert not table.grow_for([5, big])  # already covered
+    assert not table.grow_for([5, TABLE_CAP])  # over the cap: reference path
+    assert not table.grow_for([-1, 5])  # negative ids never index the table
+    negative = table.lookup([-1, 5])
+    assert negative is not None and negative[0] is None
+    assert not table.grow_for([1.5, 2])
