@@ -71,17 +71,21 @@ def _geo(kind, layers, blocks, bs, heads, dim, base):
 
 
 def _best_interleaved(fns: dict[str, Callable[[], object]], inner: int, rounds: int):
-    """Median per-call ns of each fn, measured in interleaved rounds (A B A B ...)."""
+    """Median per-call ns of each fn, measured in interleaved rounds (A B A B ...).
+
+    Thread CPU time, not wall time: the CPU box is shared, and time spent preempted by other
+    jobs would otherwise land on whichever function happened to be running.
+    """
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():  # warm up
         for _ in range(max(inner // 10, 1)):
             fn()
     for _ in range(rounds):
         for name, fn in fns.items():
-            t0 = time.perf_counter_ns()
+            t0 = time.thread_time_ns()
             for _ in range(inner):
                 fn()
-            samples[name].append((time.perf_counter_ns() - t0) / inner)
+            samples[name].append((time.thread_time_ns() - t0) / inner)
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
@@ -126,7 +130,7 @@ def bench_planning(quick: bool) -> None:
     rng = np.random.default_rng(0)
     inner, rounds = (200, 5) if quick else (1000, 9)
     print(f"(a) planning, vLLM 0.33 packed layout, {layers} layers, {blocks} blocks, "
-          f"median of {rounds} interleaved rounds x {inner} calls")
+          f"thread CPU time, median of {rounds} interleaved rounds x {inner} calls")
     for n in (16, 128, 1024):
         lids = rng.choice(blocks, n, replace=False).tolist()
         rids = rng.choice(blocks, n, replace=False).tolist()

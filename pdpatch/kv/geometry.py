@@ -202,7 +202,7 @@ class KVGeometry:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    @property
+    @cached_property
     def num_blocks(self) -> int:
         """The planned block count, which vLLM requires to be the same for every layer."""
         counts = {layer.num_blocks for layer in self.layers}
@@ -210,7 +210,7 @@ class KVGeometry:
             raise UnsupportedLayout(f"layers disagree on num_blocks: {sorted(counts)}")
         return counts.pop()
 
-    @property
+    @cached_property
     def kind(self) -> str:
         kinds = {layer.kind for layer in self.layers}
         return kinds.pop() if len(kinds) == 1 else KIND_CUSTOM
