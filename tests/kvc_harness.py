@@ -220,7 +220,8 @@ def default_worker_class(version) -> type:
 
 
 def vllm_config(kv_role: str = "kv_consumer", extra: dict | None = None,
-                layout: str = "LBHNC") -> Any:
+                layout: str | None = "LBHNC", kv_connector: str = "NixlConnector",
+                permute: bool = False) -> Any:
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -233,14 +234,16 @@ def vllm_config(kv_role: str = "kv_consumer", extra: dict | None = None,
     model_config = ModelConfig(model=str(model_dir()), dtype="bfloat16", seed=0,
                                skip_tokenizer_init=True, max_model_len=1024)
     cache_config = CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9)
-    cache_config.kv_cache_layout = layout
+    if layout is not None:                      # >= 0.29: set by resolution in EngineCore
+        cache_config.kv_cache_layout = layout
     return VllmConfig(
         model_config=model_config,
         cache_config=cache_config,
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
                                          max_model_len=1024,
                                          is_encoder_decoder=False),
-        kv_transfer_config=KVTransferConfig(kv_connector="NixlConnector", kv_role=kv_role,
+        kv_transfer_config=KVTransferConfig(kv_connector=kv_connector, kv_role=kv_role,
+                                            enable_permute_local_kv=permute,
                                             kv_connector_extra_config=extra or {}),
         device_config=DeviceConfig("cpu"),
     )
