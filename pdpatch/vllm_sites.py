@@ -8,6 +8,7 @@ Patches ask this module "where is the worker's read path in vLLM X?" instead of 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -96,22 +97,73 @@ def layout_names(version: Version) -> tuple[str, str]:
     return "NHD", "HND"
 
 
-def record_recv_failure(worker: object, req_id: str) -> None:
+# How a release records "this request's KV load failed" on the decode worker (read from each
+# release's `_handle_failed_transfer`, `get_finished`/`get_transfer_results` and worker __init__):
+#   set      0.19-0.21  `_invalid_block_ids: set`, `_failed_recv_reqs: set`; the release's own
+#                       `_handle_failed_transfer(req_id, handle)` needs a real handle and does not
+#                       list the request as failed, so the steps are done here, as its
+#                       `_read_blocks` except-branch does (0.19 nixl_connector.py L2690-2706).
+#   queue    0.22-0.29  both are `queue.Queue`s; `_handle_failed_transfer(req_id, None)` does all
+#                       of it (0.22.1 worker.py L1915).  `get_finished` reports a queued failure
+#                       at once, so a request with reads still in flight must not be queued.
+#   deferred 0.30-0.33  `_handle_failed_transfer(req_id, None, self._recv_failures)`; the
+#                       request is reported (`failed_recving`) once no handle is outstanding.
+# Up to 0.29 the only per-request failure signal is `invalid_block_ids`, which those releases
+# skip for HMA models (their own "TODO handle failed transfer for HMA"): there a failure cannot
+# be recorded without the scheduler treating garbage KV as loaded.
+RECV_FAILURE_STYLES = (
+    (SpecifierSet(">=0.19,<0.22"), "set"),
+    (SpecifierSet(">=0.22,<0.30"), "queue"),
+    (SpecifierSet(">=0.30"), "deferred"),
+)
+
+
+class FailureNotRecordable(RuntimeError):
+    """This release has no way to fail this one request cleanly (HMA before 0.30)."""
+
+
+def recv_failure_style(version: Version) -> str | None:
+    rel = release_of(version)
+    return next((style for spec, style in RECV_FAILURE_STYLES
+                 if spec.contains(rel, prereleases=True)), None)
+
+
+def record_recv_failure(worker: Any, req_id: str, version: Version | None = None) -> None:
     """Fail one request's KV load the way the running release itself records such failures.
 
-    vLLM ≥0.24 routes failures through ``_handle_failed_transfer`` (what
-    ``_read_blocks_for_req`` does for an invalid remote engine); the scheduler then reports the
-    request's blocks as invalid and recomputes or fails it.  Older releases keep a plain set.
+    The scheduler then recomputes or fails that request (``kv_load_failure_policy``) and frees
+    its blocks; the worker and every other request carry on.  Raises
+    :class:`FailureNotRecordable` where the release cannot express the failure (see above) and
+    ``LookupError`` for a release outside the table.
     """
-    handler = getattr(worker, "_handle_failed_transfer", None)
-    failures = getattr(worker, "_recv_failures", None)
-    if handler is not None and failures is not None:
-        handler(req_id, None, failures)
+    if version is None:
+        from pdpatch.versions import vllm_version
+
+        version = vllm_version()
+    style = recv_failure_style(version) if version is not None else None
+    if style == "deferred":
+        worker._handle_failed_transfer(req_id, None, worker._recv_failures)
         return
-    failed = getattr(worker, "_failed_recv_reqs", None)
-    if failed is None:
-        raise AttributeError("this vLLM release has no known KV-load failure bookkeeping")
-    if hasattr(failed, "put_nowait"):
-        failed.put_nowait(req_id)
+    if style not in ("set", "queue"):
+        raise LookupError(f"no KV-load failure bookkeeping known for vLLM {version}")
+    meta = worker._recving_metadata.get(req_id)
+    if meta is None:
+        return                      # nothing awaits this load; nothing to report
+    if worker._is_hma_required:
+        raise FailureNotRecordable(
+            f"vLLM {version} reports failed KV loads only as invalid blocks, which it does not "
+            "support for hybrid (HMA) KV-cache layouts")
+    in_flight = bool(worker._recving_transfers.get(req_id))
+    if style == "queue" and not in_flight:
+        worker._handle_failed_transfer(req_id, None)
+        return
+    blocks = set(meta.local_block_ids[0]) if meta.local_block_ids else set()
+    if style == "set":
+        worker._invalid_block_ids.update(blocks)
     else:
-        failed.add(req_id)
+        worker._invalid_block_ids.put(blocks)
+    worker.xfer_stats.record_failed_transfer()
+    if not in_flight:
+        worker._failed_recv_reqs.add(req_id)
+    # else: the reads already posted report the request when they finish, and the blocks
+    # marked invalid above make the scheduler recompute it.

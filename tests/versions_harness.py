@@ -24,6 +24,11 @@ Inside the snippet: ``VERSION`` (the release string), ``TREE`` (its source root)
 ``tests/`` and the repository root are importable.  A snippet exception makes ``run.result``
 None and its traceback lands in ``run.stderr``; ``run.check()`` raises with the output tail.
 
+The child also sees a ``vllm-<ver>+cpu`` distribution record (:func:`dist_info_dir`) ahead of
+the venv's: releases up to 0.24 pick their platform from the installed distribution's version
+string (``"cpu" in version("vllm")``), and this declares what the child really runs -- that
+release's Python code on the CPU platform, with no compiled ops.
+
 Releases before 0.24 import ``gguf`` at ``import vllm`` time, which the 0.33 venv does not need
 and lacks; :func:`extras_dir` installs the real package (``pip install --target``, no deps) once
 into ``~/.cache/pdpatch/oldvllm-extras`` and appends it to the child's path.
@@ -105,6 +110,17 @@ def extras_dir() -> Path:
     return EXTRAS_ROOT
 
 
+def dist_info_dir(version: str) -> Path:
+    """A directory holding only ``vllm-<version>+cpu.dist-info`` (see module docstring)."""
+    root = EXTRAS_ROOT.parent / "vllm-dist" / version
+    info = root / f"vllm-{version}+cpu.dist-info"
+    if not (info / "METADATA").exists():
+        info.mkdir(parents=True, exist_ok=True)
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
+    return root
+
+
 @dataclass
 class ReleaseRun:
     version: str
@@ -130,6 +146,9 @@ import pdpatch.versions as _pv
 VERSION = {version!r}
 TREE = {tree!r}
 _pv.vllm_version = lambda: _V(VERSION)
+import importlib.metadata as _md
+if not _md.version("vllm").startswith(VERSION):
+    raise RuntimeError(f"distribution version {{_md.version('vllm')}} is not {{VERSION}}")
 def emit(obj):
     _sys.stdout.write("\\n{mark}" + _json.dumps(obj, default=str) + "\\n")
     _sys.stdout.flush()
@@ -143,7 +162,7 @@ def child_env(version: str, env: dict[str, str] | None = None) -> dict[str, str]
     """The child's environment: the release tree first on PYTHONPATH, no inherited pdpatch
     settings (a test passes what it wants in ``env``), CPU platform."""
     tree = require_tree(version)
-    path = [str(tree), str(REPO), str(TESTS)]
+    path = [str(tree), str(dist_info_dir(version)), str(REPO), str(TESTS)]
     if Version(version) < Version("0.24"):
         path.append(str(extras_dir()))
     base = {k: v for k, v in os.environ.items()

@@ -1,56 +1,96 @@
 """Patch ``read_guard``: an exception on the KV read path fails that request, not the worker.
 
-``_read_blocks_for_req`` runs on the model-runner thread outside any ``try``; its asserts
-(``num_local_blocks <= len(remote)`` and relatives, present through 0.33) and any unexpected
-error there kill the worker and with it the engine.  Wrapped, the request's KV load is recorded
-as failed with the release's own bookkeeping, so the scheduler recomputes or fails just that
-request and the engine keeps serving others.
+``_read_blocks_for_req`` runs on the model-runner thread outside any ``try`` in every release
+from 0.19 to 0.33 (``start_load_kv`` has no guard either).  Its asserts -- the prefix-trim
+``num_local_blocks <= len(remote)`` (0.19 ``nixl_connector.py`` L2650, 0.33 ``base_worker.py``
+L3791), ``len(remote) == len(local) == len(groups)``, ``len(local_desc_ids) ==
+len(remote_desc_ids)`` -- and any unexpected error there (a peer sent fewer blocks than the
+decode side allocated: a race or a misconfigured proxy) kill the worker and with it the engine.
+Wrapped, the request's KV load is recorded as failed with the release's own bookkeeping
+(:func:`pdpatch.vllm_sites.record_recv_failure`), so the scheduler recomputes or fails just that
+request, frees its blocks, and the engine keeps serving others.
+
+Where a release cannot express the failure (HMA models before 0.30, which report load failures
+only as invalid block ids and skip those for HMA), the original exception is re-raised: turning
+a crash into silently-used garbage KV would be worse than the crash.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from packaging.version import Version
 
-from pdpatch import vllm_sites
+from pdpatch import config, vllm_sites
 from pdpatch.log import logger
-from pdpatch.registry import Patch, Target
+from pdpatch.registry import Patch, Target, Wrapper
 
+NAME = "read_guard"
 _counter_lock = threading.Lock()
 failures_contained = 0
+
+
+def connector_extra_config(worker: Any) -> Mapping | None:
+    """``kv_connector_extra_config`` as the worker holds it (every release keeps the
+    ``vllm_config``; most also keep ``kv_transfer_config``)."""
+    ktc = getattr(worker, "kv_transfer_config", None)
+    if ktc is None:
+        vcfg = getattr(worker, "vllm_config", None)
+        ktc = getattr(vcfg, "kv_transfer_config", None)
+    extra = getattr(ktc, "kv_connector_extra_config", None)
+    return extra if isinstance(extra, Mapping) else None
+
+
+def allowed(patch_name: str, worker: Any) -> bool:
+    """Per-deployment toggle: ``kv_connector_extra_config["pdpatch"]`` may switch a patch off."""
+    return config.extra_config_allows(patch_name, connector_extra_config(worker))
 
 
 def _req_id(args: tuple, kwargs: dict) -> str:
     return kwargs["req_id"] if "req_id" in kwargs else args[0]
 
 
-def guard_read(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    global failures_contained
-    try:
-        return wrapped(*args, **kwargs)
-    except Exception as exc:
-        req_id = _req_id(args, kwargs)
-        with _counter_lock:
-            failures_contained += 1
-        logger.error(
-            "pdpatch: KV load of request %s failed (%s: %s); failing this request instead of "
-            "the worker [read_guard, %d so far]", req_id, type(exc).__name__, exc,
-            failures_contained, exc_info=logger.isEnabledFor(10))
-        vllm_sites.record_recv_failure(instance, req_id)
-        return None
+def make_guard(version: Version) -> Wrapper:
+    def guard_read(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        global failures_contained
+        if not allowed(NAME, instance):
+            return wrapped(*args, **kwargs)
+        try:
+            return wrapped(*args, **kwargs)
+        except Exception as exc:
+            req_id = _req_id(args, kwargs)
+            try:
+                vllm_sites.record_recv_failure(instance, req_id, version)
+            except vllm_sites.FailureNotRecordable as why:
+                logger.error("pdpatch: KV load of request %s failed (%s: %s) and cannot be "
+                             "failed alone: %s [read_guard]", req_id, type(exc).__name__, exc,
+                             why)
+                raise exc from None
+            with _counter_lock:
+                failures_contained += 1
+                n = failures_contained
+            logger.error(
+                "pdpatch: KV load of request %s failed (%s: %s); failing this request instead "
+                "of the worker [read_guard, %d so far]", req_id, type(exc).__name__, exc, n,
+                exc_info=logger.isEnabledFor(10))
+            return None
+
+    return guard_read
 
 
 def _targets(version: Version) -> list[Target]:
     site = vllm_sites.lookup(vllm_sites.READ_BLOCKS_FOR_REQ, version)
-    return [] if site is None else [Target(site.module, site.qualname, guard_read)]
+    if site is None or vllm_sites.recv_failure_style(version) is None:
+        return []
+    return [Target(site.module, site.qualname, make_guard(version))]
 
 
 PATCH = Patch(
-    name="read_guard",
+    name=NAME,
     summary="exceptions on the NIXL read path fail one request instead of killing the worker",
-    versions=">=0.33,<0.34",
-    why_version="not yet verified on this release",
+    versions=">=0.19,<0.34",
+    why_version="the unguarded read path was checked in 0.19-0.33 only",
     targets=_targets,
 )

@@ -1,0 +1,484 @@
+"""Real vLLM NIXL workers on CPU for the robustness tests, on any release 0.19-0.33.
+
+In the style of vLLM's own NIXL unit tests (``tests/v1/kv_connector/unit/test_nixl_connector.py``
+of the sdists): the worker class, ``register_kv_caches``, ``add_remote_agent`` (called by the
+real ``_background_nixl_handshake`` through an instance-level ``_nixl_handshake``, exactly as
+vLLM's ``FakeNixlConnectorWorker`` does), ``start_load_kv``, ``_read_blocks_for_req`` and
+``get_finished`` / ``get_transfer_results`` are the release's own.  Only the NIXL agent is
+replaced (``NixlWrapper`` in the worker module, where vLLM's tests patch it) by
+:class:`RecordingNixlWrapper`, which records descriptor lists, READs and notifications and can
+deliver notifications to a peer worker; the TP rank/size functions the worker module imported
+are patched for construction, as vLLM's tests do.
+
+Everything here is version-agnostic (names looked up per release) so the same scenarios run in
+process under the installed 0.33 and in a subprocess under an older release's source tree
+(``tests/versions_harness.py``).  Scenario functions return JSON-able observations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import json
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from unittest.mock import MagicMock, patch
+
+import numpy as np
+import torch
+from packaging.version import Version
+
+from pdpatch import vllm_sites
+
+BLOCK_SIZE = 16
+NUM_LAYERS = 2
+HEAD_DIM = 64
+DTYPE = torch.bfloat16
+HOST, PORT = "127.0.0.1", 5999
+
+
+# ---------------------------------------------------------------------------- model configs
+
+
+def model_dir(kind: str = "llama", kv_heads: int = 2) -> Path:
+    """A local HF config directory (the worker reads only the config, never weights)."""
+    d = Path(tempfile.gettempdir()) / f"pdpatch-robust-{kind}-{kv_heads}"
+    d.mkdir(exist_ok=True)
+    if kind == "llama":
+        cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+               "hidden_size": 64 * 2 * kv_heads, "intermediate_size": 512,
+               "num_hidden_layers": NUM_LAYERS, "num_attention_heads": 2 * kv_heads,
+               "num_key_value_heads": kv_heads, "head_dim": HEAD_DIM, "vocab_size": 512,
+               "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+               "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    elif kind == "mla":
+        # A 2-layer DeepSeek-V2-style MLA config: KV cache is one latent (kv_lora_rank +
+        # qk_rope_head_dim) per token, replicated on every TP rank.
+        cfg = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+               "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+               "num_hidden_layers": NUM_LAYERS, "num_attention_heads": 4,
+               "num_key_value_heads": 4, "kv_lora_rank": 128, "q_lora_rank": None,
+               "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32,
+               "n_routed_experts": None, "first_k_dense_replace": NUM_LAYERS,
+               "vocab_size": 512, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+               "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+               "torch_dtype": "bfloat16"}
+    else:
+        raise ValueError(kind)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def vllm_config(kind: str, kv_heads: int, role: str, tp_size: int,
+                extra: dict | None = None) -> Any:
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    model_config = ModelConfig(model=str(model_dir(kind, kv_heads)), dtype="bfloat16", seed=0,
+                               skip_tokenizer_init=True, max_model_len=1024)
+    cache_config = CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9)
+    if version_of() >= Version("0.29"):
+        # Resolved by EngineCore in a real engine (0.29+); head-major as NIXL asks.
+        cache_config.kv_cache_layout = "LBHNC"
+    sched_kwargs: dict[str, Any] = {"max_num_seqs": 8, "max_num_batched_tokens": 256,
+                                    "max_model_len": 1024}
+    if "is_encoder_decoder" in inspect.signature(SchedulerConfig).parameters:
+        sched_kwargs["is_encoder_decoder"] = False
+    cfg = VllmConfig(
+        model_config=model_config,
+        cache_config=cache_config,
+        parallel_config=ParallelConfig(tensor_parallel_size=1),
+        scheduler_config=SchedulerConfig(**sched_kwargs),
+        kv_transfer_config=KVTransferConfig(kv_connector="NixlConnector", kv_role=role,
+                                            kv_connector_extra_config=extra or {}),
+        device_config=DeviceConfig("cpu"),
+    )
+    # The worker sizes its head split from the TP size in the config; set after validation
+    # (one process stands in for one rank of a `tp_size` engine).
+    cfg.parallel_config.tensor_parallel_size = tp_size
+    return cfg
+
+
+# ---------------------------------------------------------------------------- fake NIXL
+
+
+def expand_descs(descs: Any) -> list[tuple[int, int]]:
+    """Per-descriptor (addr, len): Nx5 strided rows (0.33) expanded the way NIXL indexes them,
+    Nx3 rows (0.26-0.32) and (addr, len, dev) tuples (<=0.25) as they are."""
+    arr = np.asarray(descs, dtype=np.uint64)
+    if arr.size == 0:
+        return []
+    if arr.ndim == 2 and arr.shape[1] == 5:
+        out = []
+        for addr, length, _dev, stride, count in arr.tolist():
+            out += [(addr + i * stride, length) for i in range(int(count))]
+        return out
+    arr = arr.reshape(-1, arr.shape[-1])
+    return [(int(r[0]), int(r[1])) for r in arr.tolist()]
+
+
+class RecordingNixlWrapper:
+    """Stand-in for ``nixl._api.nixl_agent`` in vLLM's FakeNixlWrapper style: no-ops that
+    record what the worker asks NIXL to do."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.dlists: dict[int, tuple[str, list[tuple[int, int]]]] = {}
+        self.reads: list[dict[str, Any]] = []
+        self.notifs_sent: list[tuple[str, str]] = []
+        self.inbox: list[tuple[str, bytes]] = []
+        self.remote_agents: list[str] = []
+        self._next = 1
+
+    def _handle(self) -> int:
+        self._next += 1
+        return self._next
+
+    def get_reg_descs(self, caches_data, mem_type=None):
+        return [tuple(x) for x in caches_data]
+
+    def register_memory(self, descs, backends=None):
+        pass
+
+    def deregister_memory(self, descs):
+        pass
+
+    def get_agent_metadata(self):
+        return b"agent:" + str(id(self)).encode()
+
+    def get_xfer_descs(self, blocks_data, mem_type=None):
+        return blocks_data
+
+    def prep_xfer_dlist(self, agent, descs, mem_type=None, *args, **kwargs):
+        h = self._handle()
+        self.dlists[h] = (agent, expand_descs(descs))
+        return h
+
+    def add_remote_agent(self, metadata):
+        name = metadata.decode() if isinstance(metadata, bytes) else str(metadata)
+        self.remote_agents.append(name)
+        return name
+
+    def remove_remote_agent(self, agent):
+        pass
+
+    def make_prepped_xfer(self, op, local_handle, local_ids, remote_handle, remote_ids,
+                          notif_msg=None, *args, **kwargs):
+        h = self._handle()
+        self.reads.append({"op": op, "handle": h, "local": int(local_handle),
+                           "local_ids": [int(x) for x in np.asarray(local_ids).ravel()],
+                           "remote": int(remote_handle),
+                           "remote_ids": [int(x) for x in np.asarray(remote_ids).ravel()],
+                           "notif": notif_msg.decode() if notif_msg else None})
+        return h
+
+    def transfer(self, handle, *args, **kwargs):
+        return "PROC"
+
+    def check_xfer_state(self, handle):
+        return "DONE"
+
+    def release_xfer_handle(self, handle):
+        pass
+
+    def release_dlist_handle(self, handle):
+        pass
+
+    def send_notif(self, agent, notif_msg=None, *args, **kwargs):
+        msg = notif_msg.decode() if isinstance(notif_msg, bytes) else str(notif_msg)
+        self.notifs_sent.append((agent, msg))
+
+    def get_new_notifs(self):
+        out: dict[str, list[bytes]] = {}
+        for agent, msg in self.inbox:
+            out.setdefault(agent, []).append(msg)
+        self.inbox.clear()
+        return out
+
+    def check_remote_metadata(self, *args, **kwargs):
+        return True
+
+    def get_xfer_telemetry(self, handle):
+        return MagicMock(xferDuration=1.0, postDuration=1.0, totalBytes=1, descCount=1)
+
+    def query_memory(self, *args, **kwargs):
+        return []
+
+
+# ---------------------------------------------------------------------------- the worker
+
+
+def version_of() -> Version:
+    from pdpatch.versions import vllm_version
+
+    v = vllm_version()
+    assert v is not None
+    return v
+
+
+def worker_module() -> Any:
+    site = vllm_sites.lookup(vllm_sites.NIXL_WRAPPER_HOME, version_of())
+    return importlib.import_module(site.module)
+
+
+def worker_class() -> Any:
+    site = vllm_sites.lookup(vllm_sites.READ_BLOCKS_FOR_REQ, version_of())
+    return getattr(importlib.import_module(site.module), site.qualname.split(".")[0])
+
+
+def attention_spec(kind: str, kv_heads: int) -> Any:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    if kind == "mla":
+        kwargs = {"block_size": BLOCK_SIZE, "num_kv_heads": 1, "head_size": 160,
+                  "dtype": DTYPE}
+        return MLAAttentionSpec(**kwargs)
+    return FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=kv_heads, head_size=HEAD_DIM,
+                             dtype=DTYPE)
+
+
+def kv_cache_config(num_blocks: int, layer_names: list[str], spec: Any) -> Any:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    page = spec.page_size_bytes
+    fields = KVCacheTensor.__dataclass_fields__
+    tensors = []
+    for n in layer_names:
+        if "layer_stride" in fields:            # >= 0.29: placement is part of the plan
+            tensors.append(KVCacheTensor(size=num_blocks * page, layers=[n],
+                                         layer_stride=num_blocks * page, block_stride=page))
+        elif "shared_by" in fields:
+            tensors.append(KVCacheTensor(size=num_blocks * page, shared_by=[n]))
+        else:
+            tensors.append(KVCacheTensor(size=num_blocks * page, layers=[n]))
+    return KVCacheConfig(num_blocks, tensors, [KVCacheGroupSpec(layer_names, spec)])
+
+
+def kv_tensors(kind: str, kv_heads: int, num_blocks: int, layer_names: list[str],
+               local_heads: int) -> dict[str, torch.Tensor]:
+    """One contiguous tensor per layer in the release's CPU cache shape: MLA ``(N, bs, C)``;
+    attention ``(2, N, H, bs, D)`` up to 0.22, packed ``(N, H, bs, 2D)`` from 0.23 (head-major,
+    the layout the NIXL connector asks for)."""
+    out = {}
+    for i, n in enumerate(layer_names):
+        if kind == "mla":
+            shape: tuple[int, ...] = (num_blocks, BLOCK_SIZE, 160)
+        elif version_of() < Version("0.23"):
+            shape = (2, num_blocks, local_heads, BLOCK_SIZE, HEAD_DIM)
+        else:
+            shape = (num_blocks, local_heads, BLOCK_SIZE, 2 * HEAD_DIM)
+        t = torch.arange(int(np.prod(shape)), dtype=torch.float32).reshape(shape)
+        out[n] = (t + 1000 * i).to(DTYPE)
+    return out
+
+
+def cpu_backend() -> Any:
+    backend = MagicMock()
+    backend.get_name.return_value = "CPU_ATTN"
+    backend.get_supported_kernel_block_sizes.return_value = [BLOCK_SIZE]
+    backend.full_cls_name.return_value = "fake.CPU_ATTN"
+    return backend
+
+
+@contextlib.contextmanager
+def fake_runtime(tp_rank: int, tp_size: int) -> Iterator[Any]:
+    """What vLLM's own tests patch: the NIXL agent, the TP group functions, the backends."""
+    mod = worker_module()
+    patches = [patch.object(mod, "NixlWrapper", RecordingNixlWrapper),
+               patch.object(mod, "get_tensor_model_parallel_rank", return_value=tp_rank),
+               patch.object(mod, "get_tensor_model_parallel_world_size",
+                            return_value=tp_size)]
+    for name in ("get_current_attn_backends",):
+        if hasattr(mod, name):
+            patches.append(patch.object(mod, name, return_value=[cpu_backend()]))
+    if hasattr(mod, "get_current_attn_backend"):
+        patches.append(patch.object(mod, "get_current_attn_backend",
+                                    return_value=cpu_backend()))
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        yield mod
+
+
+def build_worker(engine_id: str, *, role: str = "kv_consumer", num_blocks: int = 32,
+                 kind: str = "llama", kv_heads: int = 2, tp_rank: int = 0, tp_size: int = 1,
+                 extra: dict | None = None) -> Any:
+    """A real worker of the running release with its KV caches registered."""
+    from vllm.config import set_current_vllm_config
+
+    cfg = vllm_config(kind, kv_heads, role, tp_size, extra)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+    local_heads = max(1, kv_heads // tp_size)
+    spec = attention_spec(kind, local_heads)
+    kvc = kv_cache_config(num_blocks, layers, spec)
+    with fake_runtime(tp_rank, tp_size), set_current_vllm_config(cfg), \
+            patch("threading.Thread"):
+        worker = worker_class()(cfg, engine_id, kvc)
+        worker.register_kv_caches(kv_tensors(kind, kv_heads, num_blocks, layers, local_heads))
+    return worker
+
+
+def own_metadata(worker: Any) -> Any:
+    """The worker's handshake metadata, decoded with the release's own dataclass."""
+    import msgspec
+
+    cls = worker_module().NixlAgentMetadata
+    return msgspec.msgpack.Decoder(cls).decode(
+        worker.xfer_handshake_metadata.agent_metadata_bytes)
+
+
+def remote_metadata(peer: Any, engine_id: str, agent: str, **changes: Any) -> Any:
+    """``peer``'s metadata renamed as rank ``agent`` of engine ``engine_id``, with changes."""
+    import dataclasses
+
+    meta = own_metadata(peer)
+    return dataclasses.replace(meta, engine_id=engine_id, agent_metadata=agent.encode(),
+                               **changes)
+
+
+def connect_by_handshake(worker: Any, metas: dict[int, Any], remote_tp_size: int) -> None:
+    """Make the worker's real background handshake resolve to ``add_remote_agent`` calls with
+    ``metas`` (rank -> metadata), instead of ZMQ -- what vLLM's FakeNixlConnectorWorker does."""
+    tuple_keys = version_of() >= Version("0.26")
+
+    def _nixl_handshake(*args: Any, **kwargs: Any) -> Any:
+        agents = {}
+        for rank, meta in metas.items():
+            name = worker.add_remote_agent(meta, rank, remote_tp_size)
+            agents[(0, rank) if tuple_keys else rank] = name
+        return (agents, 0.0) if tuple_keys else agents
+
+    worker._nixl_handshake = _nixl_handshake
+
+
+def recv_metadata(reqs: list[dict[str, Any]], remote_tp_size: int = 1) -> Any:
+    """A real ``NixlConnectorMetadata`` with requests to receive (D side)."""
+    meta = worker_module_metadata_cls()()
+    for r in reqs:
+        params = {"remote_block_ids": r["remote_ids"], "remote_engine_id": r["engine"],
+                  "remote_request_id": r.get("remote_req_id", r["req_id"]),
+                  "remote_host": HOST, "remote_port": PORT, "tp_size": remote_tp_size}
+        fn = meta.add_new_req_to_recv
+        kwargs = {"awaiting_kvs": True} if "awaiting_kvs" in \
+            inspect.signature(fn).parameters else {}
+        fn(request_id=r["req_id"], local_block_ids=r["local_ids"], kv_transfer_params=params,
+           **kwargs)
+    return meta
+
+
+def worker_module_metadata_cls() -> Any:
+    mod = worker_module()
+    if hasattr(mod, "NixlConnectorMetadata"):
+        return mod.NixlConnectorMetadata
+    return importlib.import_module(f"{vllm_sites.NIXL_PKG}.metadata").NixlConnectorMetadata
+
+
+def send_metadata(req_ids: list[str], ttl: float = 600.0) -> Any:
+    """A real ``NixlConnectorMetadata`` for the P side: requests whose blocks await readers."""
+    meta = worker_module_metadata_cls()()
+    for r in req_ids:
+        meta.reqs_in_batch.add(r)
+        meta.reqs_to_send[r] = time.perf_counter() + ttl
+    return meta
+
+
+def finished(worker: Any) -> dict[str, Any]:
+    """One ``get_finished`` (<=0.29) / ``get_transfer_results`` (>=0.30) round, normalised."""
+    if hasattr(worker, "get_transfer_results"):
+        res = worker.get_transfer_results()
+        done_recv = set(getattr(res, "finished_recving", None) or ())
+        done_send = set(getattr(res, "finished_sending", None) or ())
+        failed = set(getattr(res, "failed_recving", None) or ())
+    else:
+        done_send, done_recv = worker.get_finished()
+        done_send, done_recv, failed = set(done_send or ()), set(done_recv or ()), set()
+    invalid = set(worker.get_block_ids_with_load_errors())
+    return {"done_recving": sorted(done_recv), "done_sending": sorted(done_send),
+            "failed_recving": sorted(failed), "invalid_blocks": sorted(invalid)}
+
+
+def merge(acc: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    return {k: sorted(set(acc.get(k, [])) | set(new.get(k, []))) for k in new}
+
+
+def step(worker: Any, metadata: Any) -> str | None:
+    """``start_load_kv`` as the model runner calls it; returns the exception that would have
+    killed the worker thread, if any."""
+    try:
+        worker.start_load_kv(metadata)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def run_until(worker: Any, predicate, timeout: float = 20.0) -> tuple[dict, str | None]:
+    """Pump empty scheduler steps (handshake futures complete in the background) until
+    ``predicate(results)``; returns the merged results and the first crash, if any."""
+    acc: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout
+    while True:
+        crash = step(worker, worker_module_metadata_cls()())
+        acc = merge(acc, finished(worker))
+        if crash or predicate(acc) or time.monotonic() > deadline:
+            return acc, crash
+        time.sleep(0.02)
+
+
+# ---------------------------------------------------------------------------- scenarios
+
+
+def _reads_by_req(worker: Any) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in worker.nixl_wrapper.reads:
+        req = (r["notif"] or "").rsplit(":", 1)[0]
+        out.setdefault(req, []).append({"local_ids": r["local_ids"],
+                                        "remote_ids": r["remote_ids"]})
+    return out
+
+
+def scenario_read_assert() -> dict[str, Any]:
+    """Bug 1: a producer that sent fewer blocks than the decode side allocated.
+
+    ``bad`` has 3 local blocks but only 1 remote block (the prefix-trim assert), ``good`` is a
+    normal request of the same batch, ``after`` arrives one step later.  Observes whether
+    ``start_load_kv`` raised (on the model-runner thread: the worker dies), how each request is
+    reported, the blocks marked invalid, and which READs were posted.
+    """
+    d = build_worker("decode-engine", num_blocks=32)
+    p = build_worker("prefill-engine", role="kv_producer", num_blocks=40)
+    connect_by_handshake(d, {0: remote_metadata(p, "prefill-engine", "P0")}, 1)
+    # A first request completes the handshake, so the batch below is read in one step, in order.
+    warm = step(d, recv_metadata([{"req_id": "warmup", "local_ids": [[0]], "remote_ids": [[0]],
+                                   "engine": "prefill-engine"}]))
+    _, warm = run_until(d, lambda a: "warmup" in a["done_recving"])
+    assert warm is None, warm
+    batch = recv_metadata([
+        {"req_id": "bad", "local_ids": [[1, 2, 3]], "remote_ids": [[7]],
+         "engine": "prefill-engine"},
+        {"req_id": "good", "local_ids": [[4, 5]], "remote_ids": [[8, 9]],
+         "engine": "prefill-engine"},
+    ])
+    crash = step(d, batch)
+    acc = finished(d)
+    reported = lambda a: {"bad", "good"} <= set(a["done_recving"]) | set(a["failed_recving"])  # noqa: E731
+    if crash is None:
+        more, crash = run_until(d, reported)
+        acc = merge(acc, more)
+    after = None
+    if crash is None:
+        crash = step(d, recv_metadata([{"req_id": "after", "local_ids": [[10]],
+                                        "remote_ids": [[11]], "engine": "prefill-engine"}]))
+        after, crash2 = run_until(d, lambda a: "after" in a["done_recving"])
+        crash = crash or crash2
+    return {"crash": crash, "results": acc, "after": after, "reads": _reads_by_req(d),
+            "failure_style": vllm_sites.recv_failure_style(version_of())}
