@@ -227,8 +227,11 @@ def compare(hasher: BlockKeyHasher, peer: PeerBlockKeys) -> list[str]:
     mine, theirs = request_summary(hasher), peer.summary
     if mine["nt"] != theirs["nt"] or mine["td"] != theirs["td"]:
         causes.append("prompt")
+    # the LoRA and salt digests are shaped by the key format; across formats only the
+    # key_format cause is certain
+    comparable = {"md", "ed"} | (set() if "key_format" in causes else {"ld", "sd"})
     for key, cause in (("ld", "lora"), ("sd", "cache_salt"), ("md", "mm"),
                        ("ed", "prompt_embeds")):
-        if mine[key] != theirs[key]:
+        if key in comparable and mine[key] != theirs[key]:
             causes.append(cause)
     return causes or ["keys"]

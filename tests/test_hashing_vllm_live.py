@@ -1,0 +1,207 @@
+"""pdpatch.hashing against REAL vLLM 0.33 hashing, live, on randomized inputs.
+
+Every example builds a real ``vllm.v1.request.Request`` with vLLM's own block hasher
+(``get_request_block_hasher`` + ``init_none_hash`` under the example's PYTHONHASHSEED), appends
+decode tokens with ``append_output_token_ids``, and demands that ``BlockKeyHasher`` produce the
+same ``request.block_hashes``.  Both sides get the *same* string objects, so pickle's identity
+memo sees the same structure.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core import kv_cache_utils as K  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.utils import tensor_data  # noqa: E402
+
+from pdpatch.hashing import (  # noqa: E402
+    ALGORITHMS,
+    BlockKeyHasher,
+    LoraSpec,
+    MMItem,
+    PromptEmbeds,
+    block_keys,
+    coarse_keys,
+    to_event_extra_keys,
+    to_event_int,
+)
+
+VERSION = "0.33.0"
+LIVE = settings(max_examples=60, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                       HealthCheck.function_scoped_fixture])
+
+token = st.one_of(st.integers(0, 23), st.integers(24, 255), st.integers(256, 65535),
+                  st.integers(65536, 262143), st.sampled_from(
+                      [0, 23, 24, 255, 256, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1, 2**32,
+                       2**63 - 1, 2**64 - 1]),
+                  st.integers(262144, 2**64 - 1))
+name = st.text(min_size=1, max_size=10)
+seed = st.sampled_from(["0", "", "random", "00", "424242"])
+
+
+@pytest.fixture(autouse=True)
+def _restore_vllm_none_hash():
+    """init_none_hash sets module globals; leave them as we found them."""
+    saved = {k: getattr(K, k) for k in ("NONE_HASH", "_NONE_HASH_SEED") if hasattr(K, k)}
+    old_seed = os.environ.get("PYTHONHASHSEED")
+    yield
+    for k, v in saved.items():
+        setattr(K, k, v)
+    if old_seed is None:
+        os.environ.pop("PYTHONHASHSEED", None)
+    else:
+        os.environ["PYTHONHASHSEED"] = old_seed
+
+
+def vllm_request(algo: str, pythonhashseed: str | None, bs: int, tokens: list[int] | None, *,
+                 lora: LoraSpec | None = None, salt: str | None = None,
+                 mm: list[MMItem] = (), embeds=None, lookahead: int = 0) -> Request:
+    if pythonhashseed is None:
+        os.environ.pop("PYTHONHASHSEED", None)
+    else:
+        os.environ["PYTHONHASHSEED"] = pythonhashseed
+    fn = get_hash_fn_by_name(algo)
+    K.init_none_hash(fn)
+    hasher = K.get_request_block_hasher(bs, fn, num_hash_lookahead_tokens=lookahead)
+    feats = [MultiModalFeatureSpec(data=None, modality="image", identifier=m.identifier,
+                                   mm_position=PlaceholderRange(offset=m.offset,
+                                                                length=m.length),
+                                   mm_hash=m.identifier) for m in mm]
+    return Request(
+        request_id="r", prompt_token_ids=tokens, prompt_embeds=embeds,
+        sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+        lora_request=(LoRARequest(lora_name=lora.name, lora_int_id=lora.int_id,
+                                  lora_path=lora.path) if lora else None),
+        cache_salt=salt, mm_features=feats or None, block_hasher=hasher)
+
+
+@st.composite
+def mm_items(draw, n_tokens: int) -> list[MMItem]:
+    """Sorted, non-overlapping placeholder ranges (what vLLM's processors produce)."""
+    items, pos = [], draw(st.integers(0, max(0, n_tokens // 2)))
+    for _ in range(draw(st.integers(0, 4))):
+        length = draw(st.integers(1, 40))
+        if pos + length > n_tokens:
+            break
+        ident = draw(st.sampled_from(["a", "img", "deadbeef" * 4])) + draw(name)
+        items.append(MMItem(ident, pos, length))
+        pos += length + draw(st.sampled_from([0, 0, 1, 7, 16]))
+    return items
+
+
+@LIVE
+@given(algo=st.sampled_from(ALGORITHMS), pythonhashseed=seed, bs=st.integers(1, 33),
+       data=st.data())
+def test_random_requests_match_vllm(algo, pythonhashseed, bs, data) -> None:
+    prompt = data.draw(st.lists(token, max_size=6 * bs + 3))
+    lora = data.draw(st.none() | st.builds(LoraSpec, name, name, st.integers(1, 9)))
+    salt = data.draw(st.none() | st.sampled_from(["", "s"]) | name)
+    mm = data.draw(mm_items(len(prompt)))
+    appends = data.draw(st.lists(st.lists(token, min_size=1, max_size=2 * bs), max_size=4))
+
+    req = vllm_request(algo, pythonhashseed, bs, list(prompt), lora=lora, salt=salt, mm=mm)
+    ours = BlockKeyHasher(algo=algo, hash_block_size=bs, vllm_version=VERSION,
+                          pythonhashseed=pythonhashseed, lora=lora, mm=mm, cache_salt=salt,
+                          prompt=prompt)
+    assert ours.none_hash == K.NONE_HASH
+    assert ours.keys == req.block_hashes
+    for chunk in appends:
+        before = len(req.block_hashes)
+        req.append_output_token_ids(list(chunk))
+        assert ours.extend(chunk) == req.block_hashes[before:]
+        assert ours.keys == req.block_hashes
+    # incremental == from scratch (0.31+), and == vLLM
+    all_tokens = list(prompt) + [t for c in appends for t in c]
+    assert block_keys(all_tokens, algo=algo, hash_block_size=bs, vllm_version=VERSION,
+                      pythonhashseed=pythonhashseed, lora=lora, mm=mm,
+                      cache_salt=salt) == req.block_hashes
+
+
+@LIVE
+@given(algo=st.sampled_from(ALGORITHMS), bs=st.integers(1, 17),
+       lookahead=st.integers(1, 3), data=st.data())
+def test_lookahead_keys_match_vllm(algo, bs, lookahead, data) -> None:
+    prompt = data.draw(st.lists(token, max_size=5 * bs + 4))
+    mm = data.draw(mm_items(len(prompt)))
+    lora = data.draw(st.none() | st.builds(LoraSpec, name, name))
+    appends = data.draw(st.lists(st.lists(token, min_size=1, max_size=bs + 2), max_size=3))
+    req = vllm_request(algo, "0", bs, list(prompt), lora=lora, mm=mm, lookahead=lookahead)
+    ours = BlockKeyHasher(algo=algo, hash_block_size=bs, vllm_version=VERSION,
+                          pythonhashseed="0", lora=lora, mm=mm, lookahead=lookahead,
+                          prompt=prompt)
+    assert ours.keys == req.block_hashes
+    for chunk in appends:
+        req.append_output_token_ids(list(chunk))
+        ours.extend(chunk)
+        assert ours.keys == req.block_hashes
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(algo=st.sampled_from(ALGORITHMS), bs=st.integers(1, 9), rows=st.integers(0, 40),
+       cols=st.integers(1, 6), dtype=st.sampled_from(["float16", "bfloat16", "float32"]),
+       appends=st.lists(st.integers(0, 300), max_size=12))
+def test_prompt_embeds_match_vllm(algo, bs, rows, cols, dtype, appends) -> None:
+    gen = torch.Generator().manual_seed(rows * 31 + cols)
+    embeds = torch.randn(max(rows, 1), cols, generator=gen).to(getattr(torch, dtype))
+    req = vllm_request(algo, "0", bs, None, embeds=embeds)
+    pe = PromptEmbeds(bytes(tensor_data(embeds)), cols * embeds.element_size())
+    ours = BlockKeyHasher(algo=algo, hash_block_size=bs, vllm_version=VERSION,
+                          pythonhashseed="0", prompt_embeds=pe, prompt=[0] * embeds.shape[0])
+    assert ours.keys == req.block_hashes
+    req.append_output_token_ids(list(appends))
+    ours.extend(appends)
+    assert ours.keys == req.block_hashes
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+def test_default_seed_matches_vllm(algo: str) -> None:
+    toks = list(range(1000, 1100))
+    req = vllm_request(algo, None, 16, toks)
+    assert K.get_none_hash_seed() == "vllm-none-hash"
+    assert block_keys(toks, algo=algo, pythonhashseed=None) == req.block_hashes
+
+
+@pytest.mark.parametrize("algo", ALGORITHMS)
+def test_reported_none_hash_reproduces_a_random_seed(algo: str) -> None:
+    """A peer that reports its in-process NONE_HASH (even a random one) can be reproduced."""
+    toks = list(range(50))
+    req = vllm_request(algo, None, 8, toks)
+    assert block_keys(toks, algo=algo, hash_block_size=8, none_hash=K.NONE_HASH) == \
+        req.block_hashes
+
+
+@pytest.mark.parametrize("algo", ALGORITHMS)
+def test_coarse_event_ints_and_event_extra_keys_match_vllm(algo: str) -> None:
+    toks = [(i * 7919) % 200000 for i in range(200)]
+    lora, mm = LoraSpec("ad", "/p/ad"), [MMItem("img" + "x" * 5, 3, 40)]
+    req = vllm_request(algo, "0", 8, toks, lora=lora, salt="t", mm=mm)
+    ours = BlockKeyHasher(algo=algo, hash_block_size=8, pythonhashseed="0", lora=lora, mm=mm,
+                          cache_salt="t", prompt=toks)
+    assert ours.keys == req.block_hashes
+    for factor in (2, 3, 5):
+        view = K.BlockHashListWithBlockSize(req.block_hashes, 8, 8 * factor)
+        assert coarse_keys(ours.keys, factor, VERSION) == list(view)
+    assert [to_event_int(k) for k in ours.keys] == \
+        [K.maybe_convert_block_hash(k) for k in req.block_hashes]
+    extras, idx = [], 0
+    for s in range(0, len(req.block_hashes) * 8, 8):
+        e, idx = K.generate_block_hash_extra_keys(req, s, s + 8, idx)
+        extras.append(e)
+    assert ours.extras_for(0, len(ours.keys)) == extras
+    assert to_event_extra_keys(ours.extras_for(0, len(ours.keys))) == \
+        K.to_event_extra_keys(extras)
