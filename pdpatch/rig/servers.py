@@ -106,6 +106,7 @@ class Engine:
         self.started_at = 0.0
         self.ready_after_s: float | None = None
         self._log_fh: IO[bytes] | None = None
+        self.stopped = False
 
     @property
     def url(self) -> str:
@@ -215,28 +216,41 @@ class Engine:
                     out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
         return out
 
-    def stop(self, grace_s: float = 20.0) -> None:
+    def _signal_group(self, sig: int) -> None:
+        # Never signal a group we already reaped: its id could belong to someone else by now.
+        if self.proc is not None and not self.stopped:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+
+    def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the whole process group, SIGKILL it after ``grace_s``.  Idempotent."""
-        proc = self.proc
-        if proc is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGTERM)
+        stop_all([self], grace_s)
+
+
+def stop_all(engines: Sequence[Engine], grace_s: float = 15.0) -> None:
+    """Stop engines in parallel: SIGTERM every group, one shared grace period, then SIGKILL
+    every group (also sweeping children whose API server already exited), then reap."""
+    for e in engines:
+        e._signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for e in engines:
+        if e.proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=grace_s)
-            # The API server may exit before its children; sweep the group either way.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
+                e.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for e in engines:
+        e._signal_group(signal.SIGKILL)
+        if e.proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
-        if self._log_fh is not None:
-            self._log_fh.close()
-            self._log_fh = None
-        _live.discard(self)
+                e.proc.wait(timeout=5)
+        e.stopped = e.proc is not None
+        if e._log_fh is not None:
+            e._log_fh.close()
+            e._log_fh = None
+        _live.discard(e)
 
 
 def _stop_all_live() -> None:
-    for eng in list(_live):
-        eng.stop(grace_s=5.0)
+    stop_all(list(_live), grace_s=5.0)
 
 
 atexit.register(_stop_all_live)
@@ -340,24 +354,22 @@ class EngineGroup:
         return self.start_s
 
     def stop(self) -> None:
-        # SIGTERM everyone first so they shut down in parallel, then reap each.
-        for e in self.engines:
-            if e.proc is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(e.proc.pid, signal.SIGTERM)
-        for e in self.engines:
-            e.stop()
+        stop_all(self.engines)
 
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt so ``with EngineGroup`` cleans up on ``kill`` too."""
+    """Make SIGTERM and SIGINT raise KeyboardInterrupt, so ``with EngineGroup`` cleans up.
+
+    SIGINT is set explicitly too: a shell starting us in the background leaves it ignored.
+    """
 
     def handler(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    old = signal.signal(signal.SIGTERM, handler)
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, h in old.items():
+            signal.signal(sig, h)
