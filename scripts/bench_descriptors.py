@@ -229,63 +229,56 @@ def bench_transfers(quick: bool) -> None:
     seed = 1234
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_peer, args=(child, per_side, seed), daemon=True)
+    # the peer holds both remote layouts: fused at +0, split at +per_side
+    proc = ctx.Process(target=_peer, args=(child, 2 * per_side, seed), daemon=True)
     proc.start()
     agent = nixl_agent("bench-init",
                        nixl_agent_config(backends=["UCX"], capture_telemetry=True))
     remote_base = conn.recv()
-    remote_bytes = np.random.default_rng(seed).integers(0, 256, per_side, dtype=np.uint8)
+    remote_bytes = np.random.default_rng(seed).integers(0, 256, 2 * per_side, dtype=np.uint8)
     local_buf = np.zeros(per_side, dtype=np.uint8)
     local_base = int(local_buf.ctypes.data)
     local = _geo("fused", layers, blocks, bs, heads, dim, local_base)
     agent.register_memory([(s, e - s, 0, "") for s, e in local.registration_ranges()], "DRAM")
-    remotes = {k: _geo(k, layers, blocks, bs, heads, dim, remote_base) for k in ("fused", "split")}
-    known = False
+    remotes = {"fused": _geo("fused", layers, blocks, bs, heads, dim, remote_base),
+               "split": _geo("split", layers, blocks, bs, heads, dim, remote_base + per_side)}
+    conn.send(("register", remotes["fused"].registration_ranges()
+               + remotes["split"].registration_ranges()))
+    agent.add_remote_agent(conn.recv())
 
-    def use_remote(kind: str) -> None:
-        nonlocal known
-        conn.send(("register", remotes[kind].registration_ranges()))
-        md = conn.recv()
-        if known:
-            agent.remove_remote_agent("bench-peer")
-        agent.add_remote_agent(md)
-        known = True
-
-    def run(plan: DescPlan, reps: int, strided: bool = False) -> tuple[float, int]:
+    def prep(plan: DescPlan, strided: bool):
         if strided:  # NIXL >= 1.5 compressed rows; NIXL expands them into descriptors
             lrows, rrows = strided_pair_rows(plan)
             lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", lrows, "DRAM")
             rh = agent.prep_xfer_dlist("bench-peer", rrows, "DRAM")
-        else:
-            lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", plan.local_nx3(), "DRAM")
-            rh = agent.prep_xfer_dlist("bench-peer", plan.remote_nx3(), "DRAM")
-        idx = np.arange(len(plan))
-        best, count = float("inf"), 0
-        for _ in range(reps):
-            local_buf[:] = 0
-            h = agent.make_prepped_xfer("READ", lh, idx, rh, idx)
-            t0 = time.perf_counter()
-            state = agent.transfer(h)
-            while state == "PROC":
-                state = agent.check_xfer_state(h)
-            dt = time.perf_counter() - t0
-            assert state == "DONE", state
-            count = agent.get_xfer_telemetry(h).descCount
-            agent.release_xfer_handle(h)
-            best = min(best, dt)
-        agent.release_dlist_handle(lh)
-        agent.release_dlist_handle(rh)
-        # byte check: every descriptor's local bytes equal the remote's
+            return lh, rh, len(lrows)
+        lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", plan.local_nx3(), "DRAM")
+        rh = agent.prep_xfer_dlist("bench-peer", plan.remote_nx3(), "DRAM")
+        return lh, rh, len(plan)
+
+    def once(lh, rh, n: int) -> tuple[float, int]:
+        idx = np.arange(n)
+        h = agent.make_prepped_xfer("READ", lh, idx, rh, idx)
+        t0 = time.perf_counter()
+        state = agent.transfer(h)
+        while state == "PROC":
+            state = agent.check_xfer_state(h)
+        dt = time.perf_counter() - t0
+        assert state == "DONE", state
+        count = agent.get_xfer_telemetry(h).descCount
+        agent.release_xfer_handle(h)
+        return dt, count
+
+    def verify(plan: DescPlan) -> None:
         for la, ra, n in zip(plan.local_addr.tolist(), plan.remote_addr.tolist(),
                              plan.length.tolist(), strict=True):
             lo, ro = la - local_base, ra - remote_base
             if not np.array_equal(local_buf[lo:lo + n], remote_bytes[ro:ro + n]):
                 raise AssertionError("transferred bytes differ")
-        return best, count
 
     rng = np.random.default_rng(7)
     n_req = 512
-    reps = 3 if quick else 7
+    reps = 5 if quick else 11
     patterns = {
         "scattered": (rng.choice(blocks, n_req, replace=False),
                       rng.choice(blocks, n_req, replace=False)),
@@ -296,26 +289,39 @@ def bench_transfers(quick: bool) -> None:
     }
     mib = n_req * layers * 2 * seg / 2**20
     print(f"(b) NIXL READ over UCX loopback, host DRAM, {layers} layers x {n_req} blocks of "
-          f"{2 * seg // 1024} KiB ([K|V]) = {mib:.0f} MiB per transfer, best of {reps}")
+          f"{2 * seg // 1024} KiB ([K|V]) = {mib:.0f} MiB per transfer; all modes interleaved "
+          f"in {reps} rounds, best wall time each; every mode's bytes checked")
     for pname, (lids, rids) in patterns.items():
-        results = {}
+        cases = {}
         for kind, label in (("fused", "unconverted fused<-fused"),
                             ("split", "converted   fused<-split")):
-            use_remote(kind)
             pair = PairPlan(local, remotes[kind])
             assert pair.converts == (kind == "split")
             plan = pair.descs(lids, rids)
             for mode, p, strided in (("per-segment", plan, False),
                                      ("strided rows", plan, True),
                                      ("coalesced", coalesce(plan), False)):
-                dt, count = run(p, reps, strided)
-                nrows = len(strided_pair_rows(p)[0]) if strided else len(p)
-                results[(label, mode)] = (p.total_bytes / dt / 1e9, nrows, count)
-        base = results[("unconverted fused<-fused", "per-segment")][0]
+                cases[(label, mode)] = (p, *prep(p, strided))
+        best = dict.fromkeys(cases, float("inf"))
+        counts = {}
+        for rnd in range(reps):
+            for key, (p, lh, rh, _rows) in cases.items():
+                if rnd == 0:
+                    local_buf[:] = 0
+                dt, counts[key] = once(lh, rh, len(p))
+                if rnd == 0:
+                    verify(p)
+                best[key] = min(best[key], dt)
+        base = cases[("unconverted fused<-fused", "per-segment")][0].total_bytes / best[
+            ("unconverted fused<-fused", "per-segment")]
         print(f"  {pname}:")
-        for (label, mode), (gbs, ndesc, count) in results.items():
-            print(f"    {label} {mode:12s}: {gbs:6.2f} GB/s  ({ndesc:5d} rows/descs, NIXL "
-                  f"descCount {count:5d})  ratio {gbs / base:.2f}")
+        for key, (p, lh, rh, rows) in cases.items():
+            gbs = p.total_bytes / best[key]
+            label, mode = key
+            print(f"    {label} {mode:12s}: {gbs / 1e9:6.2f} GB/s  ({rows:5d} rows/descs, NIXL "
+                  f"descCount {counts[key]:5d})  ratio {gbs / base:.2f}")
+            agent.release_dlist_handle(lh)
+            agent.release_dlist_handle(rh)
     conn.send(("quit", None))
     conn.recv()
     proc.join(10)
