@@ -61,9 +61,10 @@ def model_dir(kind: str = "llama", kv_heads: int = 2) -> Path:
         cfg = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
                "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
                "num_hidden_layers": NUM_LAYERS, "num_attention_heads": 4,
-               "num_key_value_heads": 4, "kv_lora_rank": 128, "q_lora_rank": None,
+               "num_key_value_heads": 4, "kv_lora_rank": 128, "q_lora_rank": 64,
                "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32,
-               "n_routed_experts": None, "first_k_dense_replace": NUM_LAYERS,
+               "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+               "first_k_dense_replace": NUM_LAYERS,
                "vocab_size": 512, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
                "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
                "torch_dtype": "bfloat16"}
@@ -482,3 +483,34 @@ def scenario_read_assert() -> dict[str, Any]:
         crash = crash or crash2
     return {"crash": crash, "results": acc, "after": after, "reads": _reads_by_req(d),
             "failure_style": vllm_sites.recv_failure_style(version_of())}
+
+
+def scenario_mla_notif() -> dict[str, Any]:
+    """Bug 3: MLA with P TP 2 > D TP 1.  D reads once (from P rank 0, the cache is replicated)
+    and must tell P rank 1 it may free the blocks, under P's request id (``p-req``), not D's
+    own (``d-req``).  P rank 1 is a real producer worker holding ``p-req``'s blocks; the
+    notification D sent is delivered to it and its ``get_finished`` decides whether it frees."""
+    d = build_worker("decode-engine", kind="mla", num_blocks=32)
+    prefill = [build_worker("prefill-engine", role="kv_producer", kind="mla", num_blocks=40,
+                            tp_rank=r, tp_size=2) for r in range(2)]
+    metas = {r: remote_metadata(prefill[r], "prefill-engine", f"P{r}") for r in range(2)}
+    connect_by_handshake(d, metas, 2)
+    p1 = prefill[1]
+    crash = step(p1, send_metadata(["p-req"]))
+    assert crash is None, crash
+    crash = step(d, recv_metadata([{"req_id": "d-req", "remote_req_id": "p-req",
+                                    "local_ids": [[1, 2]], "remote_ids": [[3, 4]],
+                                    "engine": "prefill-engine"}], remote_tp_size=2))
+    acc = finished(d)
+    if crash is None:
+        more, crash = run_until(d, lambda a: "d-req" in a["done_recving"])
+        acc = merge(acc, more)
+    sent = list(d.nixl_wrapper.notifs_sent)
+    for agent, msg in sent:
+        if agent == "P1":
+            p1.nixl_wrapper.inbox.append(("decode-agent", msg.encode()))
+    p1_done = finished(p1)
+    return {"crash": crash, "use_mla": bool(d.use_mla), "d_results": acc,
+            "reads": [{"remote": r["remote"], "notif": r["notif"]} for r in d.nixl_wrapper.reads],
+            "notifs_sent": sent, "p1_done_sending": p1_done["done_sending"],
+            "p1_still_holding": sorted(getattr(p1, "_reqs_to_send", {}))}

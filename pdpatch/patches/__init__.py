@@ -7,9 +7,9 @@ from pdpatch.registry import Patch
 
 def all_patches() -> list[Patch]:
     """Imported lazily: patch modules are tiny, but the bootstrap should not pay for them."""
-    from pdpatch.patches import layout, num_blocks, read_guard
+    from pdpatch.patches import layout, mla_notif, num_blocks, read_guard
 
-    return [read_guard.PATCH, layout.PATCH, num_blocks.PATCH]
+    return [read_guard.PATCH, layout.PATCH, num_blocks.PATCH, mla_notif.PATCH]
 
 
 def patch_names() -> list[str]:
