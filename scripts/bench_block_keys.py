@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Block keys of a 32k-token request: pdpatch.hashing vs vLLM's own ``hash_block_tokens`` chain.
+
+    VLLM_TARGET_DEVICE=cpu .venv/bin/python scripts/bench_block_keys.py [--tokens 32768]
+
+For each algorithm, in the same process and the same run: vLLM's chain (``init_none_hash`` then
+``hash_block_tokens`` per full block, exactly what ``get_request_block_hasher`` does for a plain
+request) and ``pdpatch.hashing.block_keys`` (the public API: config, NONE_HASH, keys) on the
+same tokens.  The keys are asserted byte-identical before any time is reported.  Times are the
+median of ``--repeat`` interleaved runs; the ratio is vLLM / pdpatch.
+
+A second baseline, vLLM's full request path (a real ``Request`` with
+``get_request_block_hasher``, i.e. with its per-block extra-key calls), is printed alongside.
+pdpatch's first call in a process also builds its per-token encoding table (printed once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=151936, help="token ids drawn below this")
+    ap.add_argument("--repeat", type=int, default=25)
+    ap.add_argument("--seed", default="0", help="PYTHONHASHSEED of both sides")
+    args = ap.parse_args()
+
+    os.environ["PYTHONHASHSEED"] = args.seed  # vLLM's init_none_hash reads it at call time
+    import vllm
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils as K
+    from vllm.v1.request import Request
+
+    from pdpatch.hashing import block_keys
+    from pdpatch.hashing.encoders import CBOR_TABLE, PICKLE_TABLE
+
+    rng = random.Random(1234)
+    tokens = [rng.randrange(args.vocab) for _ in range(args.tokens)]
+    bs = args.block_size
+    print(f"vLLM {vllm.__version__}, Python {sys.version.split()[0]}, {args.tokens} tokens, "
+          f"hash_block_size {bs}, vocab {args.vocab}, median of {args.repeat}")
+
+    t0 = time.perf_counter()
+    CBOR_TABLE.lookup([args.vocab - 1]) or CBOR_TABLE.grow_for([args.vocab - 1])
+    PICKLE_TABLE.lookup([args.vocab - 1]) or PICKLE_TABLE.grow_for([args.vocab - 1])
+    print(f"pdpatch one-time token tables (both serializers): "
+          f"{(time.perf_counter() - t0) * 1e3:.1f} ms")
+
+    print(f"{'algorithm':12} {'vLLM chain':>11} {'pdpatch':>9} {'ratio':>7}   "
+          f"{'vLLM Request':>12} {'ratio':>7}")
+    worst_cbor = None
+    for algo in ALGOS:
+        fn = get_hash_fn_by_name(algo)
+        K.init_none_hash(fn)
+        hash_block_tokens = K.hash_block_tokens
+
+        def vllm_chain(fn=fn, hash_block_tokens=hash_block_tokens) -> list[bytes]:
+            out, parent = [], None
+            for s in range(0, len(tokens) - bs + 1, bs):
+                parent = hash_block_tokens(fn, parent, tokens[s:s + bs], None)
+                out.append(parent)
+            return out
+
+        def vllm_request(fn=fn) -> list[bytes]:
+            req = Request(request_id="b", prompt_token_ids=tokens,
+                          sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                          block_hasher=K.get_request_block_hasher(bs, fn))
+            return req.block_hashes
+
+        def ours(algo=algo) -> list[bytes]:
+            return block_keys(tokens, algo=algo, hash_block_size=bs,
+                              pythonhashseed=args.seed, vllm_version="0.33.0")
+
+        expected = vllm_chain()
+        assert ours() == expected, f"{algo}: pdpatch keys differ from vLLM's"
+        assert vllm_request() == expected
+        times: dict[str, list[float]] = {"chain": [], "ours": [], "request": []}
+        for _ in range(args.repeat):
+            for name, fn_ in (("chain", vllm_chain), ("ours", ours), ("request", vllm_request)):
+                t = time.perf_counter()
+                fn_()
+                times[name].append(time.perf_counter() - t)
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        ratio = med["chain"] / med["ours"]
+        if algo.endswith("_cbor"):
+            worst_cbor = ratio if worst_cbor is None else min(worst_cbor, ratio)
+        print(f"{algo:12} {med['chain']:9.2f}ms {med['ours']:7.2f}ms {ratio:6.2f}x   "
+              f"{med['request']:10.2f}ms {med['request'] / med['ours']:6.2f}x")
+    print(f"keys byte-identical for all algorithms; cbor algorithms: >= {worst_cbor:.2f}x "
+          f"(goal 3x)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
