@@ -33,8 +33,33 @@ from pdpatch import vllm_sites
 NUM_LAYERS = 2
 NUM_KV_HEADS = 2
 HEAD_DIM = 64
-BLOCK_SIZE = 16
+BLOCK_SIZE = 32
 DTYPE = torch.bfloat16
+
+
+def ensure_cpu_platform() -> None:
+    """Releases before 0.29 detect the CPU platform from their build string ("+cpu"), which the
+    source trees lack; install that release's own ``CpuPlatform`` explicitly, before any module
+    binds ``current_platform``."""
+    import vllm.platforms as platforms
+
+    if getattr(platforms, "_current_platform", None) is None:
+        from vllm.platforms.cpu import CpuPlatform
+
+        try:
+            detected = platforms.current_platform.device_type
+        except Exception:
+            detected = ""
+        if not detected:
+            platforms._current_platform = CpuPlatform()
+
+
+def cpu_backend_class() -> type:
+    """The release's real CPU attention backend (its ``get_kv_cache_shape`` defines the
+    tensors the NIXL worker expects)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return CPUAttentionBackend
 
 
 def model_dir() -> Path:
@@ -157,43 +182,87 @@ class Allocation:
 
 def kvcached_views(layer_names: list[str], num_blocks: int, variant: str,
                    layout: str = "HND") -> Allocation:
-    """Packed ``(N, H, bs, 2D)`` views (vLLM >= 0.26 attention pages) laid out like kvcached's
-    ``_build_packed_kv_views``:
+    """KV tensors laid out like kvcached's, as ``as_strided`` views over storages sized for
+    ``num_blocks`` (plus a few spare bytes past the last block, as a VMM reservation rounded up
+    to its page would have).
 
-    * ``split`` -- kvcached's non-contiguous layout: one storage per layer, blocks one page apart
-      (its ``KVCACHED_CONTIGUOUS_LAYOUT=false``, the mode its NIXL patch requires);
-    * ``interleaved`` -- kvcached's contiguous layout: one storage for all layers, block ``b`` of
-      layer ``l`` at ``(b * L + l) * page`` (a layer-interleaved compound page).
+    Packed ``(N, H, bs, 2D)`` pages (vLLM >= 0.25 CPU attention, >= 0.26 every backend), like
+    kvcached's ``_build_packed_kv_views``:
 
-    Each storage carries a few spare bytes past the last block, as a VMM reservation rounded up
-    to its page would.
+    * ``per-layer`` -- kvcached's non-contiguous layout: one storage per layer, blocks one page
+      apart (``KVCACHED_CONTIGUOUS_LAYOUT=false``, the mode its NIXL patch requires);
+    * ``layer-interleaved`` -- kvcached's contiguous layout: one storage for all layers, block
+      ``b`` of layer ``l`` at ``(b * L + l) * page``.
+
+    K/V-first ``(2, N, H, bs, D)`` tensors (CPU attention up to 0.22; FlashAttention's
+    ``(2, N, bs, H, D)`` is the same geometry), like kvcached's FlashAttention-style views:
+
+    * ``split-half`` -- per layer, all K blocks in one half of the storage and all V blocks in
+      the other: ``stride[0] = v_offset`` (the virtual K region's size), ``stride[1] = hidden``.
     """
-    heads, width = NUM_KV_HEADS, 2 * HEAD_DIM
-    page = heads * BLOCK_SIZE * width                         # elements per block and layer
-    inner = (BLOCK_SIZE * width, width, 1) if layout == "HND" else (width, heads * width, 1)
-    shape = (num_blocks, heads, BLOCK_SIZE, width)
+    heads = NUM_KV_HEADS
     isz = torch.empty((), dtype=DTYPE).element_size()
     L = len(layer_names)
     views, storages, addr = {}, [], {}
-    if variant == "split":
-        for name in layer_names:
-            raw = torch.randn(num_blocks * page + 64, dtype=torch.float32).to(DTYPE)
+
+    def fresh(n: int) -> torch.Tensor:
+        return torch.randn(n, dtype=torch.float32).to(DTYPE)
+
+    if variant in ("per-layer", "layer-interleaved"):
+        width = 2 * HEAD_DIM
+        page = heads * BLOCK_SIZE * width
+        inner = (BLOCK_SIZE * width, width, 1) if layout == "HND" else (width, heads * width, 1)
+        shape = (num_blocks, heads, BLOCK_SIZE, width)
+        if variant == "per-layer":
+            for name in layer_names:
+                raw = fresh(num_blocks * page + 64)
+                storages.append(raw)
+                views[name] = torch.as_strided(raw, shape, (page, *inner), 0)
+                base = raw.data_ptr()
+                addr[name] = (lambda b, base=base: [(base + b * page * isz,
+                                                     base + (b + 1) * page * isz)])
+        else:
+            raw = fresh(num_blocks * L * page + 64)
             storages.append(raw)
-            views[name] = torch.as_strided(raw, shape, (page, *inner), 0)
             base = raw.data_ptr()
-            addr[name] = (lambda b, base=base: [(base + b * page * isz,
-                                                 base + (b + 1) * page * isz)])
-    elif variant == "interleaved":
-        raw = torch.randn(num_blocks * L * page + 64, dtype=torch.float32).to(DTYPE)
-        storages.append(raw)
-        base = raw.data_ptr()
-        for i, name in enumerate(layer_names):
-            views[name] = torch.as_strided(raw, shape, (L * page, *inner), i * page)
-            addr[name] = (lambda b, i=i: [(base + (b * L + i) * page * isz,
-                                           base + (b * L + i + 1) * page * isz)])
-    else:
-        raise ValueError(variant)
-    return Allocation(views, storages, num_blocks, page * isz, variant, addr)
+            for i, name in enumerate(layer_names):
+                views[name] = torch.as_strided(raw, shape, (L * page, *inner), i * page)
+                addr[name] = (lambda b, i=i: [(base + (b * L + i) * page * isz,
+                                               base + (b * L + i + 1) * page * isz)])
+        return Allocation(views, storages, num_blocks, page * isz, variant, addr)
+    if variant == "split-half":
+        hidden = heads * BLOCK_SIZE * HEAD_DIM
+        v_off = num_blocks * hidden + 32          # the virtual K region, page-rounded
+        shape = (2, num_blocks, heads, BLOCK_SIZE, HEAD_DIM)
+        stride = (v_off, hidden, BLOCK_SIZE * HEAD_DIM, HEAD_DIM, 1)
+        for name in layer_names:
+            raw = fresh(2 * v_off)
+            storages.append(raw)
+            views[name] = torch.as_strided(raw, shape, stride, 0)
+            base = raw.data_ptr()
+            addr[name] = (lambda b, base=base: [
+                (base + b * hidden * isz, base + (b + 1) * hidden * isz),
+                (base + (v_off + b * hidden) * isz, base + (v_off + (b + 1) * hidden) * isz)])
+        return Allocation(views, storages, num_blocks, 2 * hidden * isz, variant, addr)
+    raise ValueError(variant)
+
+
+def variants_for(version) -> list[str]:
+    """The kvcached variants a release's own NIXL descriptor code can address at all: K/V-first
+    tensors only split-half; packed pages per layer, and layer-interleaved rows only once
+    per-region block strides exist (0.29)."""
+    backend = cpu_backend_class()
+    shape = (backend.get_kv_cache_shape(4, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+             if hasattr(backend, "get_kv_cache_shape") else (4, NUM_KV_HEADS, BLOCK_SIZE, 128))
+    if len(shape) == 5:
+        return ["split-half"]
+    from packaging.version import Version
+
+    from pdpatch.versions import release_of
+
+    if release_of(version) >= Version("0.29"):
+        return ["per-layer", "layer-interleaved"]
+    return ["per-layer"]
 
 
 # ---------------------------------------------------------------------------- the worker
@@ -234,8 +303,9 @@ def vllm_config(kv_role: str = "kv_consumer", extra: dict | None = None,
     model_config = ModelConfig(model=str(model_dir()), dtype="bfloat16", seed=0,
                                skip_tokenizer_init=True, max_model_len=1024)
     cache_config = CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9)
-    if layout is not None:                      # >= 0.29: set by resolution in EngineCore
-        cache_config.kv_cache_layout = layout
+    if layout is not None and "kv_cache_layout" in getattr(CacheConfig,
+                                                            "__dataclass_fields__", {}):
+        cache_config.kv_cache_layout = layout   # >= 0.29: set by resolution in EngineCore
     return VllmConfig(
         model_config=model_config,
         cache_config=cache_config,
@@ -273,14 +343,6 @@ def kv_cache_config(planned: int, layer_names: list[str]) -> Any:
     return KVCacheConfig(planned, tensors, [KVCacheGroupSpec(layer_names, spec)])
 
 
-def cpu_backend() -> Any:
-    backend = MagicMock()
-    backend.get_name.return_value = "CPU_ATTN"
-    backend.get_supported_kernel_block_sizes.return_value = [BLOCK_SIZE]
-    backend.full_cls_name.return_value = "fake.CPU_ATTN"
-    return backend
-
-
 @contextlib.contextmanager
 def fake_runtime(version) -> Iterator[Any]:
     """Patch what vLLM's own tests patch: the NIXL agent, the TP group, the backends, and the
@@ -292,7 +354,7 @@ def fake_runtime(version) -> Iterator[Any]:
                patch("threading.Thread")]
     if hasattr(mod, "get_current_attn_backends"):
         patches.append(patch.object(mod, "get_current_attn_backends",
-                                    return_value=[cpu_backend()]))
+                                    return_value=[cpu_backend_class()]))
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)
@@ -304,6 +366,7 @@ def register(alloc: Allocation, planned: int, version, worker_cls=None, extra: d
     """Build a real worker for an engine that planned ``planned`` blocks and register ``alloc``."""
     from vllm.config import set_current_vllm_config
 
+    ensure_cpu_platform()
     cfg = vllm_config(extra=extra)
     kvc = kv_cache_config(planned, list(alloc.views))
     with fake_runtime(version), set_current_vllm_config(cfg):
@@ -376,6 +439,17 @@ def local_descs(reg: Registered) -> list[tuple[int, int]]:
     w = reg.worker
     handle = w.src_xfer_handles_by_block_size[w.block_size]
     return reg.nixl.dlists[handle][1]
+
+
+def peer_remote_descs(peer: Registered, meta: Any, version) -> list[tuple[int, int]]:
+    """Have a real peer worker build its remote descriptors from ``meta`` (the handshake)."""
+    before = set(peer.nixl.dlists)
+    with fake_runtime(version):
+        peer.worker.add_remote_agent(meta, 0, 1)
+    remote = [descs for k, (agent, descs) in peer.nixl.dlists.items()
+              if k not in before and agent == "remote-agent"]
+    assert len(remote) == 1, remote
+    return remote[0]
 
 
 def decoded_metadata(worker: Any) -> Any:

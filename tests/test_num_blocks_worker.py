@@ -33,7 +33,7 @@ def patched(fresh_pdpatch):
     yield fresh_pdpatch
 
 
-@pytest.mark.parametrize("variant", ["split", "interleaved"])
+@pytest.mark.parametrize("variant", ["per-layer", "layer-interleaved"])
 def test_stock_vllm_rejects_over_allocated_views(fresh_pdpatch, version, variant):
     """The bug being fixed, on the real code: without pdpatch 0.33 cannot register them."""
     alloc = h.kvcached_views(NAMES, VIRTUAL, variant)
@@ -42,7 +42,7 @@ def test_stock_vllm_rejects_over_allocated_views(fresh_pdpatch, version, variant
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
-@pytest.mark.parametrize("variant", ["split", "interleaved"])
+@pytest.mark.parametrize("variant", ["per-layer", "layer-interleaved"])
 def test_over_allocated_views_register_exactly_the_plan(patched, version, variant, layout):
     from pdpatch.patches import num_blocks
 
@@ -63,34 +63,29 @@ def test_over_allocated_views_register_exactly_the_plan(patched, version, varian
     assert num_blocks.status_line() == "num_blocks=pdpatch"
 
 
-@pytest.mark.parametrize("variant", ["split", "interleaved"])
+@pytest.mark.parametrize("variant", ["per-layer", "layer-interleaved"])
 def test_peer_resolves_advertised_blocks_to_the_right_bytes(patched, version, variant):
     """A real stock peer worker builds its remote descriptors from what we advertise."""
     alloc = h.kvcached_views(NAMES, VIRTUAL, variant)
     reg = h.register(alloc, PLANNED, version)
-    peer = h.register(h.kvcached_views(NAMES, 10, "split"), 10, version, engine_id="peer")
+    peer = h.register(h.kvcached_views(NAMES, 10, "per-layer"), 10, version, engine_id="peer")
     meta = h.decoded_metadata(reg.worker)
-    before = set(peer.nixl.dlists)
-    with h.fake_runtime(version):
-        peer.worker.add_remote_agent(meta, 0, 1)
-    remote = [descs for k, (agent, descs) in peer.nixl.dlists.items()
-              if k not in before and agent == "remote-agent"]
-    assert len(remote) == 1
-    h.check_descs_resolve(remote[0], list(meta.region_num_blocks), alloc, PLANNED,
+    remote = h.peer_remote_descs(peer, meta, version)
+    h.check_descs_resolve(remote, list(meta.region_num_blocks), alloc, PLANNED,
                           h.registered_bytes(reg.nixl))
 
 
 def test_exactly_sized_views_are_left_alone(patched, version):
     from pdpatch.patches import num_blocks
 
-    alloc = h.kvcached_views(NAMES, PLANNED, "split")
+    alloc = h.kvcached_views(NAMES, PLANNED, "per-layer")
     reg = h.register(alloc, PLANNED, version)
     assert reg.worker.device_kv_caches == alloc.views       # the very same tensors
     assert h.decoded_metadata(reg.worker).num_blocks == PLANNED
     assert "hold the planned 12 blocks" in num_blocks.last_reconciliation()
 
 
-@pytest.mark.parametrize("variant", ["split", "interleaved"])
+@pytest.mark.parametrize("variant", ["per-layer", "layer-interleaved"])
 def test_under_allocated_views_fail_with_a_clear_error(patched, version, variant):
     alloc = h.kvcached_views(NAMES, PLANNED - 4, variant)
     with pytest.raises(block_counts.UnderAllocatedError,
@@ -101,7 +96,7 @@ def test_under_allocated_views_fail_with_a_clear_error(patched, version, variant
 
 def test_shared_kv_cache_config_is_never_mutated(patched, version):
     seen = {}
-    alloc = h.kvcached_views(NAMES, VIRTUAL, "split")
+    alloc = h.kvcached_views(NAMES, VIRTUAL, "per-layer")
     reg = h.register(alloc, PLANNED, version,
                      before_register=lambda w: seen.setdefault("kvc", w.kv_cache_config))
     assert seen["kvc"].num_blocks == PLANNED
@@ -113,7 +108,7 @@ def test_kvcached_style_num_blocks_rewrite_is_undone(patched, version):
     the virtual count before calling in; pdpatch restores the plan so one reconciliation holds."""
     from pdpatch.patches import num_blocks
 
-    alloc = h.kvcached_views(NAMES, VIRTUAL, "split")
+    alloc = h.kvcached_views(NAMES, VIRTUAL, "per-layer")
 
     def kvcached_rewrite(worker):
         worker.num_blocks = VIRTUAL
@@ -125,7 +120,7 @@ def test_kvcached_style_num_blocks_rewrite_is_undone(patched, version):
 
 def test_virtual_mode_advertises_and_registers_the_whole_tensors(patched, version):
     seen = {}
-    alloc = h.kvcached_views(NAMES, VIRTUAL, "split")
+    alloc = h.kvcached_views(NAMES, VIRTUAL, "per-layer")
     reg = h.register(alloc, PLANNED, version,
                      extra={"pdpatch": {"num_blocks_mode": "virtual"}},
                      before_register=lambda w: seen.setdefault("kvc", w.kv_cache_config))
@@ -141,14 +136,14 @@ def test_virtual_mode_advertises_and_registers_the_whole_tensors(patched, versio
 
 
 def test_virtual_mode_rejects_unequal_tensors(patched, version):
-    alloc = h.kvcached_views(NAMES, VIRTUAL, "split")
+    alloc = h.kvcached_views(NAMES, VIRTUAL, "per-layer")
     alloc.views[NAMES[1]] = alloc.views[NAMES[1]].narrow(0, 0, VIRTUAL - 3)
     with pytest.raises(block_counts.InconsistentBlocksError, match="different block counts"):
         h.register(alloc, PLANNED, version, extra={"pdpatch": {"num_blocks_mode": "virtual"}})
 
 
 def test_extra_config_switches_it_off(patched, version):
-    alloc = h.kvcached_views(NAMES, VIRTUAL, "split")
+    alloc = h.kvcached_views(NAMES, VIRTUAL, "per-layer")
     with pytest.raises(AssertionError, match="cannot be partitioned"):
         h.register(alloc, PLANNED, version, extra={"pdpatch": {"num_blocks": False}})
 
@@ -159,14 +154,14 @@ def test_push_worker_is_covered(patched, version):
         NixlPushConnectorWorker,
     )
 
-    alloc = h.kvcached_views(NAMES, VIRTUAL, "interleaved")
+    alloc = h.kvcached_views(NAMES, VIRTUAL, "layer-interleaved")
     reg = h.register(alloc, PLANNED, version, worker_cls=NixlPushConnectorWorker)
     assert h.decoded_metadata(reg.worker).num_blocks == PLANNED
     assert h.registered_bytes(reg.nixl) == h.planned_bytes(alloc, PLANNED)
 
 
 def test_rebased_views_alias_the_original_memory(patched, version):
-    alloc = h.kvcached_views(NAMES, VIRTUAL, "interleaved")
+    alloc = h.kvcached_views(NAMES, VIRTUAL, "layer-interleaved")
     reg = h.register(alloc, PLANNED, version)
     for name, t in reg.worker.device_kv_caches.items():
         orig = alloc.views[name]

@@ -1,0 +1,311 @@
+"""Version matrix for the kvcached-compatibility patches: the same checks against the real source
+of each vLLM release.
+
+``run(version)`` starts ``python tests/kvc_matrix.py VERSION`` with ``PYTHONPATH`` pointing at the
+release's source tree (``scripts/fetch_vllm_sources.sh`` puts them under
+``~/.cache/pdpatch/vllm-src/<ver>``; it shadows the installed 0.33 package, whose compiled parts
+are not needed on CPU).  The child reports ``pdpatch.versions.vllm_version()`` as that release (the
+metadata would say 0.33.0), builds real NIXL workers of that release with
+:mod:`kvc_harness`, and prints one JSON object: check name -> "ok" | "skip: why" | "FAIL: why".
+
+What each release cannot import with today's dependencies is said in the result, never hidden:
+0.19-0.22 need the ``gguf`` package (found in ``PDPATCH_OLD_VLLM_DEPS``, default
+``~/.cache/pdpatch/old-vllm-deps``, if the test environment lacks it).
+
+``--kvcached ORDER`` additionally applies kvcached 0.1.6's *real* NixlConnector patch
+(``kvcached/integration/vllm/nixl_compat.py``, pure Python; ``PDPATCH_KVCACHED_SRC`` or
+``~/.cache/pdpatch/kvcached-src/0.1.6``) before (``kvcached-first``) or after (``pdpatch-first``)
+pdpatch, in its own process because kvcached patches classes for good.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CACHE = Path(os.environ.get("PDPATCH_CACHE_DIR", Path.home() / ".cache" / "pdpatch"))
+SOURCES = Path(os.environ.get("PDPATCH_VLLM_SOURCES", CACHE / "vllm-src"))
+OLD_DEPS = Path(os.environ.get("PDPATCH_OLD_VLLM_DEPS", CACHE / "old-vllm-deps"))
+KVCACHED_SRC = Path(os.environ.get("PDPATCH_KVCACHED_SRC", CACHE / "kvcached-src" / "0.1.6"))
+INSTALLED = "0.33.0"
+NAMES = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+PLANNED, VIRTUAL = 12, 29
+
+
+def source_tree(version: str) -> Path | None:
+    if version == INSTALLED:
+        return None
+    tree = SOURCES / version
+    return tree if (tree / "vllm").is_dir() else None
+
+
+def kvcached_available() -> bool:
+    return (KVCACHED_SRC / "kvcached" / "integration" / "vllm" / "nixl_compat.py").is_file()
+
+
+def run(version: str, kvcached_order: str | None = None, timeout: int = 600) -> dict[str, str]:
+    """The checks for one release, in a child interpreter; raises if the child died."""
+    path = [str(HERE)]
+    tree = source_tree(version)
+    if version != INSTALLED:
+        if tree is None:
+            return {"source": f"skip: no source tree for vLLM {version} under {SOURCES} "
+                              f"(scripts/fetch_vllm_sources.sh)"}
+        path.insert(0, str(tree))
+        if OLD_DEPS.is_dir():
+            path.append(str(OLD_DEPS))
+    if kvcached_order:
+        path.append(str(KVCACHED_SRC))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PDPATCH_") and k not in ("ENABLE_PDPATCH", "PYTHONPATH")}
+    env.update(PYTHONPATH=os.pathsep.join(path), VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
+               ENABLE_KVCACHED="true", KVCACHED_CONTIGUOUS_LAYOUT="false")
+    cmd = [sys.executable, str(Path(__file__).resolve()), version]
+    if kvcached_order:
+        cmd += ["--kvcached", kvcached_order]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"matrix child for vLLM {version} exited {out.returncode}:\n"
+                           f"{out.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+# ------------------------------------------------------------------------- in the child
+
+
+def _main(version: str, kvcached_order: str | None) -> dict[str, str]:
+    from packaging.version import Version
+
+    from pdpatch import versions
+
+    v = Version(version)
+    versions.vllm_version = lambda: v          # metadata says 0.33.0; the code is `version`
+    import kvc_harness as h
+
+    h.ensure_cpu_platform()
+    import vllm
+
+    results: dict[str, str] = {}
+    assert vllm.__file__ and (source_tree(version) is None or
+                              str(source_tree(version)) in vllm.__file__), vllm.__file__
+
+    def check(name: str, fn: Callable[[], str | None]) -> None:
+        try:
+            note = fn()
+            results[name] = "ok" + (f": {note}" if note else "")
+        except _Skip as skip:
+            results[name] = f"skip: {skip}"
+        except Exception as exc:
+            results[name] = f"FAIL: {type(exc).__name__}: {exc}"[:600]
+            traceback.print_exc()
+
+    from pdpatch import block_counts, installer, vllm_sites
+    from pdpatch.patches import layout, num_blocks
+
+    token_major, head_major = vllm_sites.layout_names(v)
+    variants = h.variants_for(v)
+
+    if kvcached_order == "kvcached-first":
+        _apply_kvcached()
+    # ---------------------------------------------------------------- stock behaviour
+    if not kvcached_order:
+        for variant in variants:
+            def stock(variant=variant):
+                try:
+                    h.register(h.kvcached_views(NAMES, VIRTUAL, variant), PLANNED, v)
+                except AssertionError as exc:       # every release's block-count check
+                    return f"stock vLLM refuses: {str(exc)[:100]}"
+                raise AssertionError("stock vLLM registered over-allocated views")
+            check(f"stock_rejects_over_allocation[{variant}]", stock)
+
+    installer.install()
+    if kvcached_order == "pdpatch-first":
+        _apply_kvcached()
+    state = installer.status()["patches"]
+    check("installed", lambda: _installed(state))
+
+    # ------------------------------------------------------------------- num_blocks
+    for variant in variants:
+        regs: dict[str, h.Registered] = {}
+
+        def sliced(variant=variant, regs=regs):
+            alloc = h.kvcached_views(NAMES, VIRTUAL, variant)
+            reg = h.register(alloc, PLANNED, v)
+            regs["reg"] = reg
+            adv = num_blocks.advertised(reg.worker)
+            assert adv["num_blocks"] == PLANNED, adv
+            assert set(adv["region_num_blocks"]) <= {PLANNED}, adv
+            registered = h.registered_bytes(reg.nixl)
+            assert registered == h.planned_bytes(alloc, PLANNED), "registered bytes != plan"
+            h.check_descs_resolve(h.local_descs(reg), h.region_counts(reg.worker), alloc,
+                                  PLANNED, registered)
+            return num_blocks.status_line()
+
+        check(f"over_allocated_registers_the_plan[{variant}]", sliced)
+
+        def peer(variant=variant, regs=regs):
+            if "reg" not in regs:
+                raise _Skip("registration failed")
+            reg = regs["reg"]
+            other = h.register(h.kvcached_views(NAMES, 10, variant), 10, v, engine_id="peer")
+            meta = h.decoded_metadata(reg.worker)
+            remote = h.peer_remote_descs(other, meta, v)
+            counts = list(getattr(meta, "region_num_blocks", None) or []) or \
+                [meta.num_blocks] * len(meta.kv_caches_base_addr)
+            h.check_descs_resolve(remote, counts, reg.alloc, PLANNED,
+                                  h.registered_bytes(reg.nixl))
+
+        check(f"peer_descriptors_resolve[{variant}]", peer)
+
+    def under():
+        try:
+            h.register(h.kvcached_views(NAMES, PLANNED - 4, variants[0]), PLANNED, v)
+        except block_counts.UnderAllocatedError as exc:
+            assert "fewer blocks than the engine planned" in str(exc)
+            return None
+        raise AssertionError("under-allocated views were registered")
+
+    check("under_allocated_fails_clearly", under)
+    if kvcached_order:
+        return results
+
+    # ----------------------------------------------------------------------- layout
+    check("layout_classmethod", lambda: _layout_classmethod(v, h, token_major, head_major))
+    check("layout_in_force", lambda: _layout_in_force(v, h, token_major, head_major))
+    check("layout_forced_failure_names_component",
+          lambda: _layout_failure(v, h, token_major, head_major))
+    if versions.release_of(v) < Version("0.20"):
+        check("hetero_tp_token_major_rejected", lambda: _hetero_tp(v, h))
+    layout._reset_for_tests()
+    return results
+
+
+class _Skip(Exception):
+    pass
+
+
+def _installed(state: dict) -> str:
+    for name in ("layout", "num_blocks"):
+        ps = state[name]
+        assert ps["status"] == "active", (name, ps)
+    return "; ".join(f"{n}: {', '.join(t.split(':')[-1] for t in state[n]['targets'])}"
+                     for n in ("layout", "num_blocks"))
+
+
+def _apply_kvcached() -> None:
+    os.environ["ENABLE_KVCACHED"] = "true"
+    from kvcached.integration.vllm.nixl_compat import NixlConnectorPatch
+
+    assert NixlConnectorPatch().patch_connector()
+
+
+def _connector_classes(v) -> list[type]:
+    import importlib
+
+    from pdpatch import vllm_sites
+
+    site = vllm_sites.lookup(vllm_sites.REQUIRED_KV_LAYOUT, v)
+    mod = importlib.import_module(site.module)
+    names = ["NixlConnector", "NixlPullConnector", "NixlPushConnector"]
+    return [getattr(mod, n) for n in names if hasattr(mod, n)]
+
+
+def _layout_classmethod(v, h, token_major: str, head_major: str) -> str:
+    forced = h.vllm_config(layout=None, extra={"pdpatch": {"layout_force": True}})
+    plain = h.vllm_config(layout=None)
+    seen = []
+    for cls in _connector_classes(v):
+        assert cls.get_required_kvcache_layout(forced) == token_major, cls
+        assert cls.get_required_kvcache_layout(plain) == head_major, cls
+        seen.append(cls.__name__)
+    return f"{'/'.join(seen)} -> {token_major} forced, {head_major} otherwise"
+
+
+def _layout_in_force(v, h, token_major: str, head_major: str) -> str:
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends import utils
+
+    from pdpatch.patches import layout
+
+    forced = h.vllm_config(layout=None, extra={"pdpatch": {"layout_force": True}})
+    plain = h.vllm_config(layout=None)
+    if hasattr(utils, "resolve_kv_cache_layout"):           # >= 0.29, EngineCore
+        from vllm.v1.engine import core
+
+        cands = [[token_major, head_major]]
+        assert core.resolve_kv_cache_layout(forced, cands, []).name == token_major
+        assert core.resolve_kv_cache_layout(plain, cands, []).name == head_major
+        return f"EngineCore resolve_kv_cache_layout: {token_major} / {head_major}"
+    got = {}
+    for label, cfg in (("forced", forced), ("plain", plain)):
+        layout._reset_for_tests()
+        utils.get_kv_cache_layout.cache_clear()
+        with set_current_vllm_config(cfg):
+            got[label] = utils.get_kv_cache_layout()
+    utils.get_kv_cache_layout.cache_clear()
+    assert got == {"forced": token_major, "plain": head_major}, got
+    return f"worker get_kv_cache_layout: {got}"
+
+
+def _layout_failure(v, h, token_major: str, head_major: str) -> str:
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends import utils
+
+    from pdpatch.patches import layout
+
+    forced = h.vllm_config(layout=None, extra={"pdpatch": {"layout_force": True}})
+    layout._reset_for_tests()
+    try:
+        if hasattr(utils, "resolve_kv_cache_layout"):
+            utils.resolve_kv_cache_layout(forced, [[head_major]], [])
+        else:
+            utils.set_kv_cache_layout(head_major)    # what a head-major-only backend does
+            try:
+                with set_current_vllm_config(forced):
+                    utils.get_kv_cache_layout()
+            finally:
+                utils.set_kv_cache_layout(None)
+    except layout.LayoutForcedError as exc:
+        assert "attention backend" in str(exc), exc
+        return str(exc)[:160]
+    raise AssertionError("a head-major-only attention backend was not reported")
+
+
+def _hetero_tp(v, h) -> str:
+    """0.19: D (TP 1) reading a P with TP 2 on a token-major layout splits heads wrongly."""
+    import dataclasses
+
+    def attempt() -> str | None:
+        local = h.register(h.kvcached_views(NAMES, PLANNED, "split-half"), PLANNED, v,
+                           engine_id="decode")
+        local.worker.kv_cache_layout = "NHD"       # what the layout override yields on 0.19
+        prefill = h.register(h.kvcached_views(NAMES, PLANNED, "split-half"), PLANNED, v,
+                             engine_id="prefill")
+        meta = h.decoded_metadata(prefill.worker)
+        meta = dataclasses.replace(meta, kv_cache_layout="NHD",
+                                   block_lens=[b // 2 for b in meta.block_lens])
+        try:
+            with h.fake_runtime(v):
+                local.worker.add_remote_agent(meta, 0, 2)
+        except RuntimeError as exc:
+            if "heterogeneous TP" in str(exc):
+                return str(exc)
+            raise
+        return None
+
+    msg = attempt()
+    assert msg is not None, "hetero-TP head split on NHD was accepted"
+    return msg[:140]
+
+
+if __name__ == "__main__":
+    order = sys.argv[sys.argv.index("--kvcached") + 1] if "--kvcached" in sys.argv else None
+    out = _main(sys.argv[1], order)
+    print(json.dumps(out))
