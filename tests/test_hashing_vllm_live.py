@@ -9,6 +9,7 @@ memo sees the same structure.
 
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -31,6 +32,7 @@ from vllm.v1.utils import tensor_data  # noqa: E402
 from pdpatch.hashing import (  # noqa: E402
     ALGORITHMS,
     BlockKeyHasher,
+    KeyConfig,
     LoraSpec,
     MMItem,
     PromptEmbeds,
@@ -39,6 +41,8 @@ from pdpatch.hashing import (  # noqa: E402
     to_event_extra_keys,
     to_event_int,
 )
+from pdpatch.hashing.peer_check import build_params, compare, parse_params  # noqa: E402
+from pdpatch.hashing.request_adapter import hasher_for_request  # noqa: E402
 
 VERSION = "0.33.0"
 LIVE = settings(max_examples=60, deadline=None,
@@ -205,3 +209,44 @@ def test_coarse_event_ints_and_event_extra_keys_match_vllm(algo: str) -> None:
     assert ours.extras_for(0, len(ours.keys)) == extras
     assert to_event_extra_keys(ours.extras_for(0, len(ours.keys))) == \
         K.to_event_extra_keys(extras)
+
+
+@LIVE
+@given(algo=st.sampled_from(ALGORITHMS), bs=st.integers(1, 20), data=st.data())
+def test_request_adapter_reads_real_requests(algo, bs, data) -> None:
+    """hasher_for_request(real Request) == the request's own prompt block hashes."""
+    prompt = data.draw(st.lists(st.integers(0, 262143), max_size=5 * bs + 3))
+    lora = data.draw(st.none() | st.builds(LoraSpec, name, name, st.integers(1, 9)))
+    salt = data.draw(st.none() | name)
+    mm = data.draw(mm_items(len(prompt)))
+    req = vllm_request(algo, "0", bs, list(prompt), lora=lora, salt=salt, mm=mm)
+    config = KeyConfig(algo=algo, hash_block_size=bs, vllm_version=VERSION, pythonhashseed="0")
+    req.append_output_token_ids([1, 2, 3])  # P has sampled a token: not part of the prompt
+    prompt_blocks = len(prompt) // bs
+    assert hasher_for_request(config, req).keys == req.block_hashes[:prompt_blocks]
+
+
+def test_request_adapter_prompt_embeds() -> None:
+    embeds = torch.arange(24 * 3, dtype=torch.float32).reshape(24, 3).to(torch.bfloat16)
+    req = vllm_request("sha256", "0", 4, None, embeds=embeds)
+    config = KeyConfig(algo="sha256", hash_block_size=4, pythonhashseed="0")
+    with pytest.raises(ValueError, match="embeds_bytes"):
+        hasher_for_request(config, req)
+    h = hasher_for_request(config, req, embeds_bytes=lambda t: bytes(tensor_data(t)))
+    assert h.keys == req.block_hashes
+
+
+def test_peer_check_between_real_requests() -> None:
+    """P's params (built from its real Request) checked by D against D's real Request."""
+    toks = [(i * 104729) % 151000 for i in range(300)]
+    lora = LoraSpec("ad", "/adapters/ad")
+    p_cfg = KeyConfig(algo="xxhash_cbor", hash_block_size=16, pythonhashseed="0")
+    p_req = vllm_request("xxhash_cbor", "0", 16, toks, lora=lora, salt="t")
+    params = json.loads(json.dumps(build_params(hasher_for_request(p_cfg, p_req))))
+    peer = parse_params(params)
+    d_req = vllm_request("xxhash_cbor", "0", 16, list(toks), lora=lora, salt="t")
+    assert compare(hasher_for_request(p_cfg, d_req), peer) == []
+    other_salt = vllm_request("xxhash_cbor", "0", 16, list(toks), lora=lora, salt="u")
+    assert compare(hasher_for_request(p_cfg, other_salt), peer) == ["cache_salt"]
+    d_cfg = KeyConfig(algo="xxhash_cbor", hash_block_size=16, pythonhashseed="1")
+    assert compare(hasher_for_request(d_cfg, d_req), peer) == ["seed"]

@@ -25,6 +25,7 @@ from pdpatch.hashing.fingerprint import Fingerprint, fingerprint_of
 from pdpatch.hashing.formats import HashFormat, format_for
 from pdpatch.hashing.keys import (
     BlockKeyHasher,
+    KeyConfig,
     block_keys,
     coarse_keys,
     to_event_int,
@@ -40,6 +41,7 @@ __all__ = [
     "Fingerprint",
     "HashFormat",
     "HashingError",
+    "KeyConfig",
     "LoraSpec",
     "MMItem",
     "PeerParamsError",

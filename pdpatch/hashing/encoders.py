@@ -194,20 +194,13 @@ def _run(algorithm: Algorithm, prefixes: Iterable[bytes], parent: bytes,
          bodies: Sequence[bytes]) -> list[bytes]:
     """``p = F(prefix_i + p + body_i)`` along the chain: the hot loop, one digest per block,
     written out per digest so that no Python-level function call is added per block."""
-    out: list[bytes] = []
-    append = out.append
     p = parent
+    pairs = zip(prefixes, bodies, strict=False)  # prefixes may repeat forever
     if algorithm.name.startswith("sha256"):
         sha = hashlib.sha256
-        for pre, body in zip(prefixes, bodies, strict=False):  # prefixes may repeat forever
-            p = sha(pre + p + body).digest()
-            append(p)
-    else:
-        digest = algorithm.digest
-        for pre, body in zip(prefixes, bodies, strict=False):  # prefixes may repeat forever
-            p = digest(pre + p + body)
-            append(p)
-    return out
+        return [p := sha(pre + p + body).digest() for pre, body in pairs]
+    digest = algorithm.digest
+    return [p := digest(pre + p + body) for pre, body in pairs]
 
 
 def fast_chain(algorithm: Algorithm, parent: bytes, tokens: Sequence[int], block_size: int,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pdpatch.hashing.algorithms import Algorithm, get_algorithm
@@ -124,6 +125,32 @@ class BlockKeyHasher:
         parent = self.keys[-1] if self.keys else self.none_hash
         tokens = self.tokens[done * b:(done + count) * b]
         return chain(self.algorithm, parent, tokens, b, extras)
+
+
+@dataclass(frozen=True)
+class KeyConfig:
+    """A peer's hashing configuration, resolved once (e.g. at engine start) and reused for
+    every request: ``KeyConfig(...).hasher(prompt, lora=...)``."""
+
+    algo: str = "sha256"
+    hash_block_size: int = 16
+    vllm_version: str | None = None
+    pythonhashseed: str | None = None
+    none_hash: bytes | None = None
+    lookahead: int = 0
+
+    def hasher(self, prompt: Iterable[int] = (), **request_inputs: Any) -> BlockKeyHasher:
+        """A hasher for one request (``request_inputs``: lora, mm, cache_salt,
+        prompt_embeds)."""
+        return BlockKeyHasher(algo=self.algo, hash_block_size=self.hash_block_size,
+                              vllm_version=self.vllm_version,
+                              pythonhashseed=self.pythonhashseed, none_hash=self.none_hash,
+                              lookahead=self.lookahead, prompt=prompt, **request_inputs)
+
+    def validate(self) -> BlockKeyHasher:
+        """Raise now (HashingError, UnreproducibleSeedError, XxhashUnavailableError) what every
+        request would raise later; returns an empty hasher (for the fingerprint)."""
+        return self.hasher()
 
 
 def block_keys(tokens: Iterable[int], **kwargs: Any) -> list[bytes]:
