@@ -88,6 +88,43 @@ NIXL_WRAPPER_HOME = (
     _site(">=0.24", f"{NIXL_PKG}.base_worker", "NixlWrapper"),
 )
 
+# Handshake entry on the decode worker: registers one remote rank and builds its descriptors
+# (runs in the handshake thread; an exception there fails that peer's requests only).
+# Signature (meta, remote_tp_rank, remote_tp_size[, remote_dcp_size]) in every release.
+ADD_REMOTE_AGENT = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorWorker.add_remote_agent"),
+    _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", "NixlConnectorWorker.add_remote_agent"),
+    _site(">=0.24", f"{NIXL_PKG}.base_worker", "NixlBaseConnectorWorker.add_remote_agent"),
+)
+
+# The plan-based descriptor builders (PR #40731, first released in 0.21.0).  Both look the
+# attention group up with `next(...)` and no default (0.33 base_worker.py L295, L2207).
+BUILD_FA_REMOTE = (
+    _site(">=0.21,<0.24", f"{NIXL_PKG}.worker", "NixlConnectorWorker._build_fa_remote"),
+    _site(">=0.24", f"{NIXL_PKG}.base_worker", "NixlBaseConnectorWorker._build_fa_remote"),
+)
+BUILD_LOCAL_SPLITS = (
+    _site(">=0.21,<0.24", f"{NIXL_PKG}.worker",
+          "NixlConnectorWorker._build_local_splits_from_plan"),
+    _site(">=0.24", f"{NIXL_PKG}.base_worker",
+          "NixlBaseConnectorWorker._build_local_splits_from_plan"),
+)
+
+# Which per-region byte length a release divides when it reads a head slice / a smaller remote
+# block: up to 0.28 `get_backend_aware_kv_block_len(i, first_split)` (the K or V half when K|V
+# share a block), from 0.29 `block_len_per_layer[i]` (0.29 `_build_fa_remote`; 0.33 no longer
+# has the backend-aware method).
+SPLIT_LEN_SOURCES = (
+    (SpecifierSet(">=0.19,<0.29"), "backend_aware"),
+    (SpecifierSet(">=0.29"), "block_len_per_layer"),
+)
+
+
+def split_len_source(version: Version) -> str | None:
+    rel = release_of(version)
+    return next((src for spec, src in SPLIT_LEN_SOURCES
+                 if spec.contains(rel, prereleases=True)), None)
+
 
 def layout_names(version: Version) -> tuple[str, str]:
     """(token-major, head-major) layout names of a release: NHD/HND up to 0.28, the 5-D names

@@ -347,19 +347,33 @@ def remote_metadata(peer: Any, engine_id: str, agent: str, **changes: Any) -> An
                                **changes)
 
 
-def connect_by_handshake(worker: Any, metas: dict[int, Any], remote_tp_size: int) -> None:
+def connect_by_handshake(worker: Any, metas: dict[int, Any], remote_tp_size: int,
+                         peers: dict[str, tuple[dict[int, Any], int]] | None = None) -> list:
     """Make the worker's real background handshake resolve to ``add_remote_agent`` calls with
-    ``metas`` (rank -> metadata), instead of ZMQ -- what vLLM's FakeNixlConnectorWorker does."""
+    ``metas`` (rank -> metadata), instead of ZMQ -- what vLLM's FakeNixlConnectorWorker does.
+    ``peers`` adds more engines (engine id -> (metas, tp size)).  Returns the list that
+    collects every exception the handshake raised (what the release's handshake path sees)."""
     tuple_keys = version_of() >= Version("0.26")
+    table = dict(peers or {})
+    if metas:
+        table[next(iter(metas.values())).engine_id] = (metas, remote_tp_size)
+    errors: list[str] = []
 
     def _nixl_handshake(*args: Any, **kwargs: Any) -> Any:
+        engine = next(a for a in (*args, *kwargs.values()) if isinstance(a, str) and a in table)
+        rank_metas, tp = table[engine]
         agents = {}
-        for rank, meta in metas.items():
-            name = worker.add_remote_agent(meta, rank, remote_tp_size)
-            agents[(0, rank) if tuple_keys else rank] = name
+        try:
+            for rank, meta in rank_metas.items():
+                name = worker.add_remote_agent(meta, rank, tp)
+                agents[(0, rank) if tuple_keys else rank] = name
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+            raise
         return (agents, 0.0) if tuple_keys else agents
 
     worker._nixl_handshake = _nixl_handshake
+    return errors
 
 
 def recv_metadata(reqs: list[dict[str, Any]], remote_tp_size: int = 1) -> Any:
@@ -368,7 +382,8 @@ def recv_metadata(reqs: list[dict[str, Any]], remote_tp_size: int = 1) -> Any:
     for r in reqs:
         params = {"remote_block_ids": r["remote_ids"], "remote_engine_id": r["engine"],
                   "remote_request_id": r.get("remote_req_id", r["req_id"]),
-                  "remote_host": HOST, "remote_port": PORT, "tp_size": remote_tp_size}
+                  "remote_host": HOST, "remote_port": r.get("port", PORT),
+                  "tp_size": r.get("tp_size", remote_tp_size)}
         fn = meta.add_new_req_to_recv
         kwargs = {"awaiting_kvs": True} if "awaiting_kvs" in \
             inspect.signature(fn).parameters else {}
@@ -514,3 +529,72 @@ def scenario_mla_notif() -> dict[str, Any]:
             "reads": [{"remote": r["remote"], "notif": r["notif"]} for r in d.nixl_wrapper.reads],
             "notifs_sent": sent, "p1_done_sending": p1_done["done_sending"],
             "p1_still_holding": sorted(getattr(p1, "_reqs_to_send", {}))}
+
+
+def scenario_division() -> dict[str, Any]:
+    """Bug 2: a peer (``prefill-bad``) claims TP 3 for a model with 4 KV heads; the decode
+    worker (TP 1) must read a third of each local block from each of its 3 ranks, and 16384 B
+    per region block is not divisible by 3.  The peer's block lengths are whatever the
+    release's own validation accepts (``L // 3`` up to 0.23, ``L * (4 // 3) // 4`` from 0.24).
+    A second, well-formed peer (``prefill-ok``) shows the worker still serves afterwards."""
+    import dataclasses
+
+    heads, bad_tp = 4, 3
+    d = build_worker("decode-engine", kv_heads=heads, num_blocks=32)
+    p = build_worker("prefill-bad", role="kv_producer", kv_heads=heads, num_blocks=40)
+    ok = build_worker("prefill-ok", role="kv_producer", kv_heads=heads, num_blocks=40)
+    length = int(d.block_len_per_layer[0])
+    if version_of() < Version("0.24"):
+        remote_len = length // bad_tp
+    else:
+        remote_len = length * max(1, heads // bad_tp) // heads
+    base = own_metadata(p)
+    bad = {r: dataclasses.replace(base, engine_id="prefill-bad", agent_metadata=f"BAD{r}".encode(),
+                                  block_lens=[remote_len] * len(base.block_lens))
+           for r in range(bad_tp)}
+    good = {0: remote_metadata(ok, "prefill-ok", "OK0")}
+    errors = connect_by_handshake(d, {}, 1, peers={"prefill-bad": (bad, bad_tp),
+                                                  "prefill-ok": (good, 1)})
+    before = set(d.nixl_wrapper.dlists)
+    crash = step(d, recv_metadata([{"req_id": "r-bad", "local_ids": [[1, 2]],
+                                    "remote_ids": [[3, 4]], "engine": "prefill-bad",
+                                    "port": PORT + 1, "tp_size": bad_tp}]))
+    reported = lambda a: "r-bad" in set(a["done_recving"]) | set(a["failed_recving"])  # noqa: E731
+    acc, crash2 = run_until(d, reported)
+    crash = crash or crash2
+    new = {h: v for h, v in d.nixl_wrapper.dlists.items() if h not in before}
+    local_chunks = sorted({n for agent, descs in new.values() if agent == "NIXL_INIT_AGENT"
+                           for _, n in descs})
+    remote_reads = sorted({n for agent, descs in new.values() if agent.startswith("BAD")
+                           for _, n in descs})
+    after = None
+    if crash is None:
+        crash = step(d, recv_metadata([{"req_id": "r-ok", "local_ids": [[5]],
+                                        "remote_ids": [[6]], "engine": "prefill-ok",
+                                        "port": PORT + 2, "tp_size": 1}]))
+        after, crash2 = run_until(d, lambda a: "r-ok" in a["done_recving"])
+        crash = crash or crash2
+    reads = _reads_by_req(d)
+    return {"crash": crash, "block_len": length, "peer_block_len": remote_len,
+            "handshake_errors": errors, "results": acc, "after": after,
+            "local_split_lens": local_chunks, "remote_read_lens": remote_reads,
+            "reads_bad": len(reads.get("r-bad", [])), "reads_ok": len(reads.get("r-ok", []))}
+
+
+def scenario_spec_types(spec_type_name: str = "MambaSpec") -> dict[str, Any]:
+    """Bug 4 (the ``next()`` without default): a decode worker whose KV-cache groups hold no
+    attention group, as a pure-SSM model would.  The group classification is seeded on a real
+    registered worker (``_group_spec_types``, the tuple vLLM derives from the KV-cache config
+    in ``__init__``), the way vLLM's FakeNixlConnectorWorker seeds registration state; the
+    handshake, plan and descriptor builders that then run are the release's own."""
+    import vllm.v1.kv_cache_interface as kvi
+
+    d = build_worker("decode-engine", num_blocks=32)
+    p = build_worker("prefill-engine", role="kv_producer", num_blocks=40)
+    d._group_spec_types = (getattr(kvi, spec_type_name),)
+    errors = connect_by_handshake(d, {0: remote_metadata(p, "prefill-engine", "P0")}, 1)
+    crash = step(d, recv_metadata([{"req_id": "r1", "local_ids": [[1]], "remote_ids": [[2]],
+                                    "engine": "prefill-engine"}]))
+    acc, crash2 = run_until(
+        d, lambda a: "r1" in set(a["done_recving"]) | set(a["failed_recving"]))
+    return {"crash": crash or crash2, "handshake_errors": errors, "results": acc}

@@ -7,9 +7,17 @@ from pdpatch.registry import Patch
 
 def all_patches() -> list[Patch]:
     """Imported lazily: patch modules are tiny, but the bootstrap should not pay for them."""
-    from pdpatch.patches import layout, mla_notif, num_blocks, read_guard
+    from pdpatch.patches import (
+        division_checks,
+        layout,
+        mla_notif,
+        num_blocks,
+        read_guard,
+        spec_classify,
+    )
 
-    return [read_guard.PATCH, layout.PATCH, num_blocks.PATCH, mla_notif.PATCH]
+    return [read_guard.PATCH, layout.PATCH, num_blocks.PATCH, mla_notif.PATCH,
+            division_checks.PATCH, spec_classify.PATCH]
 
 
 def patch_names() -> list[str]:

@@ -1,0 +1,75 @@
+"""Patch ``spec_classify``: no attention KV-cache group is a clear handshake error, not a bare
+``StopIteration``.
+
+Background (issue 7, item 4).  During review of vLLM PR #40731 (plan-based NIXL transfers) the
+group classification used ``type(group.kv_cache_spec)``, which misses a
+``UniformTypeKVCacheSpecs`` wrapping MLA specs; DeepSeek-V4's handshake then died in
+``next(i for i, t in enumerate(self._group_spec_types) if _is_attention_spec(t))`` with
+``StopIteration``.  That form never shipped: the first release with the refactor, 0.21.0,
+already unwraps the wrapper (``nixl/utils.py::get_representative_spec_type``, L52; classes tested
+with ``issubclass``, ``tp_mapping.py`` L31), and so does every release through 0.33.  0.19 and
+0.20 predate the refactor and have no such lookup (they classify with ``isinstance`` checks).
+
+What remains in 0.21-0.33 is the ``next()`` itself, with no default, in
+``_build_local_splits_from_plan`` (0.33 ``base_worker.py`` L295) and ``_build_fa_remote``
+(L2207): a worker whose groups hold no attention spec (a pure-SSM model; in 0.33 also the
+HiSparse-only specs, which are neither attention nor Mamba) fails every handshake with
+``StopIteration()`` -- an empty message -- or, inside the generator, "generator raised
+StopIteration".  This patch checks first, with the release's own ``_is_attention_spec``, and
+raises a ``ValueError`` naming the group types.  The handshake still fails (the release cannot
+build descriptors without an attention group), but the error says why.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from packaging.version import Version
+
+from pdpatch import vllm_sites
+from pdpatch.patches.read_guard import allowed
+from pdpatch.registry import Patch, Target, Wrapper
+
+NAME = "spec_classify"
+
+
+class NoAttentionGroup(ValueError):
+    """The NIXL descriptor builders need an attention KV-cache group and there is none."""
+
+
+def make_check(module: str, version: Version) -> Wrapper:
+    def require_attention_group(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if allowed(NAME, instance):
+            is_attention = importlib.import_module(module)._is_attention_spec
+            types = tuple(getattr(instance, "_group_spec_types", ()))
+            if not any(is_attention(t) for t in types):
+                names = [getattr(t, "__name__", repr(t)) for t in types]
+                raise NoAttentionGroup(
+                    f"pdpatch: NIXL {wrapped.__name__} needs an attention KV-cache group but "
+                    f"this worker's groups are {names or 'empty'} (vLLM {version} would raise a "
+                    "bare StopIteration here); P/D transfer of models without attention "
+                    "layers is not supported by this vLLM release [spec_classify]")
+        return wrapped(*args, **kwargs)
+
+    return require_attention_group
+
+
+def _targets(version: Version) -> list[Target]:
+    out = []
+    for table in (vllm_sites.BUILD_FA_REMOTE, vllm_sites.BUILD_LOCAL_SPLITS):
+        site = vllm_sites.lookup(table, version)
+        if site is not None:
+            out.append(Target(site.module, site.qualname, make_check(site.module, version)))
+    return out
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="a worker without an attention KV group fails the handshake with a clear error",
+    versions=">=0.21,<0.34",
+    why_version=("0.19/0.20 predate the plan-based transfer and have no next() lookup of the "
+                 "attention group; the UniformTypeKVCacheSpecs StopIteration of PR #40731 was "
+                 "fixed before 0.21.0 shipped"),
+    targets=_targets,
+)
