@@ -93,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
             if not on_lines or off_lines:
                 print("ERROR: pdpatch is not active exactly on the 'on' pair", file=sys.stderr)
                 return 1
+            for side in sides:
+                notes: list[str] = []
+                proxy.warm_up(g[f"P-{side}"], g[f"D-{side}"], log=notes)
+                for n in notes:
+                    print(f"  {side}: {n}")
             t_bench = time.monotonic()
             for rep in range(args.warmup + args.reps):
                 measured = rep >= args.warmup

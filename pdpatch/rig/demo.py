@@ -168,18 +168,19 @@ def main(argv: list[str] | None = None) -> int:
             bs = p.block_size()
             print(f"all engines healthy after {start_s:.0f}s; KV block size {bs} tokens\n")
 
-            warm = run_case(p, d, base, PromptCase("warm-up", list(range(3, 19))), 4)
+            notes: list[str] = []
+            warm = proxy.warm_up(p, d, log=notes)
+            for n in notes:
+                print(f"  ({n}; retried)")
             print(
-                f"warm-up request (first NIXL handshake, P->D): "
-                f"TTFT P/D {_ms(warm.pd.ttft_s)}, baseline {_ms(warm.base.ttft_s)}, "
-                f"{'match' if warm.ok else 'MISMATCH'}\n"
+                f"warm-up P->D request (first NIXL handshake): TTFT {_ms(warm.ttft_s)}, "
+                f"{warm.transfer.transfers if warm.transfer else 0} transfer(s)\n"
             )
             print(HEADER)
             for case in demo_prompts(bs, cfg["vocab_size"]):
                 res = run_case(p, d, base, case, args.max_tokens)
                 results.append(res)
                 print(format_row(res), flush=True)
-            results.insert(0, warm)
 
             print()
             for eng in (p, d):

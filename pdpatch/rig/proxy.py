@@ -239,3 +239,24 @@ def pd_request(
     if measure_transfer:
         stats = TransferStats.delta(before, _settled_metrics(d, before))
     return PDResult(prefill=pre, decode=dec, ttft_s=ttft, transfer=stats)
+
+
+def warm_up(
+    p: Engine, d: Engine, attempts: int = 3, log: list[str] | None = None
+) -> PDResult:
+    """First P/D request of a pair: NIXL handshake, UCX connection, first forward passes.
+
+    vLLM 0.33 gives the first side-channel handshake a hard-coded 5 s ZMQ receive timeout
+    (``base_worker._nixl_handshake``); on a heavily loaded 2-core machine P's listener thread can
+    miss it, which fails that one request ("handshake_setup_failed") and the next request
+    handshakes again.  So the warm-up retries; each failed attempt is recorded in ``log``.
+    """
+    prompt = list(range(3, 19))
+    last: PDResult | None = None
+    for i in range(attempts):
+        last = pd_request(p, d, prompt, 2)
+        if last.decode.error is None and last.decode.token_ids:
+            return last
+        if log is not None:
+            log.append(f"warm-up attempt {i + 1} failed: {last.decode.error or 'no tokens'}")
+    raise RuntimeError(f"P/D warm-up failed {attempts} times; last: {last}")

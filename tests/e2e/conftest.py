@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from pdpatch.rig import proxy
 from pdpatch.rig.servers import EngineGroup
 
 LOG_TAIL_LINES = 150
@@ -47,8 +48,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 def rig(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EngineGroup]:
-    """The module's engines, started once: the module defines ``RIG_SPECS`` (a list of
-    :class:`EngineSpec`, or a callable returning one) and optionally ``RIG_START_TIMEOUT_S``."""
+    """The module's engines, started once.
+
+    The module defines ``RIG_SPECS`` (a list of :class:`EngineSpec`, or a callable returning
+    one), optionally ``RIG_WARMUP`` (``(P, D)`` name pairs whose first NIXL handshake is done
+    here, see :func:`pdpatch.rig.proxy.warm_up`) and ``RIG_START_TIMEOUT_S``.
+    """
     specs = request.module.RIG_SPECS
     specs = specs() if callable(specs) else specs
     log_dir = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1] + "_logs")
@@ -59,6 +64,10 @@ def rig(
             timeout_s=getattr(request.module, "RIG_START_TIMEOUT_S", 300.0), progress=None
         )
         print(f"\nengines healthy after {group.start_s:.0f}s (logs: {log_dir})")
+        for p_name, d_name in getattr(request.module, "RIG_WARMUP", ()):
+            notes: list[str] = []
+            warm = proxy.warm_up(group[p_name], group[d_name], log=notes)
+            print(f"{p_name}->{d_name} warm-up: TTFT {warm.ttft_s:.2f}s", *notes, sep="\n  ")
         yield group
     finally:
         group.stop()

@@ -32,16 +32,22 @@ def RIG_SPECS() -> list[EngineSpec]:
 def test_layer_mismatch_fails_the_request_cleanly(rig: EngineGroup) -> None:
     p, d = rig["P"], rig["D-3layers"]
     prompt = list(range(10, 150))
-    t0 = time.monotonic()
-    try:
-        res = proxy.pd_request(p, d, prompt, MAX_TOKENS, timeout_s=BOUND_S)
-        error, tokens = res.decode.error, res.decode.token_ids
-    except urllib.error.HTTPError as exc:  # a non-streaming client would get this instead
-        error, tokens = f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:300]}", []
-    elapsed = time.monotonic() - t0
-    print(f"incompatible pair: error={error!r} tokens={tokens} after {elapsed:.1f}s")
-    assert elapsed < BOUND_S
-    assert error is not None and tokens == []
+    # Up to 3 attempts: on a loaded machine the first handshake can also hit vLLM's 5 s ZMQ
+    # timeout before the hash is ever compared (see proxy.warm_up); that attempt must fail
+    # cleanly too.
+    for attempt in range(1, 4):
+        t0 = time.monotonic()
+        try:
+            res = proxy.pd_request(p, d, prompt, MAX_TOKENS, timeout_s=BOUND_S)
+            error, tokens = res.decode.error, res.decode.token_ids
+        except urllib.error.HTTPError as exc:  # a non-streaming client would get this instead
+            error, tokens = f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:300]}", []
+        elapsed = time.monotonic() - t0
+        print(f"attempt {attempt}: error={error!r} tokens={tokens} after {elapsed:.1f}s")
+        assert elapsed < BOUND_S
+        assert error is not None and tokens == []
+        if "NIXL compatibility hash mismatch" in d.log_text():
+            break
     log = d.log_text()
     assert "NIXL compatibility hash mismatch" in log
     assert "due to KV load failure (failure_policy=fail" in log

@@ -31,6 +31,7 @@ RIG_SPECS = [
     EngineSpec("D", "kv_consumer", pdpatch=True),
     EngineSpec("baseline", None, pdpatch=False),
 ]
+RIG_WARMUP = [("P", "D")]
 
 
 def test_engines_run_real_vllm_with_pdpatch_active(rig: EngineGroup) -> None:
