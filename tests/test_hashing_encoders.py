@@ -187,3 +187,14 @@ def test_table_grows_on_demand_and_caps() -> None:
     negative = table.lookup([-1, 5])
     assert negative is not None and negative[0] is None
     assert not table.grow_for([1.5, 2])
+
+
+@settings(max_examples=60, deadline=None)
+@given(algo=st.sampled_from(ALGORITHMS), bs=st.integers(1, 12), nblocks=st.integers(1, 4),
+       tail=st.lists(any_token, max_size=11), data=st.data())
+def test_tokens_past_the_last_full_block_are_ignored(algo, bs, nblocks, tail, data) -> None:
+    tokens = data.draw(st.lists(tokens_in_table, min_size=bs * nblocks, max_size=bs * nblocks))
+    extras = [None] * nblocks
+    a = get_algorithm(algo)
+    expected = reference_chain(a, b"\x05" * 32, tokens, bs, extras)
+    assert chain(a, b"\x05" * 32, tokens + tail[:bs - 1], bs, extras) == expected

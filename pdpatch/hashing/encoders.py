@@ -207,7 +207,8 @@ def fast_chain(algorithm: Algorithm, parent: bytes, tokens: Sequence[int], block
                extras: Sequence[Any]) -> list[bytes] | None:
     """The same chain as :func:`reference_chain` or None when the fast path does not apply.
 
-    ``tokens`` holds exactly ``len(extras) * block_size`` tokens.
+    ``tokens`` starts with the ``len(extras) * block_size`` tokens to hash; any further tokens
+    (a partial block) are ignored.
     """
     n = len(extras)
     if n == 0:
@@ -239,8 +240,9 @@ def fast_chain(algorithm: Algorithm, parent: bytes, tokens: Sequence[int], block
         if encs is not None:
             it = iter(encs)
             try:
+                # repeat(head, n) ends first: exactly n bodies, a partial tail is left unread
                 bodies = list(map(join, zip(repeat(head, n), *[it] * block_size, tails,
-                                            strict=True)))
+                                            strict=False)))
                 break
             except TypeError:  # a None from the table: a token outside it
                 pass
@@ -267,7 +269,8 @@ def fast_chain(algorithm: Algorithm, parent: bytes, tokens: Sequence[int], block
 
 def chain(algorithm: Algorithm, parent: bytes, tokens: Sequence[int], block_size: int,
           extras: Sequence[Any]) -> list[bytes]:
-    """Block keys for ``len(extras)`` full blocks of ``tokens`` chained from ``parent``."""
+    """Block keys for the first ``len(extras)`` full blocks of ``tokens``, chained from
+    ``parent``."""
     fast = fast_chain(algorithm, parent, tokens, block_size, extras)
     if fast is not None:
         return fast

@@ -123,7 +123,8 @@ class BlockKeyHasher:
             return []
         extras = self.extras_for(done, count)
         parent = self.keys[-1] if self.keys else self.none_hash
-        tokens = self.tokens[done * b:(done + count) * b]
+        # from block 0 the chain reads the list in place (a 32k prompt is not copied again)
+        tokens = self.tokens if not done else self.tokens[done * b:(done + count) * b]
         return chain(self.algorithm, parent, tokens, b, extras)
 
 
