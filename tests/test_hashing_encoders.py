@@ -44,6 +44,7 @@ extra_key = st.one_of(
     st.tuples(st.just("cache_salt"), text),
     st.tuples(st.just("prompt_embeds"), st.binary(min_size=32, max_size=32)),
     text, st.integers(0, 2**40), st.tuples(text, st.integers(-50, 50)),
+    st.binary(max_size=2),  # b"" and 1-byte bytes are CPython singletons (pickle memo)
 )
 extras_value = st.one_of(st.none(), st.lists(extra_key, min_size=1, max_size=4).map(tuple))
 

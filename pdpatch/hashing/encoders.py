@@ -161,20 +161,19 @@ class _TailCache:
         return enc
 
 
-_PICKLE_PARENT_PLACEHOLDER = b"\x00"
-_PICKLE_EXTRA_PREFIX_LEN = len(pickle_dumps((_PICKLE_PARENT_PLACEHOLDER, (0,), None))) - 4
-
-
 def _pickle_extra(extra: Any) -> bytes:
     """The bytes ``extra`` takes inside ``pickle.dumps((parent, tokens, extra))``.
 
     Memo slots 0 and 1 are the parent and the token tuple in both payloads, so references
-    inside ``extra`` (BINGET) get the same indices.
+    inside ``extra`` (BINGET) get the same indices.  The placeholders are fresh objects: a
+    cached singleton (``b"\\x00"``) could be *the same object* as one inside ``extra`` and turn
+    it into a memo reference that the real payload does not have.
     """
     if extra is None:
         return b"N"
-    full = pickle_dumps((_PICKLE_PARENT_PLACEHOLDER, (0,), extra))
-    return full[_PICKLE_EXTRA_PREFIX_LEN:-3]
+    parent, tokens = bytes(bytearray(2)), tuple([0])
+    prefix = len(pickle_dumps((parent, tokens, None))) - 4  # up to the 'N'
+    return pickle_dumps((parent, tokens, extra))[prefix:-3]
 
 
 def reference_chain(algorithm: Algorithm, parent: bytes, tokens: Sequence[int], block_size: int,
@@ -266,6 +265,7 @@ def fast_chain(algorithm: Algorithm, parent: bytes, tokens: Sequence[int], block
     out = _run(algorithm, (header(len(parent), len(bodies[0])),), parent, bodies[:1])
     headers = {blen: header(size, blen) for blen in lengths}
     return out + _run(algorithm, map(headers.__getitem__, map(len, rest)), out[0], rest)
+
 
 def chain(algorithm: Algorithm, parent: bytes, tokens: Sequence[int], block_size: int,
           extras: Sequence[Any]) -> list[bytes]:
