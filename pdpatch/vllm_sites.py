@@ -120,6 +120,29 @@ SPLIT_LEN_SOURCES = (
 )
 
 
+# The decode worker's per-step result collection.  In 0.19-0.21 `get_finished` runs the
+# heterogeneous-block-size post-processing for *failed* receives too, looking up the remote
+# engine -- which raises KeyError when the handshake failed before the engine was registered
+# (0.19 nixl_connector.py L2302 `kv_topo.block_size_ratio_from_engine_id`; 0.20.2 worker.py
+# L1685, 0.21.0 `transfer_topo.get_engine_info`).  0.22 skips failed requests there.
+GET_FINISHED = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorWorker.get_finished"),
+    _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", "NixlConnectorWorker.get_finished"),
+)
+
+
+def remote_engine_known(worker: Any, engine_id: str, version: Version) -> bool:
+    """Whether ``get_finished``'s remote-engine lookup (0.19-0.21) would succeed."""
+    try:
+        if release_of(version) < Version("0.20"):
+            worker.kv_topo.block_size_ratio_from_engine_id(engine_id)
+        else:
+            worker.transfer_topo.get_engine_info(engine_id)
+    except KeyError:
+        return False
+    return True
+
+
 def split_len_source(version: Version) -> str | None:
     rel = release_of(version)
     return next((src for spec, src in SPLIT_LEN_SOURCES

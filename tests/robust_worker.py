@@ -358,9 +358,17 @@ def connect_by_handshake(worker: Any, metas: dict[int, Any], remote_tp_size: int
     if metas:
         table[next(iter(metas.values())).engine_id] = (metas, remote_tp_size)
     errors: list[str] = []
+    real_handshake = worker._nixl_handshake
 
     def _nixl_handshake(*args: Any, **kwargs: Any) -> Any:
-        engine = next(a for a in (*args, *kwargs.values()) if isinstance(a, str) and a in table)
+        engine = next((a for a in (*args, *kwargs.values()) if isinstance(a, str) and a in table),
+                      None)
+        if engine is None:              # not a scripted peer: the release's real ZMQ handshake
+            try:
+                return real_handshake(*args, **kwargs)
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+                raise
         rank_metas, tp = table[engine]
         agents = {}
         try:
@@ -439,12 +447,17 @@ def step(worker: Any, metadata: Any) -> str | None:
 
 def run_until(worker: Any, predicate, timeout: float = 20.0) -> tuple[dict, str | None]:
     """Pump empty scheduler steps (handshake futures complete in the background) until
-    ``predicate(results)``; returns the merged results and the first crash, if any."""
+    ``predicate(results)``; returns the merged results and the first exception that would have
+    killed the worker (from ``start_load_kv`` or from the result collection), if any."""
     acc: dict[str, Any] = {}
     deadline = time.monotonic() + timeout
     while True:
         crash = step(worker, worker_module_metadata_cls()())
-        acc = merge(acc, finished(worker))
+        if crash is None:
+            try:
+                acc = merge(acc, finished(worker))
+            except Exception as exc:
+                crash = f"{type(exc).__name__}: {exc}"
         if crash or predicate(acc) or time.monotonic() > deadline:
             return acc, crash
         time.sleep(0.02)
@@ -598,3 +611,69 @@ def scenario_spec_types(spec_type_name: str = "MambaSpec") -> dict[str, Any]:
     acc, crash2 = run_until(
         d, lambda a: "r1" in set(a["done_recving"]) | set(a["failed_recving"]))
     return {"crash": crash or crash2, "handshake_errors": errors, "results": acc}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def scenario_dead_peer() -> dict[str, Any]:
+    """A prefill engine that is gone before the decode side handshakes with it: the release's
+    real ZMQ handshake to a closed port times out (5 s).  ``r-dead`` must fail alone; a request
+    to a live peer (``prefill-ok``) afterwards must be served."""
+    d = build_worker("decode-engine", num_blocks=32)
+    ok = build_worker("prefill-ok", role="kv_producer", num_blocks=40)
+    errors = connect_by_handshake(d, {0: remote_metadata(ok, "prefill-ok", "OK0")}, 1)
+    crash = step(d, recv_metadata([{"req_id": "r-dead", "local_ids": [[1, 2]],
+                                    "remote_ids": [[3, 4]], "engine": "prefill-dead",
+                                    "port": free_port()}]))
+    acc, crash2 = run_until(
+        d, lambda a: "r-dead" in set(a["done_recving"]) | set(a["failed_recving"]),
+        timeout=60)
+    crash = crash or crash2
+    after = None
+    if crash is None:
+        crash = step(d, recv_metadata([{"req_id": "r-ok", "local_ids": [[5]],
+                                        "remote_ids": [[6]], "engine": "prefill-ok",
+                                        "port": PORT + 2}]))
+        after, crash2 = run_until(d, lambda a: "r-ok" in a["done_recving"])
+        crash = crash or crash2
+    return {"crash": crash, "handshake_errors": errors, "results": acc, "after": after,
+            "reads": _reads_by_req(d)}
+
+
+SCENARIOS = {
+    "dead_peer": scenario_dead_peer,
+    "read_assert": scenario_read_assert,
+    "mla_notif": scenario_mla_notif,
+    "division": scenario_division,
+    "spec_types": scenario_spec_types,
+}
+
+
+def release_report(names: list[str]) -> dict[str, Any]:
+    """Run ``names`` on stock vLLM, then again with pdpatch installed; a scenario that cannot
+    run on this release is reported as ``{"error": ...}`` (the test shows it)."""
+    import traceback
+
+    from pdpatch import installer
+
+    def run_all() -> dict[str, Any]:
+        out = {}
+        for name in names:
+            try:
+                out[name] = SCENARIOS[name]()
+            except Exception:
+                out[name] = {"error": traceback.format_exc()[-3000:]}
+        return out
+
+    report: dict[str, Any] = {"stock": run_all()}
+    installer.install()
+    report["summary"] = installer.summary_line()
+    report["status"] = {n: s["status"] for n, s in installer.status()["patches"].items()}
+    report["patched"] = run_all()
+    return report

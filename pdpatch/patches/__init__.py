@@ -9,6 +9,7 @@ def all_patches() -> list[Patch]:
     """Imported lazily: patch modules are tiny, but the bootstrap should not pay for them."""
     from pdpatch.patches import (
         division_checks,
+        handshake_failure_guard,
         layout,
         mla_notif,
         num_blocks,
@@ -17,7 +18,7 @@ def all_patches() -> list[Patch]:
     )
 
     return [read_guard.PATCH, layout.PATCH, num_blocks.PATCH, mla_notif.PATCH,
-            division_checks.PATCH, spec_classify.PATCH]
+            division_checks.PATCH, spec_classify.PATCH, handshake_failure_guard.PATCH]
 
 
 def patch_names() -> list[str]:

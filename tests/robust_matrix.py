@@ -1,0 +1,44 @@
+"""The robustness scenarios (``tests/robust_worker.py``) on every extracted old vLLM release,
+one subprocess per release (``tests/versions_harness.py``), cached for the test session so
+the per-bug test modules share it.  0.33 runs in process in each test module instead."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from packaging.version import Version
+from versions_harness import release_versions, run_in_release
+
+#: Old releases under test: every extracted source tree before the installed 0.33.
+OLD_RELEASES = [v for v in release_versions(">=0.19,<0.33") if v != "<none>"] or ["<none>"]
+
+
+def scenarios_for(version: str) -> list[str]:
+    v = Version(version)
+    names = ["read_assert", "division", "dead_peer"]
+    if v < Version("0.22"):
+        names.append("mla_notif")          # bug in 0.19/0.20; 0.21.0 is the fixed control
+    if v >= Version("0.21"):
+        names.append("spec_types")
+    return names
+
+
+@functools.cache
+def report(version: str) -> dict[str, Any]:
+    """``robust_worker.release_report`` under ``version``: stock results, then patched."""
+    run = run_in_release(
+        version,
+        f"import robust_worker as rw\nemit(rw.release_report({scenarios_for(version)!r}))",
+        timeout=900)
+    return run.check()
+
+
+def scenario(version: str, phase: str, name: str) -> dict[str, Any]:
+    """One scenario's observations; a scenario that could not run fails the test with its
+    traceback (never a silent pass)."""
+    data = report(version)[phase][name]
+    if "error" in data:
+        raise AssertionError(f"{name} ({phase}) could not run on vLLM {version}:\n"
+                             f"{data['error']}")
+    return data

@@ -1,0 +1,76 @@
+"""Issue 7, bug 2: unchecked floor divisions in the descriptor maths.  A peer that claims TP 3
+for a 4-KV-head model (decode TP 1) passes stock validation (which uses the same floor
+arithmetic) and is read in ``L // 3``-byte slices (0.33: 16384 // 3 = 5461): bytes of every block
+are never transferred, slice boundaries fall inside a KV head (0.33: inside a bf16 element), and
+(0.24+) each remote slice runs past the peer's block into the next one.  With
+``division_checks`` the handshake is rejected with the numbers, only that peer's request
+fails, and a well-formed peer is still served.
+Real code: ``tests/robust_worker.py::scenario_division``."""
+
+from __future__ import annotations
+
+import pytest
+import robust_matrix
+import robust_worker as rw
+from packaging.version import Version
+
+from pdpatch import vllm_sites
+
+
+def assert_truncated(obs: dict, version: Version) -> None:
+    assert obs["crash"] is None and obs["handshake_errors"] == [], obs
+    length = obs["block_len"]
+    # Three reads per request, one per claimed prefill rank, each length // 3 bytes.
+    assert obs["reads_bad"] == 3, obs
+    assert obs["local_split_lens"] == [length // 3] == obs["remote_read_lens"], obs
+    assert length % 3 and 3 * (length // 3) < length          # bytes never written
+    assert (length // 3) % (length // 4)                      # slices split a KV head
+    if version >= Version("0.24"):
+        assert obs["remote_read_lens"][0] > obs["peer_block_len"], obs   # runs into next block
+    # ... and the request is reported as a successful load.
+    assert "r-bad" in obs["results"]["done_recving"], obs
+    assert not obs["results"]["failed_recving"] and not obs["results"]["invalid_blocks"], obs
+
+
+def assert_rejected(obs: dict, version: Version) -> None:
+    assert obs["crash"] is None, obs
+    [err] = set(obs["handshake_errors"])
+    assert err.startswith("GeometryNotDivisible: pdpatch: NIXL handshake rejected"), err
+    assert "peer TP 3 does not divide the model's 4 KV heads" in err, err
+    assert f"block length {obs['block_len']} B is not divisible" in err, err
+    assert f"each read would cover {obs['block_len'] // 3} B" in err, err
+    assert obs["reads_bad"] == 0 and obs["local_split_lens"] == [] == obs["remote_read_lens"]
+    res = obs["results"]
+    if vllm_sites.recv_failure_style(version) == "deferred":
+        assert res["failed_recving"] == ["r-bad"], res
+    else:
+        assert "r-bad" in res["done_recving"], res
+    assert {1, 2} <= set(res["invalid_blocks"]), res
+    assert obs["reads_ok"] == 1 and obs["after"]["done_recving"] == ["r-ok"], obs
+
+
+def test_stock_0_33_reads_truncated_slices(fresh_pdpatch):
+    assert_truncated(rw.scenario_division(), Version("0.33.0"))
+
+
+def test_division_checks_0_33_reject_the_peer(fresh_pdpatch):
+    assert fresh_pdpatch.install()["division_checks"].status == "active"
+    assert_rejected(rw.scenario_division(), Version("0.33.0"))
+
+
+@pytest.mark.parametrize("ver", robust_matrix.OLD_RELEASES)
+def test_division_on_old_release(ver):
+    if ver == "<none>":
+        pytest.skip("no old vLLM source tree extracted (scripts/fetch_vllm_sources.sh)")
+    assert_truncated(robust_matrix.scenario(ver, "stock", "division"), Version(ver))
+    assert robust_matrix.report(ver)["status"]["division_checks"] == "active"
+    assert_rejected(robust_matrix.scenario(ver, "patched", "division"), Version(ver))
+
+
+def test_division_checks_skipped_outside_checked_releases(fresh_pdpatch, monkeypatch):
+    from pdpatch import versions
+
+    monkeypatch.setattr(versions, "vllm_version", lambda: Version("0.34.0"))
+    fresh_pdpatch.install()
+    assert ("division_checks (vLLM 0.34.0 outside <0.34,>=0.19: the unchecked divisions were "
+            "checked in 0.19-0.33 only)") in fresh_pdpatch.summary_line()

@@ -1,0 +1,53 @@
+"""A prefill engine that is gone before the decode side handshakes with it (found while testing
+issue 7): the release's real ZMQ handshake to a closed port times out after 5 s and the waiting
+request is marked failed.  On 0.19-0.21 the next ``get_finished`` then looks the never-registered
+engine up for post-processing and raises ``KeyError`` on the model-runner thread -- the decode
+worker dies.  ``handshake_failure_guard`` (0.19-0.21) reports such requests as failed without
+the lookup; 0.22+ already does (the patch is skipped there, with the reason).  The same path is
+taken when ``division_checks`` rejects a peer, so on 0.19-0.21 the two patches work together."""
+
+from __future__ import annotations
+
+import pytest
+import robust_matrix
+import robust_worker as rw
+from packaging.version import Version
+
+from pdpatch import vllm_sites
+
+
+def assert_clean(obs: dict, version: Version) -> None:
+    assert obs["crash"] is None, obs
+    assert obs["handshake_errors"] and obs["handshake_errors"][0].startswith("Again"), obs
+    res = obs["results"]
+    if vllm_sites.recv_failure_style(version) == "deferred":
+        assert res["failed_recving"] == ["r-dead"], res
+    else:
+        assert "r-dead" in res["done_recving"], res
+    assert {1, 2} <= set(res["invalid_blocks"]), res
+    assert "r-dead" not in obs["reads"] and obs["reads"]["r-ok"], obs
+    assert obs["after"]["done_recving"] == ["r-ok"], obs
+
+
+def test_dead_peer_0_33_fails_the_request_only(fresh_pdpatch):
+    assert_clean(rw.scenario_dead_peer(), Version("0.33.0"))
+    fresh_pdpatch.install()
+    assert ("handshake_failure_guard (vLLM 0.33.0 outside <0.22,>=0.19: fixed upstream in vLLM "
+            "0.22.0") in fresh_pdpatch.summary_line()
+
+
+@pytest.mark.parametrize("ver", robust_matrix.OLD_RELEASES)
+def test_dead_peer_on_old_release(ver):
+    if ver == "<none>":
+        pytest.skip("no old vLLM source tree extracted (scripts/fetch_vllm_sources.sh)")
+    v = Version(ver)
+    stock = robust_matrix.scenario(ver, "stock", "dead_peer")
+    rep = robust_matrix.report(ver)
+    if v < Version("0.22"):
+        assert stock["crash"] == "KeyError: 'prefill-dead'", stock
+        assert rep["status"]["handshake_failure_guard"] == "active", rep["summary"]
+    else:
+        assert_clean(stock, v)
+        assert rep["status"]["handshake_failure_guard"] == "skipped", rep["summary"]
+        assert "fixed upstream in vLLM 0.22.0" in rep["summary"]
+    assert_clean(robust_matrix.scenario(ver, "patched", "dead_peer"), v)

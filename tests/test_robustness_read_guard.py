@@ -1,0 +1,83 @@
+"""Issue 7, bug 1: the read-path assert kills the decode worker; with ``read_guard`` the request
+fails alone (recorded the way each release records KV-load failures) and the worker serves on.
+
+Real code everywhere: vLLM's worker, handshake, ``start_load_kv`` and result reporting, with a
+recording NIXL agent (``tests/robust_worker.py``).  0.33 in process; 0.19-0.32 from their
+source trees (``tests/robust_matrix.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import robust_matrix
+import robust_worker as rw
+from packaging.version import Version
+
+from pdpatch import vllm_sites
+
+BAD_BLOCKS = [1, 2, 3]
+
+
+def assert_stock_crash(obs: dict) -> None:
+    # The assert escaped start_load_kv: on the model-runner thread this kills the worker,
+    # and the engine with it.  The healthy request of the same batch was never read.
+    assert obs["crash"] is not None and obs["crash"].startswith("AssertionError"), obs
+    assert "good" not in obs["reads"], obs
+
+
+def assert_contained(obs: dict, version: Version) -> None:
+    assert obs["crash"] is None, obs
+    res = obs["results"]
+    style = vllm_sites.recv_failure_style(version)
+    assert obs["failure_style"] == style
+    if style == "deferred":
+        # 0.30+: reported in failed_recving (the scheduler recomputes or fails it and frees
+        # its blocks), its blocks marked invalid (non-HMA).
+        assert res["failed_recving"] == ["bad"], res
+    else:
+        # <=0.29: a finished recv whose blocks are all invalid is how these releases fail a
+        # load (their own handshake/transfer failures do the same).
+        assert res["failed_recving"] == [], res
+        assert "bad" in res["done_recving"], res
+    assert set(BAD_BLOCKS) <= set(res["invalid_blocks"]), res
+    assert "good" in res["done_recving"] and "good" not in res["failed_recving"], res
+    # The healthy request of the same batch and a later one were really read.
+    assert obs["reads"]["good"] and obs["reads"]["after"], obs["reads"]
+    assert "bad" not in obs["reads"], obs["reads"]
+    assert obs["after"]["done_recving"] == ["after"] and not obs["after"]["failed_recving"]
+    assert not set(obs["after"]["invalid_blocks"]), obs["after"]
+
+
+def test_stock_0_33_read_assert_kills_the_worker(fresh_pdpatch):
+    assert_stock_crash(rw.scenario_read_assert())
+
+
+def test_read_guard_0_33_fails_only_that_request(fresh_pdpatch):
+    states = fresh_pdpatch.install()
+    assert states["read_guard"].status == "active"
+    assert_contained(rw.scenario_read_assert(), Version("0.33.0"))
+
+
+@pytest.mark.parametrize("ver", robust_matrix.OLD_RELEASES)
+def test_read_assert_on_old_release(ver):
+    if ver == "<none>":
+        pytest.skip("no old vLLM source tree extracted (scripts/fetch_vllm_sources.sh)")
+    assert_stock_crash(robust_matrix.scenario(ver, "stock", "read_assert"))
+    rep = robust_matrix.report(ver)
+    assert rep["status"]["read_guard"] == "active", rep["summary"]
+    assert_contained(robust_matrix.scenario(ver, "patched", "read_assert"), Version(ver))
+
+
+def test_failure_styles_cover_every_release_with_the_bug():
+    for minor in range(19, 34):
+        assert vllm_sites.recv_failure_style(Version(f"0.{minor}.0")) is not None, minor
+    assert vllm_sites.recv_failure_style(Version("0.18.1")) is None
+
+
+def test_read_guard_skipped_outside_checked_releases(fresh_pdpatch, monkeypatch):
+    from pdpatch import versions
+
+    monkeypatch.setattr(versions, "vllm_version", lambda: Version("0.34.0"))
+    fresh_pdpatch.install()
+    line = fresh_pdpatch.summary_line()
+    assert "read_guard (vLLM 0.34.0 outside" in line
+    assert "the unguarded read path was checked in 0.19-0.33 only" in line
