@@ -344,13 +344,13 @@ def kv_cache_config(planned: int, layer_names: list[str]) -> Any:
 
 
 @contextlib.contextmanager
-def fake_runtime(version) -> Iterator[Any]:
+def fake_runtime(version, tp_size: int = 1) -> Iterator[Any]:
     """Patch what vLLM's own tests patch: the NIXL agent, the TP group, the backends, and the
     handshake listener thread."""
     mod = worker_module(version)
     patches = [patch.object(mod, "NixlWrapper", RecordingNixlWrapper),
                patch.object(mod, "get_tensor_model_parallel_rank", return_value=0),
-               patch.object(mod, "get_tensor_model_parallel_world_size", return_value=1),
+               patch.object(mod, "get_tensor_model_parallel_world_size", return_value=tp_size),
                patch("threading.Thread")]
     if hasattr(mod, "get_current_attn_backends"):
         patches.append(patch.object(mod, "get_current_attn_backends",
@@ -362,14 +362,15 @@ def fake_runtime(version) -> Iterator[Any]:
 
 
 def register(alloc: Allocation, planned: int, version, worker_cls=None, extra: dict | None = None,
-             before_register=None, engine_id: str = "engine-under-test") -> Registered:
+             before_register=None, engine_id: str = "engine-under-test",
+             tp_size: int = 1) -> Registered:
     """Build a real worker for an engine that planned ``planned`` blocks and register ``alloc``."""
     from vllm.config import set_current_vllm_config
 
     ensure_cpu_platform()
     cfg = vllm_config(extra=extra)
     kvc = kv_cache_config(planned, list(alloc.views))
-    with fake_runtime(version), set_current_vllm_config(cfg):
+    with fake_runtime(version, tp_size), set_current_vllm_config(cfg):
         if worker_cls is None:
             worker_cls = default_worker_class(version)
         RecordingNixlWrapper.instances.clear()

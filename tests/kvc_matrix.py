@@ -279,30 +279,26 @@ def _layout_failure(v, h, token_major: str, head_major: str) -> str:
 
 
 def _hetero_tp(v, h) -> str:
-    """0.19: D (TP 1) reading a P with TP 2 on a token-major layout splits heads wrongly."""
+    """0.19: a decode engine with TP 2 reading a TP-1 prefill splits heads; on a token-major
+    layout 0.19 slices blocks as if head-major.  vLLM's own validation passes; pdpatch's guard
+    must refuse the handshake."""
     import dataclasses
 
-    def attempt() -> str | None:
-        local = h.register(h.kvcached_views(NAMES, PLANNED, "split-half"), PLANNED, v,
-                           engine_id="decode")
-        local.worker.kv_cache_layout = "NHD"       # what the layout override yields on 0.19
-        prefill = h.register(h.kvcached_views(NAMES, PLANNED, "split-half"), PLANNED, v,
-                             engine_id="prefill")
-        meta = h.decoded_metadata(prefill.worker)
-        meta = dataclasses.replace(meta, kv_cache_layout="NHD",
-                                   block_lens=[b // 2 for b in meta.block_lens])
-        try:
-            with h.fake_runtime(v):
-                local.worker.add_remote_agent(meta, 0, 2)
-        except RuntimeError as exc:
-            if "heterogeneous TP" in str(exc):
-                return str(exc)
-            raise
-        return None
-
-    msg = attempt()
-    assert msg is not None, "hetero-TP head split on NHD was accepted"
-    return msg[:140]
+    local = h.register(h.kvcached_views(NAMES, PLANNED, "split-half"), PLANNED, v,
+                       engine_id="decode", tp_size=2)
+    local.worker.kv_cache_layout = "NHD"          # what the layout override yields on 0.19
+    prefill = h.register(h.kvcached_views(NAMES, PLANNED, "split-half"), PLANNED, v,
+                         engine_id="prefill")
+    meta = h.decoded_metadata(prefill.worker)
+    meta = dataclasses.replace(meta, kv_cache_layout="NHD",
+                               block_lens=[2 * b for b in meta.block_lens])
+    try:
+        with h.fake_runtime(v, tp_size=2):
+            local.worker.add_remote_agent(meta, 0, 1)
+    except RuntimeError as exc:
+        assert "heterogeneous TP (ratio 2)" in str(exc), exc
+        return str(exc)[:140]
+    raise AssertionError("hetero-TP head split on NHD was accepted")
 
 
 if __name__ == "__main__":

@@ -80,7 +80,10 @@ def test_exactly_sized_views_are_left_alone(patched, version):
 
     alloc = h.kvcached_views(NAMES, PLANNED, "per-layer")
     reg = h.register(alloc, PLANNED, version)
-    assert reg.worker.device_kv_caches == alloc.views       # the very same tensors
+    for name, t in reg.worker.device_kv_caches.items():     # the same memory, same geometry
+        orig = alloc.views[name]
+        assert (t.data_ptr(), t.shape, t.stride()) == (orig.data_ptr(), orig.shape, orig.stride())
+    assert h.registered_bytes(reg.nixl) == h.planned_bytes(alloc, PLANNED)
     assert h.decoded_metadata(reg.worker).num_blocks == PLANNED
     assert "hold the planned 12 blocks" in num_blocks.last_reconciliation()
 

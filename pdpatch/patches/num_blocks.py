@@ -121,7 +121,9 @@ def reconcile_register(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
     neutralized = _restore_counts(worker, planned, logical, rec)
     if mode == block_counts.MODE_SLICE:
         new_caches = _sliced(kv_caches, rec)
-        if rec.changed and versions.release_of(_version()) >= STORAGE_REGISTRATION_FROM:
+        if versions.release_of(_version()) >= STORAGE_REGISTRATION_FROM:
+            # Also for exactly-sized views whose storage has a tail (a VMM reservation rounded
+            # up to its page): 0.29/0.30 treat any tail as "not block-major" and refuse.
             new_caches = _rebased(new_caches, [lb.name for lb in rec.layers])
     else:
         new_caches = kv_caches
