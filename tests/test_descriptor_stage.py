@@ -14,11 +14,11 @@ from pdpatch.kv import HeadSlice, KVPlanError, PairPlan, coalesce, infer_geometr
 from pdpatch.kv.stage import (
     CopyPlan,
     merge_copies,
-    merge_order,
     nixl_merged_count,
     stage,
     stage_ids,
     staging_table,
+    whole_blocks,
 )
 
 L, N, BS, H, D, ES = 2, 24, 4, 2, 4, 2
@@ -95,23 +95,22 @@ def test_descriptor_counts_follow_remote_contiguity() -> None:
     assert len(coalesce(plan)) == L * runs
 
 
-@pytest.mark.parametrize(("lkind", "rkind"), PAIRS)
 @pytest.mark.parametrize("op", ["READ", "WRITE"])
-def test_staged_ids_equal_the_address_form(lkind: str, rkind: str, op: str) -> None:
-    """vLLM form: stock tables + a staging table prepared once, per request only ids; NIXL's
-    merge of consecutive contiguous pairs (nixl_merged_count) gives the same descriptors."""
-    local, remote, st_base = _sides(lkind, rkind, 4, 4 * L * 2 * len(RUNS[0]) * SEG)
+def test_staged_ids_equal_the_address_form_for_a_split_remote(op: str) -> None:
+    """vLLM form: the stock per-segment remote table + a staging table prepared once, per
+    request only ids.  NIXL merges consecutive ids over contiguous memory, which a split
+    remote's table has for runs, so the ids form posts what the address form posts."""
+    local, remote, st_base = _sides("fused", "fa_split", 4, 4 * L * 2 * len(RUNS[0]) * SEG)
     pair = PairPlan(_geo(local), _geo(remote))
     lt, rt = pair.local_table(), pair.remote_table()
     lid, rid = pair.desc_ids(*RUNS)
     slots = L * 2 * len(RUNS[0])
     sids = stage_ids(lt, rt, lid, rid, st_base, SEG, slots, op=op)
     stt = staging_table(st_base, SEG, slots)
-    # the pairs NIXL sees, in order
-    la, ra, ln = stt[sids.staging_ids, 0], rt[sids.remote_ids, 0], rt[sids.remote_ids, 1]
     addr = stage(pair.descs(*RUNS), st_base, op=op)
-    assert nixl_merged_count(la, ra, ln) == len(addr.transfer)
-    merged = merge_copies(la, ra, ln)
+    assert nixl_merged_count(stt, rt, sids.staging_ids, sids.remote_ids) == len(addr.transfer)
+    merged = merge_copies(stt[sids.staging_ids, 0], rt[sids.remote_ids, 0],
+                          rt[sids.remote_ids, 1])
     assert np.array_equal(merged.src, addr.transfer.local_addr)
     assert np.array_equal(merged.dst, addr.transfer.remote_addr)
     assert np.array_equal(sids.copies.src, addr.copies.src)
@@ -119,17 +118,36 @@ def test_staged_ids_equal_the_address_form(lkind: str, rkind: str, op: str) -> N
     assert np.array_equal(sids.copies.length, addr.copies.length)
 
 
-def test_merge_order_makes_fused_runs_one_descriptor() -> None:
+def test_vllm_tables_merge_only_whole_blocks_or_split_runs() -> None:
+    """NIXL's merge needs consecutive table entries: per-segment fused tables never merge,
+    whole-block tables merge [K|V] and runs, split tables merge runs within each pool."""
+    runs = 3  # the 8-block run + 2 singles
     local, remote, _ = _sides("fused", "fused", 5, 0)
     pair = PairPlan(_geo(local), _geo(remote))
     lt, rt = pair.local_table(), pair.remote_table()
     lid, rid = pair.desc_ids(*RUNS)
-    # vLLM's region-major order: K of consecutive fused blocks is never adjacent
-    assert nixl_merged_count(lt[lid, 0], rt[rid, 0], lt[lid, 1]) == len(lid)
-    mlid, mrid = merge_order(lt, rt, lid, rid)
-    pairs = sorted(zip(lid.tolist(), rid.tolist(), strict=True))
-    assert sorted(zip(mlid.tolist(), mrid.tolist(), strict=True)) == pairs
-    assert nixl_merged_count(lt[mlid, 0], rt[mrid, 0], lt[mlid, 1]) == L * 3
+    assert nixl_merged_count(lt, rt, lid, rid) == len(lid) == L * 2 * len(RUNS[0])
+    whole = PairPlan(whole_blocks(_geo(local)), whole_blocks(_geo(remote)))
+    wl, wr = whole.desc_ids(*RUNS)
+    assert len(wl) == L * len(RUNS[0])
+    assert nixl_merged_count(whole.local_table(), whole.remote_table(), wl, wr) == L * runs
+    assert whole.descs(*RUNS).total_bytes == pair.descs(*RUNS).total_bytes
+    ls, rs_, _ = _sides("fa_split", "fa_split", 6, 0)
+    sp = PairPlan(_geo(ls), _geo(rs_))
+    sl, sr = sp.desc_ids(*RUNS)
+    assert nixl_merged_count(sp.local_table(), sp.remote_table(), sl, sr) == L * 2 * runs
+    with pytest.raises(KVPlanError, match="split"):
+        whole_blocks(_geo(ls))
+
+
+def test_whole_blocks_move_the_same_bytes() -> None:
+    local, remote, _ = _sides("fused", "fused", 8, 0)
+    lexp = local.buf.copy()
+    expected_copy(build_side(local.spec, L, N, BS, H, D, ES, buf=lexp, base=0), remote, *RUNS)
+    plan = PairPlan(whole_blocks(_geo(local)), whole_blocks(_geo(remote))).descs(*RUNS)
+    simulate(local.buf, 0, remote.buf, remote.base, plan.local_addr, plan.remote_addr,
+             plan.length)
+    assert np.array_equal(local.buf, lexp)
 
 
 def test_chunks_cover_the_same_bytes() -> None:
@@ -172,6 +190,55 @@ def test_refusals() -> None:
     assert out.copies.total_bytes == len(lid) * SEG
 
 
+@pytest.mark.parametrize(("lkind", "rkind"), PAIRS)
+def test_gap_reads_are_byte_exact_and_use_fewer_descriptors(lkind: str, rkind: str) -> None:
+    """READ across small unrequested gaps: fewer descriptors, the gap bytes stay in staging."""
+    lids, rids = [1, 2, 3, 4, 5, 6], [0, 2, 4, 6, 9, 20]  # every other remote block, then far
+    local, remote, st_base = _sides(lkind, rkind, 9, 8 * L * 2 * 24 * SEG)
+    rgeo = _geo(remote)
+    plan = PairPlan(_geo(local), rgeo).descs(lids, rids)
+    exact = stage(plan, st_base)
+    gap = stage(plan, st_base, max_gap=2 * SEG, remote_ranges=rgeo.registration_ranges())
+    assert len(gap.transfer) < len(exact.transfer)
+    assert gap.staging_bytes > plan.total_bytes == exact.staging_bytes
+    assert gap.copies.total_bytes == plan.total_bytes
+    lexp = local.buf.copy()
+    expected_copy(build_side(local.spec, L, N, BS, H, D, ES, buf=lexp, base=0), remote,
+                  lids, rids)
+    simulate(local.buf, 0, remote.buf, remote.base, gap.transfer.local_addr,
+             gap.transfer.remote_addr, gap.transfer.length, "READ")
+    _copy(local.buf, 0, gap.copies)
+    assert np.array_equal(local.buf[:st_base], lexp[:st_base])
+    # descriptors stay inside one registered range each
+    spans = rgeo.registration_ranges()
+    for a, n in zip(gap.transfer.remote_addr.tolist(), gap.transfer.length.tolist(),
+                    strict=True):
+        assert any(s <= a and a + n <= e for s, e in spans)
+
+
+def test_gap_limits() -> None:
+    local, remote, st_base = _sides("fused", "fa_split", 10, 8 * L * 2 * 24 * SEG)
+    rgeo = _geo(remote)
+    plan = PairPlan(_geo(local), rgeo).descs([1, 2, 3], [0, 2, 4])
+    ranges = rgeo.registration_ranges()
+    with pytest.raises(KVPlanError, match="READ only"):
+        stage(plan, st_base, op="WRITE", max_gap=SEG, remote_ranges=ranges)
+    with pytest.raises(KVPlanError, match="remote_ranges"):
+        stage(plan, st_base, max_gap=SEG)
+    # staging with room for the request only: the gap shrinks until it fits (here: to none)
+    tight = stage(plan, st_base, max_gap=4 * SEG, remote_ranges=ranges,
+                  staging_bytes=plan.total_bytes)
+    assert tight.staging_bytes == plan.total_bytes
+    assert len(tight.transfer) == len(stage(plan, st_base).transfer)
+    # one registered range per block pool: no gap read crosses into another range
+    split = [(s, e) for s, e in ranges]
+    cut = [(s, s + SEG) for s, _ in split] + [(s + SEG, e) for s, e in split]
+    by_block = stage(plan, st_base, max_gap=64 * SEG, remote_ranges=cut)
+    for a, n in zip(by_block.transfer.remote_addr.tolist(), by_block.transfer.length.tolist(),
+                    strict=True):
+        assert any(s <= a and a + n <= e for s, e in cut)
+
+
 @st.composite
 def requests(draw):
     lkind, rkind = draw(st.sampled_from(PAIRS))
@@ -189,12 +256,15 @@ def requests(draw):
 def test_staged_equals_direct_plan(req) -> None:
     """Property: staging + copies leave both sides exactly as the direct plan does."""
     lkind, rkind, lids, rids, op = req
-    staging = L * 2 * len(lids) * SEG
+    staging = 4 * L * N * SEG  # room for gap reads over the whole remote pool
     local, remote, st_base = _sides(lkind, rkind, 7, staging)
     plan = PairPlan(_geo(local), _geo(remote)).descs(lids, rids)
     lref, rref = local.buf.copy(), remote.buf.copy()
     simulate(lref, 0, rref, remote.base, plan.local_addr, plan.remote_addr, plan.length, op)
-    staged = stage(plan, st_base, op=op)
+    gap = SEG * (len(lids) % 3) if op == "READ" else 0
+    staged = stage(plan, st_base, op=op, max_gap=gap,
+                   remote_ranges=_geo(remote).registration_ranges() if gap else None,
+                   staging_bytes=staging)
     if op == "WRITE":
         _copy(local.buf, 0, staged.copies.chunks(3 * SEG // 2))
     simulate(local.buf, 0, remote.buf, remote.base, staged.transfer.local_addr,
@@ -204,3 +274,5 @@ def test_staged_equals_direct_plan(req) -> None:
     assert np.array_equal(local.buf[:st_base], lref[:st_base])
     assert np.array_equal(remote.buf, rref)
     assert len(staged.transfer) <= len(coalesce(plan))
+    if gap:
+        assert staged.staging_bytes >= plan.total_bytes

@@ -1,13 +1,14 @@
 """Staged K/V conversion: as few NIXL descriptors as the REMOTE layout allows, plus one local copy.
 
 Why: with NIXL the cost of a transfer is mostly per descriptor (about 2.8 µs each on an H200 over
-cuda_ipc, research/gpu_probe.md), and NIXL merges consecutive descriptor pairs only when they are
-contiguous on BOTH sides (measured: ``make_prepped_xfer`` merges such pairs, ``descCount`` drops
-to one per run).  A split<->fused conversion pairs a contiguous run on one side with a strided
-run on the other, so nothing merges: a run of 16 blocks costs 32 descriptors per layer instead of
-one.  NIXL >= 1.5 strided rows ``(addr, len, dev, stride, count)`` do not help at transfer time:
-NIXL expands them back into one descriptor per element (measured: ``descCount`` equals the
-element count for a strided local row).
+cuda_ipc, research/gpu_probe.md), and NIXL merges two descriptor pairs of a request only when
+they are consecutive entries of the prepared lists on BOTH sides and contiguous in memory on both
+sides (measured with NIXL 1.5.1: consecutive ids over contiguous entries give ``descCount`` 1;
+the same memory reached through non-consecutive ids is not merged).  A split<->fused conversion
+pairs a contiguous run on one side with a strided run on the other, so nothing merges: a run of
+16 blocks costs 32 descriptors per layer instead of one.  NIXL >= 1.5 strided rows
+``(addr, len, dev, stride, count)`` do not help at transfer time: NIXL expands them back into
+one descriptor per element (measured: ``descCount`` equals the element count).
 
 Staging moves the layout change out of NIXL.  The local side of the transfer becomes a staging
 buffer laid out in REMOTE address order, so every run that is contiguous on the remote side is
@@ -24,8 +25,10 @@ Two forms, the same semantics:
 * :func:`stage_ids` -- vLLM's form: tables prepared once per peer (the stock remote table and a
   :func:`staging_table` of equal slots), per request only descriptor ids, which NIXL merges.
 
-:func:`merge_order` is the same-layout counterpart: it orders desc ids by local address so
-NIXL merges runs that are contiguous on both sides (the fused path).
+:func:`whole_blocks` gives the same-layout fused path its best tables: one descriptor per
+``[K|V]`` block, so consecutive blocks are consecutive, contiguous entries that NIXL merges (what
+vLLM >= 0.26 does for its packed layout).  :func:`nixl_merged_count` predicts NIXL's
+``descCount`` for a request.
 
 Pure module: numpy only.  The copy itself is the caller's (a device kernel or host memmove) and
 is described by a :class:`CopyPlan`.
@@ -33,11 +36,20 @@ is described by a :class:`CopyPlan`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from pdpatch.kv.geometry import KVPlanError
+from pdpatch.kv.geometry import (
+    KIND_FUSED,
+    KIND_PACKED,
+    ROLE_KV,
+    KVGeometry,
+    KVPlanError,
+    LayerGeometry,
+    Segment,
+)
 from pdpatch.kv.plan import DescPlan
 
 _U64 = np.uint64
@@ -113,39 +125,68 @@ def _check_op(op: str) -> None:
 
 
 def stage(plan: DescPlan, staging_base: int, *, op: str = "READ",
-          staging_dev: int | None = None, staging_bytes: int | None = None) -> StagedPlan:
+          staging_dev: int | None = None, staging_bytes: int | None = None,
+          max_gap: int = 0, remote_ranges: Sequence[tuple[int, int]] | None = None
+          ) -> StagedPlan:
     """Route ``plan`` through a staging buffer at ``staging_base`` (registered with NIXL like
     any local memory).
 
     Pairs are laid out in the staging buffer in remote-address order, so remote-contiguous runs
     become one descriptor each; ``copies`` move staging <-> the plan's local addresses.  A plan
     whose remote ranges overlap (a WRITE that lands twice) is refused.
+
+    ``max_gap`` (READ only, needs the peer's registered ``remote_ranges``): also read across
+    gaps of up to ``max_gap`` unrequested bytes inside one registered range, so nearby blocks
+    share a descriptor.  Worth it while a gap costs less wire time than a descriptor (about
+    2.8 µs per descriptor over cuda_ipc, i.e. megabytes); the gap bytes land in staging only
+    and are never copied out.  Never for WRITE, which would overwrite other blocks.  When
+    ``staging_bytes`` is too small for the gaps, the allowed gap is halved until it fits.
     """
     _check_op(op)
+    if max_gap and op != "READ":
+        raise KVPlanError("max_gap reads unrequested bytes; it is for READ only")
+    if max_gap and remote_ranges is None:
+        raise KVPlanError("max_gap needs the peer's registered remote_ranges")
     n = len(plan)
     ra = plan.remote_addr.astype(_U64)
     ln = plan.length.astype(_U64)
     order = np.argsort(ra, kind="stable")
     ra_o, ln_o = ra[order], ln[order]
-    if n > 1 and bool(np.any(ra_o[1:] < ra_o[:-1] + ln_o[:-1])):
+    ends = ra_o + ln_o
+    if n > 1 and bool(np.any(ra_o[1:] < ends[:-1])):
         raise KVPlanError("remote ranges of the plan overlap; staging needs disjoint ranges")
-    offs = np.concatenate(([0], np.cumsum(ln_o[:-1], dtype=_U64))).astype(_U64) if n else ln_o
     need = int(ln_o.sum(dtype=_U64))
     if staging_bytes is not None and need > staging_bytes:
         raise KVPlanError(f"request needs {need} B of staging, only {staging_bytes} B exist")
-    st = (np.uint64(staging_base) + offs).astype(_U64)
+    gap = (ra_o[1:] - ends[:-1]).astype(np.int64) if n > 1 else np.empty(0, np.int64)
+    same_range = np.zeros(gap.shape, dtype=bool)
+    if max_gap and n > 1:
+        starts_r = np.asarray(sorted(int(s) for s, _ in remote_ranges), dtype=np.int64)
+        ends_r = np.asarray([e for _, e in sorted((int(s), int(e)) for s, e in remote_ranges)],
+                            dtype=np.int64)
+        ri = np.searchsorted(starts_r, ra_o.astype(np.int64), side="right") - 1
+        inside = (ri >= 0) & (ends.astype(np.int64) <= ends_r[np.maximum(ri, 0)])
+        same_range = inside[1:] & inside[:-1] & (ri[1:] == ri[:-1])
+    while True:
+        join = (gap == 0) | ((gap <= max_gap) & same_range)
+        first = np.flatnonzero(np.concatenate(([True], ~join)))
+        last = np.concatenate((first[1:], [n])) - 1
+        span_start = ra_o[first]
+        span_len = (ends[last] - span_start).astype(_U64) if n else ln_o
+        total = int(span_len.sum(dtype=_U64))
+        if staging_bytes is None or total <= staging_bytes or max_gap == 0:
+            break
+        max_gap //= 2
+    span_off = np.concatenate(([0], np.cumsum(span_len[:-1], dtype=_U64))).astype(_U64) \
+        if n else span_len
+    group = np.repeat(np.arange(first.size), last - first + 1)
+    st = (np.uint64(staging_base) + span_off[group] + (ra_o - span_start[group])).astype(_U64)
     dev = plan.local_dev if staging_dev is None else staging_dev
-    # staging is contiguous, so pairs merge exactly where the remote side is contiguous
-    transfer = _merge_pairs(st, ra_o, ln_o, dev, plan.remote_dev)
+    transfer = DescPlan((np.uint64(staging_base) + span_off).astype(_U64), span_start,
+                        span_len, dev, plan.remote_dev)
     la_o = plan.local_addr.astype(_U64)[order]
     copies = merge_copies(st, la_o, ln_o) if op == "READ" else merge_copies(la_o, st, ln_o)
-    return StagedPlan(transfer, copies, need, op)
-
-
-def _merge_pairs(la: np.ndarray, ra: np.ndarray, ln: np.ndarray, ldev: int,
-                 rdev: int) -> DescPlan:
-    merged = merge_copies(la, ra, ln)  # same rule: contiguous on both sides, in order
-    return DescPlan(merged.src, merged.dst, merged.length, ldev, rdev)
+    return StagedPlan(transfer, copies, total, op)
 
 
 # ------------------------------------------------------------------ vLLM form: tables + ids
@@ -201,19 +242,39 @@ def stage_ids(local_table: np.ndarray, remote_table: np.ndarray, local_ids: np.n
     return StagedIds(slots, rid[order], copies, op)
 
 
-def merge_order(local_table: np.ndarray, remote_table: np.ndarray, local_ids: np.ndarray,
-                remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The same pairs ordered by local address, so NIXL's ``make_prepped_xfer`` merges every
-    run that is contiguous on both sides (fused<->fused runs become one descriptor per run and
-    layer; vLLM's region-major id order never merges K|V of a fused block)."""
+def whole_blocks(geo: KVGeometry) -> KVGeometry:
+    """The same memory described as one ``[K|V]`` segment per block (fused and packed layers).
+
+    For the same-layout fused path only (no head slicing: a whole block is not a head slice):
+    its tables then have one entry per block, consecutive blocks being consecutive, contiguous
+    entries.  A split layer has no whole-block range and is refused.
+    """
+    layers = []
+    for li, la in enumerate(geo.layers):
+        if la.kind == KIND_PACKED:
+            layers.append(la)
+            continue
+        if la.kind != KIND_FUSED:
+            raise KVPlanError(f"layer {li} is {la.kind}: K and V are not one range per block")
+        k, v = la.segments
+        layers.append(LayerGeometry(la.base + k.offset, la.block_stride, la.num_blocks,
+                                    (Segment(ROLE_KV, 0, k.length + v.length),),
+                                    capacity=la.capacity))
+    return KVGeometry(tuple(layers), geo.device_id, geo.label)
+
+
+def nixl_merged_count(local_table: np.ndarray, remote_table: np.ndarray,
+                      local_ids: np.ndarray, remote_ids: np.ndarray) -> int:
+    """The ``descCount`` NIXL will post for a request over prepared Nx3 tables: a pair joins
+    the previous one when both ids are the previous ids + 1 and both ranges continue the
+    previous ranges in memory.  For a per-request list (ids ``0..n-1``) this is the number of
+    both-side-contiguous runs, :func:`merge_copies`."""
     lid = np.asarray(local_ids, dtype=np.int64).reshape(-1)
     rid = np.asarray(remote_ids, dtype=np.int64).reshape(-1)
-    order = np.argsort(local_table[lid, 0], kind="stable")
-    return lid[order], rid[order]
-
-
-def nixl_merged_count(local_addr: np.ndarray, remote_addr: np.ndarray,
-                      length: np.ndarray) -> int:
-    """How many descriptors NIXL will post for these pairs in this order (its merge rule:
-    consecutive pairs contiguous on both sides) -- to log or check ``descCount``."""
-    return len(merge_copies(local_addr, remote_addr, length))
+    if lid.size <= 1:
+        return int(lid.size)
+    la, ra = local_table[lid, 0], remote_table[rid, 0]
+    ln = local_table[lid, 1]
+    joins = ((lid[1:] == lid[:-1] + 1) & (rid[1:] == rid[:-1] + 1)
+             & (la[1:] == la[:-1] + ln[:-1]) & (ra[1:] == ra[:-1] + ln[:-1]))
+    return int(lid.size - int(joins.sum()))
