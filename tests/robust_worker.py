@@ -533,7 +533,7 @@ def scenario_mla_notif() -> dict[str, Any]:
     if crash is None:
         more, crash = run_until(d, lambda a: "d-req" in a["done_recving"])
         acc = merge(acc, more)
-    sent = list(d.nixl_wrapper.notifs_sent)
+    sent = [list(x) for x in d.nixl_wrapper.notifs_sent]
     for agent, msg in sent:
         if agent == "P1":
             p1.nixl_wrapper.inbox.append(("decode-agent", msg.encode()))
