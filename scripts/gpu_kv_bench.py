@@ -1029,10 +1029,19 @@ def main() -> int:
     report: dict[str, Any] = {"environment": env_info, "args": vars(a)}
     failures = 0
 
+    def save() -> None:
+        if a.json:
+            report["results"] = bench.results
+            report["notes"] = bench.notes
+            with open(a.json, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+
     def section(name: str, fn) -> Any:
         nonlocal failures
         try:
-            return fn()
+            out = fn()
+            save()
+            return out
         except Exception:
             print(f"\n!! section {name} failed:", flush=True)
             traceback.print_exc()
@@ -1095,9 +1104,7 @@ def main() -> int:
             print(f"POLICY CHECK FAILED: {p}")
     if bench.notes:
         print("notes:", *bench.notes, sep="\n   ")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+    save()
     print(f"\n{len(bench.results)} measurements, {failures} failures")
     return 1 if failures else 0
 
