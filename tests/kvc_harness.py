@@ -43,20 +43,30 @@ def ensure_cpu_platform() -> None:
     binds ``current_platform``."""
     import vllm.platforms as platforms
 
-    if getattr(platforms, "_current_platform", None) is None:
+    try:
+        detected = platforms.current_platform.device_type
+    except Exception:
+        detected = ""
+    if not detected:
         from vllm.platforms.cpu import CpuPlatform
 
-        try:
-            detected = platforms.current_platform.device_type
-        except Exception:
-            detected = ""
-        if not detected:
-            platforms._current_platform = CpuPlatform()
+        platforms._current_platform = CpuPlatform()
 
 
 def cpu_backend_class() -> type:
-    """The release's real CPU attention backend (its ``get_kv_cache_shape`` defines the
-    tensors the NIXL worker expects)."""
+    """The attention backend whose KV shape the worker is built for: the release's real CPU
+    attention backend, except on 0.23-0.25 where CPU attention's packed pages are not what the
+    NIXL code of those releases addresses; there the release's FlashAttention backend class
+    (blocks-first ``(N, 2, bs, H, D)``, importable without a GPU) is used."""
+    from packaging.version import Version
+
+    from pdpatch import versions
+
+    release = versions.release_of(versions.vllm_version())
+    if Version("0.23") <= release < Version("0.26"):
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+        return FlashAttentionBackend
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     return CPUAttentionBackend
@@ -199,6 +209,12 @@ def kvcached_views(layer_names: list[str], num_blocks: int, variant: str,
 
     * ``split-half`` -- per layer, all K blocks in one half of the storage and all V blocks in
       the other: ``stride[0] = v_offset`` (the virtual K region's size), ``stride[1] = hidden``.
+
+    Blocks-first ``(N, 2, bs, H, D)`` tensors (FlashAttention/FlashInfer 0.23-0.25):
+
+    * ``kv-interleaved`` -- ``[K|V]`` per block, ``stride[0] = 2 * hidden`` (kvcached's
+      unified pool).  kvcached's split-half form of this shape needs a descriptor conversion
+      (issue 6), not a block count.
     """
     heads = NUM_KV_HEADS
     isz = torch.empty((), dtype=DTYPE).element_size()
@@ -230,6 +246,18 @@ def kvcached_views(layer_names: list[str], num_blocks: int, variant: str,
                 addr[name] = (lambda b, i=i: [(base + (b * L + i) * page * isz,
                                                base + (b * L + i + 1) * page * isz)])
         return Allocation(views, storages, num_blocks, page * isz, variant, addr)
+    if variant == "kv-interleaved":
+        hidden = BLOCK_SIZE * heads * HEAD_DIM
+        shape = (num_blocks, 2, BLOCK_SIZE, heads, HEAD_DIM)
+        stride = (2 * hidden, hidden, heads * HEAD_DIM, HEAD_DIM, 1)
+        for name in layer_names:
+            raw = fresh(num_blocks * 2 * hidden + 64)
+            storages.append(raw)
+            views[name] = torch.as_strided(raw, shape, stride, 0)
+            base = raw.data_ptr()
+            addr[name] = (lambda b, base=base: [(base + 2 * b * hidden * isz,
+                                                 base + 2 * (b + 1) * hidden * isz)])
+        return Allocation(views, storages, num_blocks, 2 * hidden * isz, variant, addr)
     if variant == "split-half":
         hidden = heads * BLOCK_SIZE * HEAD_DIM
         v_off = num_blocks * hidden + 32          # the virtual K region, page-rounded
@@ -255,7 +283,7 @@ def variants_for(version) -> list[str]:
     shape = (backend.get_kv_cache_shape(4, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
              if hasattr(backend, "get_kv_cache_shape") else (4, NUM_KV_HEADS, BLOCK_SIZE, 128))
     if len(shape) == 5:
-        return ["split-half"]
+        return ["split-half"] if shape[0] == 2 else ["kv-interleaved"]
     from packaging.version import Version
 
     from pdpatch.versions import release_of

@@ -114,6 +114,15 @@ def _main(version: str, kvcached_order: str | None) -> dict[str, str]:
 
     if kvcached_order == "kvcached-first":
         _apply_kvcached()
+
+        def alone():
+            try:
+                h.register(h.kvcached_views(NAMES, VIRTUAL, variants[0]), PLANNED, v)
+            except AssertionError as exc:
+                return f"kvcached's own patch alone: {str(exc)[:100]}"
+            raise AssertionError("kvcached's patch alone registered the views")
+
+        check("kvcached_patch_alone_refused", alone)
     # ---------------------------------------------------------------- stock behaviour
     if not kvcached_order:
         for variant in variants:
@@ -157,8 +166,10 @@ def _main(version: str, kvcached_order: str | None) -> dict[str, str]:
             other = h.register(h.kvcached_views(NAMES, 10, variant), 10, v, engine_id="peer")
             meta = h.decoded_metadata(reg.worker)
             remote = h.peer_remote_descs(other, meta, v)
+            # <= 0.29 advertise one count; blocks-first releases split each region into a K
+            # pass and a V pass ("virtual" regions), so count regions from the descriptors.
             counts = list(getattr(meta, "region_num_blocks", None) or []) or \
-                [meta.num_blocks] * len(meta.kv_caches_base_addr)
+                [meta.num_blocks] * (len(remote) // meta.num_blocks)
             h.check_descs_resolve(remote, counts, reg.alloc, PLANNED,
                                   h.registered_bytes(reg.nixl))
 
@@ -174,6 +185,12 @@ def _main(version: str, kvcached_order: str | None) -> dict[str, str]:
 
     check("under_allocated_fails_clearly", under)
     if kvcached_order:
+        def in_charge():
+            line = num_blocks.status_line()
+            assert line == "num_blocks=pdpatch+kvcached-patch-neutralized", line
+            return line
+
+        check("pdpatch_in_charge", in_charge)
         return results
 
     # ----------------------------------------------------------------------- layout

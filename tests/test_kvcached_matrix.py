@@ -1,0 +1,64 @@
+"""The kvcached-compatibility checks against the real source of each vLLM release (subprocesses;
+see ``kvc_matrix.py`` for what each check does and how old releases are loaded)."""
+
+from __future__ import annotations
+
+import kvc_matrix as m
+import pytest
+
+RELEASES = ["0.19.0", "0.22.1", "0.23.0", "0.25.1", "0.28.0", "0.30.0", "0.33.0"]
+VARIANTS = {"0.19.0": ["split-half"], "0.22.1": ["split-half"],
+            "0.23.0": ["kv-interleaved"], "0.25.1": ["kv-interleaved"],
+            "0.28.0": ["per-layer"], "0.30.0": ["per-layer", "layer-interleaved"],
+            "0.33.0": ["per-layer", "layer-interleaved"]}
+
+
+def expected_checks(version: str) -> set[str]:
+    names = {"installed", "under_allocated_fails_clearly", "layout_classmethod",
+             "layout_in_force", "layout_forced_failure_names_component"}
+    for variant in VARIANTS[version]:
+        names |= {f"stock_rejects_over_allocation[{variant}]",
+                  f"over_allocated_registers_the_plan[{variant}]",
+                  f"peer_descriptors_resolve[{variant}]"}
+    if version == "0.19.0":
+        names.add("hetero_tp_token_major_rejected")
+    return names
+
+
+def _run(version: str, order: str | None = None) -> dict[str, str]:
+    if version != m.INSTALLED and m.source_tree(version) is None:
+        pytest.skip(f"no vLLM {version} source tree under {m.SOURCES} "
+                    f"(run scripts/fetch_vllm_sources.sh)")
+    try:
+        return m.run(version, order)
+    except RuntimeError as exc:
+        if "No module named 'gguf'" in str(exc):
+            pytest.skip(f"vLLM {version} imports gguf; install it or put it in {m.OLD_DEPS}")
+        raise
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_release(version):
+    results = _run(version)
+    failed = {k: v for k, v in results.items() if not v.startswith("ok")}
+    assert not failed, failed
+    assert set(results) == expected_checks(version)
+
+
+@pytest.mark.parametrize("order", ["kvcached-first", "pdpatch-first"])
+def test_with_kvcacheds_real_nixl_patch(order):
+    """kvcached 0.1.6's own nixl_compat.py (pure Python) applied before or after pdpatch:
+    alone it cannot register over-allocated views on 0.33; with pdpatch, exactly the plan is
+    registered and advertised, and pdpatch's reconciliation is the one in effect."""
+    if not m.kvcached_available():
+        pytest.skip(f"kvcached 0.1.6 source not at {m.KVCACHED_SRC}")
+    results = _run(m.INSTALLED, order)
+    failed = {k: v for k, v in results.items() if not v.startswith("ok")}
+    assert not failed, failed
+    expected = {"installed", "under_allocated_fails_clearly", "pdpatch_in_charge"}
+    for variant in VARIANTS[m.INSTALLED]:
+        expected |= {f"over_allocated_registers_the_plan[{variant}]",
+                     f"peer_descriptors_resolve[{variant}]"}
+    if order == "kvcached-first":
+        expected.add("kvcached_patch_alone_refused")
+    assert set(results) == expected
