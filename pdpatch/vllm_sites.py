@@ -103,6 +103,35 @@ BUILD_FA_REMOTE = (
     _site(">=0.21,<0.24", f"{NIXL_PKG}.worker", "NixlConnectorWorker._build_fa_remote"),
     _site(">=0.24", f"{NIXL_PKG}.base_worker", "NixlBaseConnectorWorker._build_fa_remote"),
 )
+# The compatibility-hash function AS BOUND IN THE WORKER MODULE (the worker imported the name, so
+# wrapping `metadata`'s binding alone would not be seen).  Signature in every release:
+# (vllm_config, attn_backend_name, ...) -- the rest varies (cross_layers_blocks, transfer_mode).
+COMPAT_HASH = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "compute_nixl_compatibility_hash"),
+    _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", "compute_nixl_compatibility_hash"),
+    _site(">=0.24", f"{NIXL_PKG}.base_worker", "compute_nixl_compatibility_hash"),
+)
+
+# The decode worker's handshake: fetches the peer's `NixlHandshakePayload` over ZMQ, compares the
+# compatibility hash, decodes `NixlAgentMetadata` through the worker module's global names, then
+# calls `add_remote_agent` (runs in the handshake thread in every release).
+NIXL_HANDSHAKE = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorWorker._nixl_handshake"),
+    _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", "NixlConnectorWorker._nixl_handshake"),
+    _site(">=0.24", f"{NIXL_PKG}.base_worker", "NixlBaseConnectorWorker._nixl_handshake"),
+)
+
+# Sleep/wake re-registration (0.33): re-encodes the handshake metadata through the stock class.
+RESTORE_KV_CACHES = (
+    _site(">=0.33", f"{NIXL_PKG}.base_worker", "NixlBaseConnectorWorker.restore_kv_caches"),
+)
+
+# Releases whose NIXL descriptors still address K and V of a block separately (FlashAttention's
+# (2, N, ...) split regions, or a "virtual" K/V split of blocks-first memory); from 0.26 every
+# backend packs K and V per token and a block moves as one unit.
+KV_SPLIT_DESCRIPTORS = SpecifierSet(">=0.19,<0.26")
+
+
 BUILD_LOCAL_SPLITS = (
     _site(">=0.21,<0.24", f"{NIXL_PKG}.worker",
           "NixlConnectorWorker._build_local_splits_from_plan"),

@@ -76,13 +76,17 @@ def infer_layer_geometry(
     num_blocks: int | None = None,
     kv_dim: int | None = None,
     heads_dim: int = 1,
+    heads_dim_5d: int = 3,
 ) -> LayerGeometry:
     """One layer's :class:`LayerGeometry` from tensor metadata (see module docstring).
 
     ``num_blocks``: the planned blocks when the tensor is over-allocated (default: all).
     ``kv_dim``: 0 for ``(2, N, ...)``, 1 for ``(N, 2, ...)``; needed only when both leading
     dims are 2.  ``heads_dim``: for 4-D packed tensors, 1 for ``(N, H, bs, C)``, 2 for
-    ``(N, bs, H, C)``.
+    ``(N, bs, H, C)``.  ``heads_dim_5d``: for 5-D tensors, 3 for ``(.., bs, H, D)``
+    (FlashAttention, FlashInfer, Triton), 2 for ``(.., H, bs, D)`` (vLLM's CPU backend up to
+    0.22) -- the logical order of a backend's ``get_kv_cache_shape``, which the physical
+    (stride) order need not follow.
     """
     shape = tuple(int(x) for x in shape)
     stride = tuple(int(x) for x in stride)
@@ -109,7 +113,9 @@ def infer_layer_geometry(
         if kv_dim not in (0, 1) or shape[kv_dim] != 2:
             raise UnsupportedLayout(f"{where}: kv_dim={kv_dim} is not a size-2 leading dim")
         block_dim = 1 - kv_dim
-        head_major = _dense_inner(shape, stride, (3, 2, 4), where)
+        if heads_dim_5d not in (2, 3):
+            raise UnsupportedLayout(f"{where}: heads_dim_5d must be 2 or 3, got {heads_dim_5d}")
+        head_major = _dense_inner(shape, stride, (heads_dim_5d, 5 - heads_dim_5d, 4), where)
         seg_len = shape[2] * shape[3] * shape[4] * es
         capacity = shape[block_dim]
         block_stride = stride[block_dim] * es
@@ -119,7 +125,7 @@ def infer_layer_geometry(
         if v_off == 0:
             raise UnsupportedLayout(f"{where}: K and V share memory (K/V stride 0)")
         segments = (Segment(ROLE_K, 0, seg_len), Segment(ROLE_V, v_off, seg_len))
-        num_heads = shape[3]
+        num_heads = shape[heads_dim_5d]
     elif len(shape) == 4:
         if heads_dim not in (1, 2):
             raise UnsupportedLayout(f"{where}: heads_dim must be 1 or 2, got {heads_dim}")
@@ -157,13 +163,14 @@ def infer_geometry(
     num_blocks: int | None = None,
     kv_dim: int | None = None,
     heads_dim: int = 1,
+    heads_dim_5d: int = 3,
     device_id: int = 0,
     label: str = "",
 ) -> KVGeometry:
     """A worker's :class:`KVGeometry` from its per-layer tensors, in layer order."""
     layers = tuple(
         infer_layer_geometry(shape, stride, es, ptr, num_blocks=num_blocks, kv_dim=kv_dim,
-                             heads_dim=heads_dim)
+                             heads_dim=heads_dim, heads_dim_5d=heads_dim_5d)
         for shape, stride, es, ptr in tensors
     )
     return KVGeometry(layers, device_id, label)

@@ -10,6 +10,7 @@ def all_patches() -> list[Patch]:
     from pdpatch.patches import (
         division_checks,
         handshake_failure_guard,
+        kv_segments,
         layout,
         mla_notif,
         num_blocks,
@@ -18,7 +19,8 @@ def all_patches() -> list[Patch]:
     )
 
     return [read_guard.PATCH, layout.PATCH, num_blocks.PATCH, mla_notif.PATCH,
-            division_checks.PATCH, spec_classify.PATCH, handshake_failure_guard.PATCH]
+            division_checks.PATCH, spec_classify.PATCH, handshake_failure_guard.PATCH,
+            kv_segments.PATCH]
 
 
 def patch_names() -> list[str]:

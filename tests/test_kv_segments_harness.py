@@ -1,0 +1,357 @@
+"""Real vLLM NIXL workers with real attention-backend layouts, for the ``kv_segments`` tests.
+
+No tests here: the helpers are shared by ``test_kv_segments_workers.py`` (vLLM 0.33 in process)
+and the old-release runs (``versions_harness.run_in_release`` imports this module under a
+release's source tree).  Built on ``robust_worker`` (configs, KV-cache config, the
+``RecordingNixlWrapper`` in vLLM's FakeNixlWrapper style, request metadata, step pumping); what
+is added:
+
+* the worker's attention backend is a real vLLM backend class (FlashAttention, Triton), and its
+  KV tensors are allocated the way vLLM's model runner allocates them: the backend's
+  ``get_kv_cache_shape`` in its ``get_kv_cache_stride_order`` (from 0.29 the packed
+  ``(N, H, bs, 2D)`` head-major page every backend uses);
+* :class:`CopyingNixlWrapper` moves bytes: a READ it is asked to ``transfer`` copies every
+  remote descriptor's bytes into the paired local descriptor, after checking that both lie in
+  memory some agent of this process registered (real NIXL answers ``NIXL_ERR_NOT_FOUND``
+  otherwise) -- P and D live in one process, so D's descriptors into P's tensors are real
+  addresses;
+* the handshake is vLLM's own: P's ``NixlHandshakePayload`` is served by the release's real
+  ``_nixl_handshake_listener`` over ZMQ on loopback, and D's ``start_load_kv`` reaches it through
+  its real background ``_nixl_handshake`` (hash check, msgspec decode, ``add_remote_agent``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import inspect
+import threading
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+from unittest.mock import patch
+
+import msgspec
+import robust_worker as rw
+import torch
+from packaging.version import Version
+
+from pdpatch import vllm_sites
+from pdpatch.versions import release_of
+
+HEAD_DIM = rw.HEAD_DIM
+DTYPE = rw.DTYPE
+NUM_LAYERS = rw.NUM_LAYERS
+HOST = "127.0.0.1"
+
+
+def version() -> Version:
+    return release_of(rw.version_of())
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+def backend_class(name: str) -> type:
+    """A real vLLM attention backend class by name (importable on CPU in 0.19-0.33)."""
+    module, cls = {
+        "FLASH_ATTN": ("vllm.v1.attention.backends.flash_attn", "FlashAttentionBackend"),
+        "TRITON_ATTN": ("vllm.v1.attention.backends.triton_attn", "TritonAttentionBackend"),
+        "CPU_ATTN": ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackend"),
+    }[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def logical_shape(backend: type, num_blocks: int, block_size: int, heads: int) -> tuple:
+    if hasattr(backend, "get_kv_cache_shape"):
+        return tuple(backend.get_kv_cache_shape(num_blocks, block_size, heads, HEAD_DIM))
+    return (num_blocks, heads, block_size, 2 * HEAD_DIM)   # >= 0.29: the planner's packed page
+
+
+def allocate(backend: type, num_blocks: int, block_size: int, heads: int, seed: int,
+             layers: list[str]) -> dict[str, torch.Tensor]:
+    """Random KV tensors allocated like vLLM's model runner: physical order from the backend's
+    stride order, then permuted back to the logical shape."""
+    shape = logical_shape(backend, num_blocks, block_size, heads)
+    order = tuple(range(len(shape)))
+    if hasattr(backend, "get_kv_cache_shape"):
+        with contextlib.suppress(NotImplementedError, AttributeError):
+            order = tuple(backend.get_kv_cache_stride_order())
+    physical = tuple(shape[i] for i in order)
+    inverse = [order.index(i) for i in range(len(order))]
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name in layers:
+        raw = torch.randint(-30000, 30000, physical, dtype=torch.int16, generator=gen)
+        out[name] = raw.view(DTYPE).permute(*inverse)
+    return out
+
+
+def kv_block(t: torch.Tensor, b: int, which: int) -> torch.Tensor:
+    """Logical K (0) or V (1) of block ``b`` as ``(bs, H, D)`` int16, whatever the layout:
+    ``(2, N, bs, H, D)`` FlashAttention <= 0.22, ``(N, 2, bs, H, D)`` FlashInfer/Triton and
+    FlashAttention 0.23-0.25, ``(2, N, H, bs, D)`` CPU <= 0.22, ``(N, H, bs, 2D)`` packed."""
+    x = t.view(torch.int16)
+    if x.dim() == 4:
+        return x[b].permute(1, 0, 2)[..., which * HEAD_DIM:(which + 1) * HEAD_DIM]
+    # K/V-first vs blocks-first (tests never use exactly 2 blocks, so this is unambiguous)
+    return x[which][b] if x.shape[0] == 2 and x.shape[1] != 2 else x[b][which]
+
+
+# ----------------------------------------------------------------------------- fake NIXL
+
+
+@dataclass
+class _Registered:
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class CopyingNixlWrapper(rw.RecordingNixlWrapper):
+    """``RecordingNixlWrapper`` that performs READs with ``memmove`` (see module docstring)."""
+
+    registry: ClassVar[_Registered] = _Registered()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.copied_bytes = 0
+        self.errors: list[str] = []
+
+    def register_memory(self, descs, backends=None):
+        with self.registry.lock:
+            for d in descs:
+                self.registry.ranges.append((int(d[0]), int(d[0]) + int(d[1])))
+
+    def _inside(self, lo: int, n: int) -> bool:
+        with self.registry.lock:
+            return any(a <= lo and lo + n <= b for a, b in self.registry.ranges)
+
+    def transfer(self, handle, *args, **kwargs):
+        read = next(r for r in self.reads if r["handle"] == handle)
+        local = self.dlists[read["local"]][1]
+        remote = self.dlists[read["remote"]][1]
+        for li, ri in zip(read["local_ids"], read["remote_ids"], strict=True):
+            (dst, n), (src, m) = local[li], remote[ri]
+            if n != m or not self._inside(dst, n) or not self._inside(src, m):
+                msg = f"descriptor pair {li}/{ri}: local {dst}+{n}, remote {src}+{m}"
+                self.errors.append(msg)
+                raise RuntimeError(f"NIXL_ERR_NOT_FOUND (fake): {msg}")
+            ctypes.memmove(dst, src, n)
+            self.copied_bytes += n
+        return "PROC"
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+@dataclass
+class Side:
+    worker: Any
+    caches: dict[str, torch.Tensor]
+    backend: str
+    block_size: int
+    heads: int          # local KV heads of this rank
+    tp_rank: int
+    tp_size: int
+
+
+@contextlib.contextmanager
+def runtime(tp_rank: int, tp_size: int, backend: type) -> Iterator[Any]:
+    mod = rw.worker_module()
+    patches = [patch.object(mod, "NixlWrapper", CopyingNixlWrapper),
+               patch.object(mod, "get_tensor_model_parallel_rank", return_value=tp_rank),
+               patch.object(mod, "get_tensor_model_parallel_world_size", return_value=tp_size)]
+    if hasattr(mod, "get_current_attn_backends"):
+        patches.append(patch.object(mod, "get_current_attn_backends", return_value=[backend]))
+    if hasattr(mod, "get_current_attn_backend"):
+        patches.append(patch.object(mod, "get_current_attn_backend", return_value=backend))
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        yield mod
+
+
+def build(engine_id: str, role: str, backend: str, *, num_blocks: int = 12,
+          kv_heads: int = 2, tp_rank: int = 0, tp_size: int = 1, block_size: int = 16,
+          seed: int = 0, extra: dict | None = None) -> Side:
+    """A real worker of the running release with ``backend``'s KV tensors registered."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    cfg = rw.vllm_config("llama", kv_heads, role, tp_size, extra)
+    cfg.cache_config.block_size = block_size
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+    heads = max(1, kv_heads // tp_size)
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=HEAD_DIM,
+                             dtype=DTYPE)
+    kvc = rw.kv_cache_config(num_blocks, layers, spec)
+    cls = backend_class(backend)
+    with runtime(tp_rank, tp_size, cls), set_current_vllm_config(cfg), \
+            patch("threading.Thread"):
+        worker = rw.worker_class()(cfg, engine_id, kvc)
+        caches = allocate(cls, num_blocks, block_size, heads, seed, layers)
+        worker.register_kv_caches(caches)
+    return Side(worker, caches, backend, block_size, heads, tp_rank, tp_size)
+
+
+# ----------------------------------------------------------------------- real handshake
+
+
+def _listener() -> Any:
+    """The release's own ``_nixl_handshake_listener`` (a staticmethod of the scheduler)."""
+    for name in (vllm_sites.NIXL_SINGLE_FILE, f"{vllm_sites.NIXL_PKG}.base_scheduler",
+                 f"{vllm_sites.NIXL_PKG}.scheduler"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        for obj in vars(mod).values():
+            if isinstance(obj, type) and "_nixl_handshake_listener" in vars(obj):
+                return obj._nixl_handshake_listener
+    raise LookupError("no _nixl_handshake_listener in this release")
+
+
+@dataclass
+class Served:
+    port: int
+    stop: threading.Event
+    thread: threading.Thread
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+
+def serve(ranks: dict[int, Side]) -> Served:
+    """Serve P's handshake payload(s) (tp rank -> side) like its scheduler does."""
+    import os
+
+    port = rw_free_port()
+    encoder = msgspec.msgpack.Encoder()
+    data: dict[Any, bytes] = {}
+    for rank, side in ranks.items():
+        blob = encoder.encode(side.worker.xfer_handshake_metadata)
+        data[rank] = blob
+        data[(0, rank)] = blob          # 0.33 keys by (pp rank, tp rank)
+    fn = _listener()
+    ready, stop = threading.Event(), threading.Event()
+    params = list(inspect.signature(fn).parameters)
+    if "host" in params:
+        args: tuple = (data, ready, stop, HOST, port)
+    else:
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = HOST
+        args = (data, ready, stop, port)
+    t = threading.Thread(target=fn, args=args, daemon=True, name="test-nixl-listener")
+    t.start()
+    assert ready.wait(10), "listener did not start"
+    return Served(port, stop, t)
+
+
+def rw_free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def record_handshake_errors(worker: Any) -> list[str]:
+    """Let the real ``_nixl_handshake`` run, recording what it raises (the release turns it
+    into a failed request)."""
+    real = worker._nixl_handshake
+    errors: list[str] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return real(*args, **kwargs)
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+            raise
+
+    worker._nixl_handshake = recording
+    return errors
+
+
+# ----------------------------------------------------------------------------- scenario
+
+
+def pull(d: Side, p_ranks: dict[int, Side], local_ids: list[int], remote_ids: list[int],
+         req: str = "req-1", timeout: float = 30.0) -> dict[str, Any]:
+    """D pulls ``remote_ids`` of P (engine of ``p_ranks``) into ``local_ids`` through vLLM's own
+    ``start_load_kv`` -> background handshake -> ``_read_blocks``; returns what happened."""
+    served = serve(p_ranks)
+    p0 = next(iter(p_ranks.values()))
+    errors = record_handshake_errors(d.worker)
+    before = {n: t.view(torch.int16).clone() for n, t in d.caches.items()}
+    try:
+        meta = rw.recv_metadata([{"req_id": req, "local_ids": [local_ids],
+                                  "remote_ids": [remote_ids],
+                                  "engine": p0.worker.engine_id, "port": served.port,
+                                  "tp_size": p0.tp_size}])
+        crash = rw.step(d.worker, meta)
+        acc, crash2 = rw.run_until(
+            d.worker, lambda a: req in set(a["done_recving"]) | set(a["failed_recving"])
+            or bool(a["invalid_blocks"]) or bool(errors), timeout=timeout)
+        if errors and not (set(acc["failed_recving"]) | set(acc["invalid_blocks"])):
+            more, crash3 = rw.run_until(
+                d.worker, lambda a: bool(set(a["failed_recving"]) | set(a["invalid_blocks"])
+                                         | set(a["done_recving"])), timeout=5)
+            acc = rw.merge(acc, more)
+            crash2 = crash2 or crash3
+    finally:
+        served.close()
+    nixl = d.worker.nixl_wrapper
+    changed = sorted({b for n, t in d.caches.items()
+                      for b in range(t.shape[_block_dim(t)])
+                      if not torch.equal(_block(t.view(torch.int16), b),
+                                         _block(before[n], b))})
+    return {"results": acc, "crash": crash or crash2, "handshake_errors": errors,
+            "copied_bytes": getattr(nixl, "copied_bytes", 0),
+            "nixl_errors": list(getattr(nixl, "errors", [])), "changed_blocks": changed}
+
+
+def _block_dim(t: torch.Tensor) -> int:
+    return 1 if t.dim() == 5 and t.shape[0] == 2 and t.shape[1] != 2 else 0
+
+
+def _block(t: torch.Tensor, b: int) -> torch.Tensor:
+    return t[:, b] if _block_dim(t) == 1 else t[b]
+
+
+def compare(d: Side, p: Side, pairs: list[tuple[int, int]]) -> list[str]:
+    """Logical K and V of each (local block, remote block) pair, D's heads slice of P's."""
+    bad = []
+    start = (d.tp_rank * d.heads) % max(p.heads, 1) if p.heads > d.heads else 0
+    for name in d.caches:
+        for lb, rb in pairs:
+            for which in (0, 1):
+                got = kv_block(d.caches[name], lb, which)
+                want = kv_block(p.caches[name], rb, which)[:, start:start + d.heads]
+                if not torch.equal(got, want):
+                    bad.append(f"{name} local {lb} <- remote {rb} {'KV'[which]}")
+    return bad
+
+
+def compare_ratio(d: Side, p: Side, local_block: int, remote_blocks: list[int]) -> list[str]:
+    """Block-size ratio: D's block holds P's blocks back to back in token order (after vLLM's
+    own receive post-processing)."""
+    bad = []
+    r = d.block_size // p.block_size
+    for name in d.caches:
+        for which in (0, 1):
+            got = kv_block(d.caches[name], local_block, which)
+            for j, rb in enumerate(remote_blocks[:r]):
+                want = kv_block(p.caches[name], rb, which)
+                part = got[j * p.block_size:(j + 1) * p.block_size]
+                if not torch.equal(part, want):
+                    bad.append(f"{name} {'KV'[which]} tokens of remote block {rb}")
+    return bad
+
+
+def safe(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except Exception:
+        return {"error": traceback.format_exc()[-3000:]}
