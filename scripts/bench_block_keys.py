@@ -7,12 +7,13 @@ For each algorithm, in the same process and the same run: vLLM's chain (``init_n
 ``hash_block_tokens`` per full block, exactly what ``get_request_block_hasher`` does for a plain
 request) and ``pdpatch.hashing.block_keys`` (the public API: config, NONE_HASH, keys) on the
 same tokens.  The keys are asserted byte-identical before any time is reported.  The runs are
-interleaved (vLLM, pdpatch, vLLM, ...); times are the median of ``--repeat`` runs, with the
-minimum in brackets (the least disturbed run on a shared machine); ratio = vLLM / pdpatch.
+interleaved (vLLM, pdpatch, vLLM, ...); times are this process's CPU time
+(``time.process_time``, which other processes on a shared machine disturb less than wall time:
+``--wall`` for wall time), the median of ``--repeat`` runs with the minimum in brackets;
+ratio = vLLM / pdpatch.
 
 A second baseline, vLLM's full request path (a real ``Request`` with
 ``get_request_block_hasher``, i.e. with its per-block extra-key calls), is printed alongside.
-pdpatch's first call in a process also builds its per-token encoding table (printed once).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=151936, help="token ids drawn below this")
     ap.add_argument("--repeat", type=int, default=25)
     ap.add_argument("--seed", default="0", help="PYTHONHASHSEED of both sides")
+    ap.add_argument("--wall", action="store_true", help="wall-clock time instead of CPU time")
     args = ap.parse_args()
 
     os.environ["PYTHONHASHSEED"] = args.seed  # vLLM's init_none_hash reads it at call time
@@ -48,19 +50,13 @@ def main() -> int:
     from vllm.v1.request import Request
 
     from pdpatch.hashing import block_keys
-    from pdpatch.hashing.encoders import CBOR_TABLE, PICKLE_TABLE
 
     rng = random.Random(1234)
     tokens = [rng.randrange(args.vocab) for _ in range(args.tokens)]
     bs = args.block_size
     print(f"vLLM {vllm.__version__}, Python {sys.version.split()[0]}, {args.tokens} tokens, "
-          f"hash_block_size {bs}, vocab {args.vocab}, median of {args.repeat}")
-
-    t0 = time.perf_counter()
-    CBOR_TABLE.lookup([args.vocab - 1]) or CBOR_TABLE.grow_for([args.vocab - 1])
-    PICKLE_TABLE.lookup([args.vocab - 1]) or PICKLE_TABLE.grow_for([args.vocab - 1])
-    print(f"pdpatch one-time token tables (both serializers): "
-          f"{(time.perf_counter() - t0) * 1e3:.1f} ms")
+          f"hash_block_size {bs}, vocab {args.vocab}, median (min) of {args.repeat} runs, "
+          f"{'wall' if args.wall else 'CPU'} time; load average {os.getloadavg()[0]:.1f}")
 
     print(f"{'algorithm':12} {'vLLM chain':>18} {'pdpatch':>18} {'ratio':>14}   "
           f"{'vLLM Request':>12} {'ratio':>6}")
@@ -91,11 +87,12 @@ def main() -> int:
         assert ours() == expected, f"{algo}: pdpatch keys differ from vLLM's"
         assert vllm_request() == expected
         times: dict[str, list[float]] = {"chain": [], "ours": [], "request": []}
+        clock = time.perf_counter if args.wall else time.process_time
         for _ in range(args.repeat):
             for name, fn_ in (("chain", vllm_chain), ("ours", ours), ("request", vllm_request)):
-                t = time.perf_counter()
+                t = clock()
                 fn_()
-                times[name].append(time.perf_counter() - t)
+                times[name].append(clock() - t)
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         low = {k: min(v) * 1e3 for k, v in times.items()}
         ratio = med["chain"] / med["ours"]

@@ -17,26 +17,24 @@ from hypothesis import strategies as st
 from pdpatch.hashing import encoders
 from pdpatch.hashing.algorithms import ALGORITHMS, get_algorithm
 from pdpatch.hashing.encoders import (
-    TABLE_CAP,
+    block_token_encodings,
     cbor_head,
     cbor_uint,
     chain,
     fast_chain,
-    pickle_int,
     reference_chain,
 )
 
-BOUNDARIES = sorted({b + d for b in (0, 23, 24, 255, 256, 65535, 65536, 2**16, 2**31 - 1,
-                                     2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**64 - 1,
-                                     TABLE_CAP, TABLE_CAP // 2, 2**17)
+BOUNDARIES = sorted({b + d for b in (0, 23, 24, 255, 256, 65535, 65536, 2**31 - 1, 2**31,
+                                     2**32 - 1, 2**32, 2**63 - 1, 2**64 - 1)
                      for d in (-1, 0, 1) if 0 <= b + d < 2**64})
-
-tokens_in_table = st.one_of(st.integers(0, 23), st.integers(24, 255), st.integers(256, 65535),
-                            st.integers(65536, TABLE_CAP - 1),
-                            st.sampled_from([b for b in BOUNDARIES if b < TABLE_CAP]))
-any_token = st.one_of(tokens_in_table, st.integers(TABLE_CAP, 2**64 - 1),
-                      st.sampled_from(BOUNDARIES), st.integers(-(2**40), -1),
-                      st.integers(2**64, 2**80))
+# ids every fast path covers: CBOR up to 2**64-1, pickle's BININT up to 2**31-1
+plain_token = st.one_of(st.integers(0, 23), st.integers(24, 255), st.integers(256, 65535),
+                        st.integers(65536, 2**31 - 1),
+                        st.sampled_from([b for b in BOUNDARIES if b < 2**31]))
+any_token = st.one_of(plain_token, st.integers(2**31, 2**64 - 1), st.sampled_from(BOUNDARIES),
+                      st.integers(-(2**40), -1), st.integers(2**64, 2**80),
+                      st.integers(-(2**31), -1))
 text = st.text(max_size=12)
 extra_key = st.one_of(
     st.tuples(st.just("lora"), text, text),
@@ -69,27 +67,48 @@ def test_cbor_heads(n: int) -> None:
     assert cbor_head(4, n) == cbor2.dumps((0,) * n, canonical=True)[:-n or None]
 
 
-def _framed(op: bytes) -> bytes:
-    """Protocol 5 output for one opcode + STOP: framed once the frame reaches 4 bytes."""
-    rest = op + b"."
-    return b"\x80\x05" + (b"\x95" + len(rest).to_bytes(8, "little") if len(rest) >= 4 else b"") \
-        + rest
+@SLOW
+@given(cbor=st.booleans(), bs=st.integers(1, 80), nblocks=st.integers(1, 5), data=st.data())
+def test_block_token_encodings_are_the_serializers_bytes(cbor, bs, nblocks, data) -> None:
+    """Each block's cut of the one-call stream equals the serializer's bytes for that block's
+    tuple alone (CBOR array / pickle MARK..TUPLE framing stripped)."""
+    tokens = data.draw(st.lists(plain_token if not cbor else
+                                st.one_of(plain_token, st.integers(2**31, 2**64 - 1)),
+                                min_size=bs * nblocks, max_size=bs * nblocks))
+    blocks = block_token_encodings(tokens, nblocks, bs, cbor)
+    if not cbor and bs * nblocks < 4:
+        assert blocks is None
+        return
+    assert blocks is not None
+    for i, got in enumerate(blocks):
+        block = tuple(tokens[i * bs:(i + 1) * bs])
+        if cbor:
+            assert cbor_head(4, bs) + got == cbor2.dumps(block, canonical=True)
+        else:  # protocol 2 is what the stream uses; its int opcodes are protocol 5's
+            framing = (b"(", b"t") if bs >= 4 else (b"", {1: b"\x85", 2: b"\x86", 3: b"\x87"}[bs])
+            assert pickle.dumps(block, protocol=2) == \
+                b"\x80\x02" + framing[0] + got + framing[1] + b"q\x00."
 
 
-@pytest.mark.parametrize("value", [b for b in BOUNDARIES if b < 2**31])
-def test_pickle_int_boundaries(value: int) -> None:
-    assert pickle.dumps(value, protocol=5) == _framed(pickle_int(value))
+@pytest.mark.parametrize(("cbor", "bad"), [
+    *[(True, b) for b in (-1, 2**64, True, 1.0, "7")],
+    *[(False, b) for b in (2**31, -(2**31) - 1, True, 1.0, "7")],  # LONG1, NEWTRUE, BINFLOAT..
+])
+def test_block_token_encodings_refuse_what_they_do_not_cover(cbor: bool, bad) -> None:
+    tokens = [5, 300, 70000, bad, 8, 9, 10, 11]
+    assert block_token_encodings(tokens, 2, 4, cbor) is None
 
 
-@given(st.integers(0, 2**31 - 1))
-def test_pickle_int_random(value: int) -> None:
-    assert pickle.dumps(value, protocol=5) == _framed(pickle_int(value))
+def test_pickle_stream_covers_negative_int32() -> None:
+    """BININT is signed: -1 is 'J ff ff ff ff' in the real payload too."""
+    assert block_token_encodings([5, -1, 7, 8], 1, 4, False) == [
+        b"K\x05J\xff\xff\xff\xffK\x07K\x08"]
 
 
 def _run_both(algo: str, parent: bytes, tokens: list[int], bs: int, extras: list) -> None:
     a = get_algorithm(algo)
-    fast = fast_chain(a, parent, tokens, bs, extras)
     ref = reference_chain(a, parent, tokens, bs, extras)
+    fast = fast_chain(a, parent, tokens, bs, extras)
     if fast is not None:
         assert fast == ref
     assert chain(a, parent, tokens, bs, extras) == ref
@@ -99,14 +118,15 @@ def _run_both(algo: str, parent: bytes, tokens: list[int], bs: int, extras: list
 @given(algo=st.sampled_from(ALGORITHMS), bs=st.integers(1, 40), nblocks=st.integers(0, 6),
        data=st.data())
 def test_fast_chain_equals_real_serializers(algo: str, bs: int, nblocks: int, data) -> None:
-    tokens = data.draw(st.lists(tokens_in_table, min_size=bs * nblocks, max_size=bs * nblocks))
+    tokens = data.draw(st.lists(plain_token, min_size=bs * nblocks, max_size=bs * nblocks))
     extras = data.draw(st.lists(extras_value, min_size=nblocks, max_size=nblocks))
     parent = data.draw(st.sampled_from([get_algorithm(algo).hash_object("0"), b"\x01" * 32,
                                         b"\x02" * 16, b"x"]))
     a = get_algorithm(algo)
     fast = fast_chain(a, parent, tokens, bs, extras)
-    if encoders.FAST_PICKLE or algo.endswith("_cbor"):
-        assert fast is not None, "every token is in the table: the fast path must apply"
+    if (encoders.FAST_PICKLE or algo.endswith("_cbor")) and nblocks and \
+            (algo.endswith("_cbor") or bs * nblocks >= 4):
+        assert fast is not None, "every token is plain: the fast path must apply"
     _run_both(algo, parent, tokens, bs, extras)
 
 
@@ -114,7 +134,7 @@ def test_fast_chain_equals_real_serializers(algo: str, bs: int, nblocks: int, da
 @given(algo=st.sampled_from(ALGORITHMS), bs=st.integers(1, 20), nblocks=st.integers(1, 4),
        data=st.data())
 def test_any_int_tokens_fall_back_correctly(algo: str, bs: int, nblocks: int, data) -> None:
-    """Tokens outside the tables (negative, >= 2**18, bignums) give the reference bytes."""
+    """Ids the streams do not cover (negative, LONG1, bignums) give the reference bytes."""
     tokens = data.draw(st.lists(any_token, min_size=bs * nblocks, max_size=bs * nblocks))
     extras = data.draw(st.lists(extras_value, min_size=nblocks, max_size=nblocks))
     _run_both(algo, b"\x07" * 16, tokens, bs, extras)
@@ -142,22 +162,23 @@ def test_pickle_identity_memo_in_extras(algo: str) -> None:
         assert pickle.dumps(shared, 5) != pickle.dumps(distinct, 5)
 
 
-def test_numpy_and_bool_tokens_are_their_int_values() -> None:
+@pytest.mark.parametrize("algo", ALGORITHMS)
+def test_numpy_and_bool_tokens_are_their_int_values(algo: str) -> None:
     np = pytest.importorskip("numpy")
-    a = get_algorithm("sha256_cbor")
-    plain = [1, 0, 300, 70000]
-    assert chain(a, b"p" * 32, list(np.array(plain, dtype=np.int64)), 2, [None, None]) == \
-        chain(a, b"p" * 32, plain, 2, [None, None])
-    assert chain(a, b"p" * 32, [True, False, 300, 70000], 2, [None, None]) == \
-        chain(a, b"p" * 32, plain, 2, [None, None])
+    a = get_algorithm(algo)
+    plain = [1, 0, 300, 70000, 5, 6]
+    expected = reference_chain(a, b"p" * 32, plain, 2, [None] * 3)
+    assert chain(a, b"p" * 32, list(np.array(plain, dtype=np.int64)), 2, [None] * 3) == expected
+    assert chain(a, b"p" * 32, [True, False, 300, 70000, 5, 6], 2, [None] * 3) == expected
 
 
-def test_non_integer_tokens_are_rejected() -> None:
-    a = get_algorithm("sha256")
+@pytest.mark.parametrize("algo", ALGORITHMS)
+def test_non_integer_tokens_are_rejected(algo: str) -> None:
+    a = get_algorithm(algo)
     with pytest.raises(TypeError):
-        chain(a, b"p" * 32, [1, 2.5], 2, [None])
+        chain(a, b"p" * 32, [1, 2.5, 3, 4], 2, [None, None])
     with pytest.raises(TypeError):
-        chain(a, b"p" * 32, ["1", 2], 2, [None])
+        chain(a, b"p" * 32, ["1", 2, 3, 4], 2, [None, None])
 
 
 @pytest.mark.parametrize("algo", ["sha256", "xxhash"])
@@ -174,27 +195,11 @@ def test_pickle_payload_near_frame_size_takes_reference_path(algo: str) -> None:
         reference_chain(a, b"\x01" * 16, [1, 2], 2, [big_extra])
 
 
-def test_table_grows_on_demand_and_caps() -> None:
-    table = encoders.TokenTable(cbor_uint)
-    assert table.lookup([1, 2, 3]) == tuple(cbor_uint(t) for t in (1, 2, 3))
-    big = TABLE_CAP - 1
-    first = table.lookup([5, big])
-    assert first is None or first[1] is None  # outside the initial table: never a wrong value
-    assert table.grow_for([5, big])
-    assert table.lookup([5, big]) == (cbor_uint(5), cbor_uint(big))
-    assert not table.grow_for([5, big])  # already covered
-    assert not table.grow_for([5, TABLE_CAP])  # over the cap: reference path
-    assert not table.grow_for([-1, 5])  # negative ids never index the table
-    negative = table.lookup([-1, 5])
-    assert negative is not None and negative[0] is None
-    assert not table.grow_for([1.5, 2])
-
-
 @settings(max_examples=60, deadline=None)
 @given(algo=st.sampled_from(ALGORITHMS), bs=st.integers(1, 12), nblocks=st.integers(1, 4),
        tail=st.lists(any_token, max_size=11), data=st.data())
 def test_tokens_past_the_last_full_block_are_ignored(algo, bs, nblocks, tail, data) -> None:
-    tokens = data.draw(st.lists(tokens_in_table, min_size=bs * nblocks, max_size=bs * nblocks))
+    tokens = data.draw(st.lists(plain_token, min_size=bs * nblocks, max_size=bs * nblocks))
     extras = [None] * nblocks
     a = get_algorithm(algo)
     expected = reference_chain(a, b"\x05" * 32, tokens, bs, extras)
