@@ -15,6 +15,7 @@ from pdpatch.kv.stage import (
     CopyPlan,
     merge_copies,
     nixl_merged_count,
+    split_staged,
     stage,
     stage_ids,
     staging_table,
@@ -237,6 +238,43 @@ def test_gap_limits() -> None:
     for a, n in zip(by_block.transfer.remote_addr.tolist(), by_block.transfer.length.tolist(),
                     strict=True):
         assert any(s <= a and a + n <= e for s, e in cut)
+
+
+@pytest.mark.parametrize("op", ["READ", "WRITE"])
+@pytest.mark.parametrize("parts", [1, 2, 3, 7, 100])
+def test_split_staged_pieces_cover_the_plan(op: str, parts: int) -> None:
+    """Pieces: the transfer descriptors in order, each piece's copies exactly its staging
+    range; applied piece by piece (copy after / before each transfer) they give the oracle."""
+    local, remote, st_base = _sides("fused", "fa_split", 11, 8 * L * 2 * 24 * SEG)
+    rgeo = _geo(remote)
+    plan = PairPlan(_geo(local), rgeo).descs(*RUNS)
+    kw = {"max_gap": 2 * SEG, "remote_ranges": rgeo.registration_ranges()} if op == "READ" \
+        else {}
+    whole = stage(plan, st_base, op=op, **kw)
+    pieces = split_staged(whole, parts)
+    assert 1 <= len(pieces) <= min(parts, len(whole.transfer))
+    assert np.array_equal(np.concatenate([p.transfer.local_addr for p in pieces]),
+                          whole.transfer.local_addr)
+    assert sum(p.copies.total_bytes for p in pieces) == whole.copies.total_bytes
+    lexp, rexp = local.buf.copy(), remote.buf.copy()
+    if op == "READ":
+        expected_copy(build_side(local.spec, L, N, BS, H, D, ES, buf=lexp, base=0), remote,
+                      *RUNS)
+    else:
+        expected_copy(build_side(remote.spec, L, N, BS, H, D, ES, buf=rexp, base=remote.base),
+                      local, RUNS[1], RUNS[0], dst_is_local=False)
+    for p in pieces:
+        t = p.transfer
+        if op == "WRITE":
+            _copy(local.buf, 0, p.copies)
+        simulate(local.buf, 0, remote.buf, remote.base, t.local_addr, t.remote_addr, t.length,
+                 op)
+        if op == "READ":
+            _copy(local.buf, 0, p.copies)
+    assert np.array_equal(local.buf[:st_base], lexp[:st_base])
+    assert np.array_equal(remote.buf, rexp)
+    with pytest.raises(ValueError):
+        split_staged(whole, 0)
 
 
 @st.composite

@@ -36,6 +36,7 @@ is described by a :class:`CopyPlan`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -187,6 +188,47 @@ def stage(plan: DescPlan, staging_base: int, *, op: str = "READ",
     la_o = plan.local_addr.astype(_U64)[order]
     copies = merge_copies(st, la_o, ln_o) if op == "READ" else merge_copies(la_o, st, ln_o)
     return StagedPlan(transfer, copies, total, op)
+
+
+def split_staged(staged: StagedPlan, parts: int) -> list[StagedPlan]:
+    """Cut a staged transfer into up to ``parts`` pieces of about equal bytes, each with the
+    copies of its own staging range, so the copy of piece ``i`` can run while NIXL still moves
+    piece ``i + 1`` (READ: wait for piece i, then copy it out; WRITE: copy piece i in, then
+    post it).  Copies that straddle a cut are clipped at it."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    t = staged.transfer
+    n = len(t)
+    if n == 0 or parts == 1:
+        return [staged]
+    cum = np.cumsum(t.length.astype(np.int64))
+    total = int(cum[-1])
+    cuts = np.searchsorted(cum, [total * (i + 1) / parts for i in range(parts - 1)],
+                           side="left") + 1
+    bounds = np.unique(np.concatenate(([0], np.minimum(cuts, n), [n])))
+    out = []
+    on_src = staged.op == "READ"  # the staging side of each copy
+    c_st = (staged.copies.src if on_src else staged.copies.dst).astype(np.int64)
+    c_ot = (staged.copies.dst if on_src else staged.copies.src).astype(np.int64)
+    c_ln = staged.copies.length.astype(np.int64)
+    for lo, hi in itertools.pairwise(bounds.tolist()):
+        if hi <= lo:
+            continue
+        piece = DescPlan(t.local_addr[lo:hi], t.remote_addr[lo:hi], t.length[lo:hi],
+                         t.local_dev, t.remote_dev)
+        gs = int(t.local_addr[lo])
+        ge = int(t.local_addr[hi - 1]) + int(t.length[hi - 1])
+        start = np.maximum(c_st, gs)
+        end = np.minimum(c_st + c_ln, ge)
+        keep = end > start
+        st_a = start[keep]
+        ot_a = c_ot[keep] + (st_a - c_st[keep])
+        ln_a = (end - start)[keep]
+        src, dst = (st_a, ot_a) if on_src else (ot_a, st_a)
+        out.append(StagedPlan(piece, CopyPlan(src.astype(_U64), dst.astype(_U64),
+                                              ln_a.astype(_U64)),
+                              int(piece.length.sum(dtype=_U64)), staged.op))
+    return out
 
 
 # ------------------------------------------------------------------ vLLM form: tables + ids
