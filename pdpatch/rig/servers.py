@@ -42,7 +42,7 @@ from pdpatch.rig.engine_env import engine_env
 from pdpatch.rig.model import model_dir
 
 SERVED_MODEL_NAME = "tiny"
-DEFAULT_START_TIMEOUT_S = 300.0
+DEFAULT_START_TIMEOUT_S = 420.0  # ~60-100 s idle; 190 s seen at load average 30 on 2 cores
 
 # Log markers -> the stage shown by the progress display (first match from the bottom wins).
 _STAGES: tuple[tuple[str, str], ...] = (

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pdpatch.rig import proxy
-from pdpatch.rig.servers import EngineGroup
+from pdpatch.rig.servers import DEFAULT_START_TIMEOUT_S, EngineGroup
 
 LOG_TAIL_LINES = 150
 _live_groups: list[EngineGroup] = []
@@ -60,9 +60,8 @@ def rig(
     group = EngineGroup(specs, log_dir)
     _live_groups.append(group)
     try:
-        group.start(
-            timeout_s=getattr(request.module, "RIG_START_TIMEOUT_S", 300.0), progress=None
-        )
+        timeout_s = getattr(request.module, "RIG_START_TIMEOUT_S", DEFAULT_START_TIMEOUT_S)
+        group.start(timeout_s=timeout_s, progress=None)
         print(f"\nengines healthy after {group.start_s:.0f}s (logs: {log_dir})")
         for p_name, d_name in getattr(request.module, "RIG_WARMUP", ()):
             notes: list[str] = []
