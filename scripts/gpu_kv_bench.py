@@ -57,6 +57,7 @@ from pdpatch.kv import (
 from pdpatch.kv.stage import (
     CopyPlan,
     nixl_merged_count,
+    split_staged,
     stage,
     stage_ids,
     staging_table,
@@ -231,8 +232,12 @@ extern "C" __global__ void pd_copy(const unsigned long long* __restrict__ d, int
     unsigned long long s = d[c], t = d[n + c], len = d[2 * n + c];
     if (((s | t | len) & 15ULL) == 0ULL) {
         const uint4* sp = (const uint4*)s; uint4* tp = (uint4*)t;
-        unsigned long long nv = len >> 4;
-        for (unsigned long long i = threadIdx.x; i < nv; i += blockDim.x) tp[i] = sp[i];
+        unsigned long long nv = len >> 4, i = threadIdx.x, step = blockDim.x;
+        for (; i + 3 * step < nv; i += 4 * step) {  // four 16-byte loads in flight
+            uint4 a = sp[i], b = sp[i + step], c2 = sp[i + 2 * step], e = sp[i + 3 * step];
+            tp[i] = a; tp[i + step] = b; tp[i + 2 * step] = c2; tp[i + 3 * step] = e;
+        }
+        for (; i < nv; i += step) tp[i] = sp[i];
     } else {
         const unsigned char* sp = (const unsigned char*)s; unsigned char* tp = (unsigned char*)t;
         for (unsigned long long i = threadIdx.x; i < len; i += blockDim.x) tp[i] = sp[i];
@@ -252,14 +257,14 @@ class CupyCopier:
         self.cp = cupy
         self.kernel = cupy.RawKernel(_KERNEL, "pd_copy")
 
-    def run(self, plan: CopyPlan) -> None:
+    def run(self, plan: CopyPlan, sync: bool = True) -> None:
         ch = plan.chunks(CHUNK)
         n = len(ch)
-        if n == 0:
-            return
-        arr = self.cp.asarray(np.concatenate([ch.src, ch.dst, ch.length]).astype(np.uint64))
-        self.kernel((n,), (256,), (arr, np.int32(n)))
-        self.cp.cuda.runtime.deviceSynchronize()
+        if n:
+            arr = self.cp.asarray(np.concatenate([ch.src, ch.dst, ch.length]).astype(np.uint64))
+            self.kernel((n,), (256,), (arr, np.int32(n)))
+        if sync:
+            self.cp.cuda.runtime.deviceSynchronize()
 
 
 class TorchCopier:
@@ -278,7 +283,7 @@ class TorchCopier:
             raise ValueError("copy address below every arena")
         return i
 
-    def run(self, plan: CopyPlan) -> None:
+    def run(self, plan: CopyPlan, sync: bool = True) -> None:
         torch = _torch()
         if len(plan) == 0:
             return
@@ -312,7 +317,7 @@ class TorchCopier:
                 sidx = torch.from_numpy(src_rows).to(dev, non_blocking=True)
                 didx = torch.from_numpy(dst_rows).to(dev, non_blocking=True)
                 d2.index_copy_(0, didx, s2.index_select(0, sidx))
-        if dev.type == "cuda":
+        if sync and dev.type == "cuda":
             torch.cuda.synchronize()
 
 
@@ -342,8 +347,9 @@ def wait(agent, handle, timeout: float = 120.0) -> str:
 def peer_main(conn, name: str, device: str, env: dict) -> None:
     os.environ.update(env)
     try:
-        if device == "cuda":
-            _torch().cuda.init()
+        if device == "cuda" and os.environ.get("PDPATCH_BENCH_NO_CTX") != "1":
+            _torch().zeros(1, device="cuda:0")  # a CUDA context before UCX starts
+            _torch().cuda.synchronize()
         agent = new_agent(name)
         pools: dict[str, Pool] = {}
         regs: dict[str, Any] = {}
@@ -663,8 +669,12 @@ class Bench:
             modes += [(f"staged/{c}", c) for c in a.executors]
             if rg.kind == "split":
                 modes.append((f"staged-ids/{a.executors[0]}", a.executors[0]))
+        if pair.converts and a.pipe > 1:
+            modes.append((f"staged-pipe/{a.executors[0]}", a.executors[0]))
         if op == "READ" and a.gap_kib > 0 and (pair.converts or fused_pair):
             modes.append((f"staged+gap/{a.executors[0]}", a.executors[0]))
+            if a.pipe > 1:
+                modes.append((f"staged-pipe+gap/{a.executors[0]}", a.executors[0]))
         before, after = self._hooks(op, lp, peer, rname, lids, rids, mirror, L, N, seg)
         st_table = staging_table(st_base, seg, slots)
         for mode, executor in modes:
@@ -699,6 +709,11 @@ class Bench:
                 expect = nixl_merged_count(per_request[0], per_request[1],
                                            np.arange(len(per_request[0])),
                                            np.arange(len(per_request[0])))
+            if "pipe" in mode:
+                pieces = split_staged(sp, a.pipe)
+                times, count, ctimes, err = self.timed_pipe(op, lp.mem, peer.name, per_request,
+                                                            pieces, copier, before, after)
+            elif per_request is not None:
                 times, count, ctimes, err = self.timed_lists(op, lp.mem, peer.name,
                                                              per_request, copies, copier,
                                                              before, after)
@@ -732,6 +747,51 @@ class Bench:
             self._print(row)
         if op == "WRITE":  # leave the remote as the READ oracle expects it
             peer.call("refill", rname)
+
+    def timed_pipe(self, op: str, mem: str, peer_name: str, lists, pieces, copier, before,
+                   after):
+        """Staged transfer in pieces: all pieces posted at once (READ), each piece's copy
+        launched as soon as it lands, so copying overlaps the rest of the transfer; WRITE
+        copies piece i in, posts it, copies piece i+1 while i moves."""
+        times, count, err = [], 0, None
+        llist, rlist = lists
+        sizes = [len(p.transfer) for p in pieces]
+        starts = np.concatenate(([0], np.cumsum(sizes)))
+        for _ in range(self.args.reps):
+            before()
+            self.sync()
+            t0 = time.perf_counter()
+            lh = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", llist, mem)
+            rh = self.agent.prep_xfer_dlist(peer_name, rlist, mem)
+            handles, states = [], []
+            for i, p in enumerate(pieces):
+                if op == "WRITE":
+                    copier.run(p.copies, sync=True)
+                idx = np.arange(starts[i], starts[i + 1])
+                h = self.agent.make_prepped_xfer(op, lh, idx, rh, idx)
+                states.append(self.agent.transfer(h))
+                handles.append(h)
+            deadline = time.monotonic() + 120
+            for i, h in enumerate(handles):
+                state = states[i]
+                while state == "PROC" and time.monotonic() < deadline:
+                    state = self.agent.check_xfer_state(h)
+                if state != "DONE":
+                    err = f"piece {i} transfer state {state}"
+                if op == "READ":
+                    copier.run(pieces[i].copies, sync=False)
+            self.sync()
+            t1 = time.perf_counter()
+            count = sum(int(self.agent.get_xfer_telemetry(h).descCount) for h in handles)
+            for h in handles:
+                self.agent.release_xfer_handle(h)
+            self.agent.release_dlist_handle(lh)
+            self.agent.release_dlist_handle(rh)
+            times.append(t1 - t0)
+            err = err or after()
+            if err:
+                break
+        return times, count, [0.0] * len(times), err
 
     def timed_lists(self, op: str, mem: str, peer_name: str, lists, copies, copier, before,
                     after):
@@ -997,6 +1057,12 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--gap-kib", type=int, default=None,
                     help="READ gap reads for staged+gap (default: 1024 on cuda, 64 on cpu)")
+    ap.add_argument("--pipe", type=int, default=4, help="pieces of staged-pipe modes")
+    ap.add_argument("--no-ctx-first", action="store_true",
+                    help="create the NIXL agents before any CUDA context (diagnosis)")
+    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--diag-ctx", action="store_true",
+                    help="mini runs with/without a CUDA context before NIXL, UCX_PROTO_INFO=y")
     ap.add_argument("--kvc-pool-mib", type=int, default=64)
     ap.add_argument("--kvc-block-kib", default="64")
     ap.add_argument("--quick", action="store_true", help="small CPU-sized run")
@@ -1023,6 +1089,13 @@ def main() -> int:
     if ("fused", "fused") not in cases:
         cases.insert(0, ("fused", "fused"))
     patterns = a.patterns.split(",")
+    if a.no_ctx_first:
+        os.environ["PDPATCH_BENCH_NO_CTX"] = "1"
+    elif a.device == "cuda":
+        import torch
+
+        torch.zeros(1, device="cuda:0")  # a CUDA context before UCX starts (see --diag-ctx)
+        torch.cuda.synchronize()
     env_info = environment(a.device)
     print(f"environment: {json.dumps(env_info)}", flush=True)
     bench = Bench(a)
@@ -1075,8 +1148,19 @@ def main() -> int:
             a.pool_mib, a.reps = saved, kv_reps
 
     try:
+        if a.diag_ctx and a.device == "cuda":
+            report["diag_ctx"] = section("diag_ctx", lambda: diag_ctx(a))
         if not a.no_detect:
             report["detect"] = section("detect", lambda: detect(bench))
+        if not a.no_warmup and pools[0] in ("host", "cuda"):
+            saved = (a.pool_mib, a.reps)
+            a.pool_mib, a.reps = 64, 1
+            section("warmup", lambda: bench.run_block_size(
+                pools[0], 64 * 1024, [("fused", "fused")], ["scattered"], ["READ"]))
+            a.pool_mib, a.reps = saved
+            report["warmup"] = [{k: r.get(k) for k in ("mode", "gbs", "nixl_descs", "ok")}
+                                for r in bench.results]
+            bench.results.clear()
         for pk in pools:
             if pk in ("host", "cuda"):
                 host_pools(pk)
@@ -1107,6 +1191,42 @@ def main() -> int:
     save()
     print(f"\n{len(bench.results)} measurements, {failures} failures")
     return 1 if failures else 0
+
+
+def diag_ctx(a) -> dict:
+    """Two phases (block sizes 64, 64) in fresh process pairs, with and without a CUDA context
+    before the NIXL agent is made, UCX_PROTO_INFO=y: which transport each phase used."""
+    out = {}
+    outdir = os.path.dirname(os.path.abspath(a.json)) if a.json else "/tmp"
+    for label, extra in (("agent before CUDA context", ["--no-ctx-first"]),
+                         ("CUDA context first", [])):
+        path = f"/tmp/pdpatch_diag_{os.getpid()}_{len(out)}.json"
+        env = {**os.environ, "UCX_PROTO_INFO": "y"}
+        cmd = [sys.executable, os.path.abspath(__file__), "--device", "cuda", "--pools", "cuda",
+               "--block-kib", "64,64", "--patterns", "scattered", "--cases", "ff",
+               "--write-kib", "0", "--gap-kib", "0", "--pool-mib", "64", "--reps", "2",
+               "--no-policy", "--no-detect", "--no-warmup", "--json", path, *extra]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        text = p.stdout + p.stderr
+        with open(os.path.join(outdir, f"diag_ctx_{len(out)}.txt"), "w") as f:
+            f.write(text)
+        lines = [ln.strip() for ln in text.splitlines()
+                 if ("cuda_ipc" in ln or "tcp" in ln) and "|" in ln][:12]
+        try:
+            with open(path) as f:
+                rows = json.load(f)["results"]
+            gbs = [round(r["gbs"], 2) for r in rows
+                   if r.get("mode") == "whole-blocks" and r.get("op") == "READ"]
+        except Exception:
+            gbs = None
+        out[label] = {"rc": p.returncode, "whole_blocks_gbs_per_phase": gbs,
+                      "proto_lines": lines}
+    print("\n== CUDA context before the NIXL agent? (64 KiB whole-blocks READ, two phases)")
+    for label, v in out.items():
+        print(f"   {label}: GB/s per phase {v['whole_blocks_gbs_per_phase']} rc {v['rc']}")
+        for ln in v["proto_lines"][:6]:
+            print(f"      {ln[:150]}")
+    return out
 
 
 def env_compare(a) -> dict:
