@@ -26,7 +26,7 @@ corrupts data silently.  vLLM 0.20 added the same check.
 
 Settings: toggle ``PDPATCH_LAYOUT``; per deployment ``kv_connector_extra_config["pdpatch"]``
 ``{"layout": false}`` switches it off, ``{"layout_force": true}`` forces token-major without
-kvcached (``PDPATCH_LAYOUT_FORCE=1`` does the same once the settings module accepts it).
+kvcached (``PDPATCH_LAYOUT_FORCE=1`` does the same).
 """
 
 from __future__ import annotations
@@ -265,38 +265,40 @@ def resolve_checked(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
 
 
 def get_layout_checked(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Wrapper of ``get_kv_cache_layout`` (<=0.28, each worker): verify once per process."""
+    """Wrapper of ``get_kv_cache_layout`` (<=0.28, each worker): verify once per process.
+
+    The function is lru_cached and called on hot paths, so after the first call that has a
+    vLLM config at hand this is a flag test.
+    """
+    if _status.checked:
+        return wrapped(*args, **kwargs)
+    vllm_config = _current_vllm_config()
+    active, reason = decide(vllm_config) if vllm_config is not None else (False, "")
     try:
         layout = wrapped(*args, **kwargs)
     except ValueError as exc:
-        vllm_config = _current_vllm_config()
-        active, reason = decide(vllm_config) if vllm_config is not None else (False, "")
         if not active:
             raise
         token_major, _ = vllm_sites.layout_names(_version())
         raise _fail(vllm_config, "", token_major, reason,
                     _diagnose(vllm_config, token_major, None, None, exc), exc) from exc
-    if _status.checked:
-        return layout
-    vllm_config = _current_vllm_config()
     if vllm_config is None:
         return layout
-    active, reason = decide(vllm_config)
-    if not active:
-        return layout
-    token_major, _ = vllm_sites.layout_names(_version())
-    if layout != token_major:
-        raise _fail(vllm_config, str(layout), token_major, reason,
-                    _diagnose(vllm_config, token_major, None, None))
+    if active:
+        token_major, _ = vllm_sites.layout_names(_version())
+        if layout != token_major:
+            raise _fail(vllm_config, str(layout), token_major, reason,
+                        _diagnose(vllm_config, token_major, None, None))
+        logger.info("pdpatch layout: %s in force (%s)", layout, reason)
     _status.checked = True
     return layout
 
 
 def _current_vllm_config() -> Any:
     try:
-        from vllm.config import get_current_vllm_config
+        from vllm.config import get_current_vllm_config_or_none
 
-        cfg = get_current_vllm_config()
+        cfg = get_current_vllm_config_or_none()
     except Exception:
         return None
     return cfg if getattr(cfg, "model_config", None) is not None else None
@@ -365,6 +367,10 @@ def status_line() -> str:
     return "layout=token-major" + ("(checked)" if _status.checked else "")
 
 
+def layout_checked() -> bool:
+    return _status.checked
+
+
 def _reset_for_tests() -> None:
     global _status
     _status = _Status()
@@ -377,4 +383,5 @@ PATCH = Patch(
     versions=">=0.19,<0.34",
     why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
     targets=_targets,
+    options=(FORCE_ENV,),
 )
