@@ -33,6 +33,11 @@ MASTER_VARS = ("ENABLE_PDPATCH", "PDPATCH_ENABLED")
 GLOBAL_VARS = ("PDPATCH_DISABLE", "PDPATCH_STRICT", "PDPATCH_ALLOW_UNTESTED_VLLM",
                "PDPATCH_LOG_LEVEL", "PDPATCH_ENABLED")
 EXTRA_CONFIG_KEY = "pdpatch"
+# Read by pdpatch's own scripts, rig and tests, never by a patch: accepted and ignored here so
+# that an engine started by the rig does not reject its own environment.
+TOOL_VARS = ("PDPATCH_VENV", "PDPATCH_PYTHON", "PDPATCH_VLLM_SOURCES", "PDPATCH_CACHE_DIR",
+             "PDPATCH_RIG_KERNEL_DIR", "PDPATCH_OLD_VLLM_DEPS", "PDPATCH_OLDVLLM_EXTRAS",
+             "PDPATCH_KVCACHED_SRC", "PDPATCH_BENCH_NO_CTX", "PDPATCH_BENCH_NO_IPC_DEFAULT")
 
 
 class ConfigError(ValueError):
@@ -87,10 +92,16 @@ def master_enabled(env: Mapping[str, str] | None = None) -> tuple[bool, str]:
     return False, "ENABLE_PDPATCH unset"
 
 
-def read_settings(patch_names: Iterable[str], env: Mapping[str, str] | None = None) -> Settings:
-    """Parse every ``PDPATCH_*`` variable; unknown names and bad values raise ``ConfigError``."""
+def read_settings(patch_names: Iterable[str], env: Mapping[str, str] | None = None,
+                  option_vars: Iterable[str] = ()) -> Settings:
+    """Parse every ``PDPATCH_*`` variable; unknown names and bad values raise ``ConfigError``.
+
+    ``option_vars`` are the extra variables patches declare (``Patch.options``); each patch
+    parses its own, this only keeps them from being taken for typos.
+    """
     env = os.environ if env is None else env
     known = set(patch_names)
+    options = set(option_vars)
     enabled, source = master_enabled(env)
     if "ENABLE_PDPATCH" in env and "PDPATCH_ENABLED" in env:
         a = parse_bool("ENABLE_PDPATCH", env["ENABLE_PDPATCH"])
@@ -101,13 +112,14 @@ def read_settings(patch_names: Iterable[str], env: Mapping[str, str] | None = No
     disabled = _parse_disable(env.get("PDPATCH_DISABLE", ""), known)
     overrides: dict[str, bool] = {}
     for var, raw in env.items():
-        if not var.startswith("PDPATCH_") or var in GLOBAL_VARS:
+        if not var.startswith("PDPATCH_") or var in GLOBAL_VARS or var in TOOL_VARS \
+                or var in options:
             continue
         name = var[len("PDPATCH_"):].lower()
         if name not in known:
             raise ConfigError(
                 f"{var} names no pdpatch setting or patch; accepted variables: "
-                f"{', '.join(sorted(GLOBAL_VARS))}, and "
+                f"{', '.join(sorted(GLOBAL_VARS + tuple(options)))}, and "
                 f"{', '.join(toggle_var(n) for n in sorted(known))}"
             )
         overrides[name] = parse_bool(var, raw)

@@ -78,11 +78,11 @@ def diagnose(check_targets: bool = True) -> Report:
             r.say(f"VLLM_PLUGINS={plugins!r}: only the listed general plugins load "
                   "(vLLM's own lora resolvers too are dropped unless listed)")
 
-    from pdpatch.patches import all_patches
+    from pdpatch.patches import all_patches, read_settings
 
     patches = all_patches()
     try:
-        settings = config.read_settings([p.name for p in patches])
+        settings = read_settings()
     except config.ConfigError as exc:
         r.problem(f"invalid setting: {exc}")
         return r

@@ -71,10 +71,10 @@ def install() -> dict[str, PatchState]:
     with _lock:
         if _state.installed:
             return _state.patches
-        from pdpatch.patches import all_patches
+        from pdpatch.patches import all_patches, read_settings
 
         patches = all_patches()
-        settings = config.read_settings([p.name for p in patches])
+        settings = read_settings()
         log.configure(settings.log_level)
         version = versions.vllm_version()
         _state.settings = settings

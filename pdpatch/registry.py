@@ -37,8 +37,7 @@ class Patch:
     versions: SpecifierSet                         # vLLM releases this patch is written for
     targets: Callable[[Version], Sequence[Target]]
     why_version: str = ""                          # said when the version gate skips it
-    default_enabled: bool = True
-    notes: tuple[str, ...] = field(default=())
+    options: tuple[str, ...] = field(default=())    # extra PDPATCH_* variables it reads
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier() or self.name.lower() != self.name:

@@ -76,3 +76,19 @@ def test_extra_config_section():
         config.extra_config_allows("layout", {"pdpatch": {"layout": "no"}})
     with pytest.raises(config.ConfigError, match="must be an object"):
         config.extra_config_allows("layout", {"pdpatch": ["layout"]})
+
+
+def test_patch_options_and_tool_variables_are_not_typos():
+    s = config.read_settings(NAMES, {"PDPATCH_LAYOUT_FORCE": "1", "PDPATCH_CACHE_DIR": "/x"},
+                             ["PDPATCH_LAYOUT_FORCE"])
+    assert s.overrides == {}
+    with pytest.raises(config.ConfigError, match="PDPATCH_LAYOUT_FORCE"):
+        read(PDPATCH_LAYOUT_FORCE="1")          # without the patch declaring it
+
+
+def test_every_declared_option_is_accepted_by_the_real_patch_list():
+    from pdpatch.patches import all_patches, read_settings
+
+    options = {var: "0" for p in all_patches() for var in p.options}
+    assert "PDPATCH_LAYOUT_FORCE" in options
+    read_settings(options)

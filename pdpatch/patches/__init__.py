@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from pdpatch import config
 from pdpatch.registry import Patch
 
 
@@ -25,3 +28,10 @@ def all_patches() -> list[Patch]:
 
 def patch_names() -> list[str]:
     return [p.name for p in all_patches()]
+
+
+def read_settings(env: Mapping[str, str] | None = None) -> config.Settings:
+    """The environment's settings, checked against every patch's toggle and options."""
+    patches = all_patches()
+    return config.read_settings([p.name for p in patches], env,
+                                [var for p in patches for var in p.options])
