@@ -25,6 +25,7 @@ from typing import Any
 
 from pdpatch.hashing.algorithms import ALGORITHMS, cbor_dumps
 from pdpatch.hashing.errors import PeerParamsError
+from pdpatch.hashing.extra_keys import ExtraKeys
 from pdpatch.hashing.fingerprint import fingerprint_diff, fingerprint_of
 from pdpatch.hashing.formats import KEY_FORMATS
 from pdpatch.hashing.keys import BlockKeyHasher
@@ -83,11 +84,16 @@ def tokens_digest(tokens: Sequence[int]) -> str:
 def request_summary(hasher: BlockKeyHasher) -> dict[str, Any]:
     """Digests of each input that goes into the keys, shaped by the release's key format
     (e.g. the LoRA path only counts where vLLM hashes it, 0.31+)."""
-    ek = hasher.extra
+    return request_summary_of(hasher.tokens, hasher.extra)
+
+
+def request_summary_of(tokens: Sequence[int], ek: ExtraKeys) -> dict[str, Any]:
+    """:func:`request_summary` from the inputs themselves, for a caller whose keys come from
+    elsewhere (a patch reading ``request.block_hashes`` that vLLM already computed)."""
     pe = ek.prompt_embeds
     return {
-        "nt": len(hasher.tokens),
-        "td": tokens_digest(hasher.tokens),
+        "nt": len(tokens),
+        "td": tokens_digest(tokens),
         "ld": _digest(b"lora", cbor_dumps(ek.lora_keys)) if ek.lora_keys else None,
         "sd": _digest(b"salt", cbor_dumps(ek.salt_keys(0))) if ek.salt_keys(0) else None,
         "md": (_digest(b"mm", cbor_dumps([(m.identifier, m.offset, m.length) for m in ek.mm]))
@@ -102,13 +108,20 @@ def build_params(hasher: BlockKeyHasher, *, include_keys: int = 0) -> dict[str, 
 
     ``include_keys``: also send the keys themselves when there are at most this many.
     """
-    keys = hasher.keys
+    return params_for_keys(fingerprint_of(hasher).to_dict(), hasher.keys,
+                           request_summary(hasher), include_keys=include_keys)
+
+
+def params_for_keys(fingerprint: dict[str, Any], keys: Sequence[bytes],
+                    summary: dict[str, Any], *, include_keys: int = 0) -> dict[str, Any]:
+    """:func:`build_params` from parts: a compact fingerprint, the keys (e.g. vLLM's own
+    ``request.block_hashes``) and :func:`request_summary_of`."""
     params: dict[str, Any] = {
         "v": PARAMS_VERSION,
-        "fp": fingerprint_of(hasher).to_dict(),
+        "fp": fingerprint,
         "n": len(keys),
         "kd": keys_digest(keys),
-        "x": request_summary(hasher),
+        "x": summary,
     }
     if 0 < len(keys) <= include_keys:
         params["keys"] = [k.hex() for k in keys]
