@@ -355,3 +355,218 @@ def safe(fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     except Exception:
         return {"error": traceback.format_exc()[-3000:]}
+
+
+# ----------------------------------------------------------------------------- scenarios
+#
+# Each returns a JSON-able observation; the tests decide what is right.  ``P_BACKEND`` is
+# FlashAttention (K/V-first split regions up to 0.22, blocks-first from 0.23, packed from 0.26)
+# and ``D_BACKEND`` Triton, whose layout is FlashInfer's (blocks-first ``(N, 2, bs, H, D)``
+# up to 0.25, packed from 0.26); FlashInfer itself cannot be imported without its CUDA package.
+
+P_BACKEND = "FLASH_ATTN"
+D_BACKEND = "TRITON_ATTN"
+
+
+def _reset() -> None:
+    CopyingNixlWrapper.registry.ranges.clear()
+    from pdpatch.patches import kv_segments
+
+    kv_segments._reset_for_tests()
+
+
+def _stats() -> dict[str, Any]:
+    from pdpatch.patches import kv_segments
+
+    return dict(vars(kv_segments.stats))
+
+
+def _remote_lists(d: Side, engine: str) -> list[list[tuple[int, int]]]:
+    return [descs for agent, descs in d.worker.nixl_wrapper.dlists.values()
+            if agent != "NIXL_INIT_AGENT"]
+
+
+def scenario_pair(p_backend: str = P_BACKEND, d_backend: str = D_BACKEND,
+                  d_extra: dict | None = None, block_size: int = 16) -> dict[str, Any]:
+    """P (``p_backend``) -> D (``d_backend``): blocks 4, 5, 6 of P into 1, 2, 3 of D."""
+    _reset()
+    p = build("prefill", "kv_producer", p_backend, num_blocks=12, seed=1, block_size=block_size)
+    d = build("decode", "kv_consumer", d_backend, num_blocks=10, seed=2, extra=d_extra,
+              block_size=block_size)
+    out = pull(d, {0: p}, [1, 2, 3], [4, 5, 6])
+    out["mismatches"] = compare(d, p, [(1, 4), (2, 5), (3, 6)])
+    out["p_regions"] = len(msgspec.msgpack.decode(
+        p.worker.xfer_handshake_metadata.agent_metadata_bytes)["kv_caches_base_addr"])
+    out["d_regions"] = len(msgspec.msgpack.decode(
+        d.worker.xfer_handshake_metadata.agent_metadata_bytes)["kv_caches_base_addr"])
+    out["backends"] = [p.worker.backend_name, d.worker.backend_name]
+    out["p_shape"] = list(next(iter(p.caches.values())).shape)
+    out["d_shape"] = list(next(iter(d.caches.values())).shape)
+    out["stats"] = _stats()
+    return out
+
+
+def scenario_tp_up() -> dict[str, Any]:
+    """P TP 1 (2 KV heads) -> D TP 2: each D rank pulls its head from P's one rank."""
+    _reset()
+    p = build("prefill", "kv_producer", P_BACKEND, num_blocks=12, seed=1)
+    out: dict[str, Any] = {}
+    for rank in (0, 1):
+        d = build(f"decode-r{rank}", "kv_consumer", D_BACKEND, num_blocks=10, seed=2 + rank,
+                  tp_rank=rank, tp_size=2)
+        res = pull(d, {0: p}, [1, 2], [7, 8], req=f"req-r{rank}")
+        res["mismatches"] = compare(d, p, [(1, 7), (2, 8)])
+        out[f"rank{rank}"] = res
+    out["stats"] = _stats()
+    return out
+
+
+def scenario_tp_down() -> dict[str, Any]:
+    """P TP 2 (1 head per rank) -> D TP 1: D pulls half of each block from each P rank."""
+    _reset()
+    ps = {r: build("prefill", "kv_producer", P_BACKEND, num_blocks=12, seed=1 + r,
+                   tp_rank=r, tp_size=2) for r in (0, 1)}
+    d = build("decode", "kv_consumer", D_BACKEND, num_blocks=10, seed=5)
+    out = pull(d, ps, [1, 2], [7, 8])
+    bad = []
+    for r, p in ps.items():
+        for name in d.caches:
+            for lb, rb in ((1, 7), (2, 8)):
+                for which in (0, 1):
+                    got = kv_block(d.caches[name], lb, which)[:, r * p.heads:(r + 1) * p.heads]
+                    if not torch.equal(got, kv_block(p.caches[name], rb, which)):
+                        bad.append(f"{name} {lb}<-{rb} {'KV'[which]} from P rank {r}")
+    out["mismatches"] = bad
+    out["stats"] = _stats()
+    return out
+
+
+def scenario_block_ratio(p_backend: str = P_BACKEND, d_backend: str = D_BACKEND
+                         ) -> dict[str, Any]:
+    """P block size 16 -> D block size 32: D's block 1 holds P's blocks 4 and 5."""
+    _reset()
+    p = build("prefill", "kv_producer", p_backend, num_blocks=12, seed=1, block_size=16)
+    d = build("decode", "kv_consumer", d_backend, num_blocks=10, seed=2, block_size=32)
+    out = pull(d, {0: p}, [1], [4, 5])
+    out["mismatches"] = compare_ratio(d, p, 1, [4, 5])
+    out["stats"] = _stats()
+    return out
+
+
+def _tamper(side: Side, **changes: Any) -> None:
+    """Rewrite fields of the encoded handshake metadata (a malformed or lying peer)."""
+    meta = msgspec.msgpack.decode(side.worker.xfer_handshake_metadata.agent_metadata_bytes)
+    for key, fn in changes.items():
+        meta[key] = fn(meta.get(key))
+    side.worker.xfer_handshake_metadata.agent_metadata_bytes = msgspec.msgpack.encode(meta)
+
+
+def _halve_segments(wire: dict | None) -> dict | None:
+    if wire is None:
+        return None
+    for layer in wire["layers"]:
+        for seg in layer[3]:
+            seg[2] //= 2
+    return wire
+
+
+def scenario_span_mismatch(tamper: str = "advertised") -> dict[str, Any]:
+    """A peer whose segments cannot span D's blocks: the handshake fails with both geometries
+    named, only this peer's request fails, and D's memory is untouched (no READ posted)."""
+    _reset()
+    p = build("prefill", "kv_producer", P_BACKEND, num_blocks=12, seed=1)
+    if tamper == "advertised":
+        _tamper(p, pdpatch_kv_geometry=_halve_segments)
+    else:  # vLLM's own fields: block lengths that do not match D's
+        _tamper(p, block_lens=lambda lens: [x // 2 for x in lens],
+                pdpatch_kv_geometry=lambda _: None)
+    d = build("decode", "kv_consumer", D_BACKEND, num_blocks=10, seed=2)
+    out = pull(d, {0: p}, [1, 2], [4, 5])
+    out["remote_dlists"] = len(_remote_lists(d, "prefill"))
+    out["reads"] = len(d.worker.nixl_wrapper.reads)
+    out["stats"] = _stats()
+    return out
+
+
+def scenario_advert_ignored() -> dict[str, Any]:
+    """pdpatch's advertised field through a stock decoder: the stock class decodes P's bytes,
+    and a D with kv_segments switched off (stock code path) completes a same-backend pull."""
+    _reset()
+    p = build("prefill", "kv_producer", P_BACKEND, num_blocks=12, seed=1)
+    raw = p.worker.xfer_handshake_metadata.agent_metadata_bytes
+    keys = sorted(msgspec.msgpack.decode(raw))
+    stock_cls = rw.worker_module().NixlAgentMetadata
+    decoded = msgspec.msgpack.Decoder(stock_cls).decode(raw)
+    d = build("decode", "kv_consumer", P_BACKEND, num_blocks=10, seed=2,
+              extra={"pdpatch": {"kv_segments": False}})
+    out = pull(d, {0: p}, [1, 2, 3], [4, 5, 6])
+    out["mismatches"] = compare(d, p, [(1, 4), (2, 5), (3, 6)])
+    out["wire_keys"] = keys
+    out["stock_decoded_type"] = type(decoded).__qualname__
+    out["stock_decoded_has_field"] = hasattr(decoded, "pdpatch_kv_geometry")
+    out["stats"] = _stats()
+    return out
+
+
+def scenario_globals() -> dict[str, Any]:
+    """The worker module's wire classes: vLLM's own outside a handshake, pdpatch's subclasses
+    only while one runs, vLLM's own again after ``pdpatch.uninstall()``."""
+    _reset()
+    mod = rw.worker_module()
+    before = (mod.NixlAgentMetadata, mod.NixlHandshakePayload)
+    seen: list[tuple[str, str]] = []
+    p = build("prefill", "kv_producer", P_BACKEND, num_blocks=12, seed=1)
+    d = build("decode", "kv_consumer", D_BACKEND, num_blocks=10, seed=2)
+    real_add = d.worker.add_remote_agent
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append((mod.NixlAgentMetadata.__module__, type(args[0]).__module__))
+        return real_add(*args, **kwargs)
+
+    d.worker.add_remote_agent = spy
+    res = pull(d, {0: p}, [1], [4])
+    during = list(seen)
+    after = (mod.NixlAgentMetadata is before[0], mod.NixlHandshakePayload is before[1])
+    from pdpatch import installer
+
+    installer.uninstall()
+    uninstalled = (mod.NixlAgentMetadata is before[0], mod.NixlHandshakePayload is before[1])
+    d2 = build("decode2", "kv_consumer", D_BACKEND, num_blocks=10, seed=3)
+    res2 = pull(d2, {0: p}, [1], [4], req="req-after-uninstall")
+    return {"during_handshake": during, "restored_after_handshake": after,
+            "restored_after_uninstall": uninstalled, "patched": res["results"],
+            "after_uninstall": {"results": res2["results"],
+                                "handshake_errors": res2["handshake_errors"]},
+            "status": installer.status()["patches"]["kv_segments"]["status"]}
+
+
+SCENARIOS = {
+    "pair": scenario_pair,
+    "pair_reverse": lambda: scenario_pair(D_BACKEND, P_BACKEND),
+    "pair_same": lambda: scenario_pair(P_BACKEND, P_BACKEND),
+    "pair_no_enforce": lambda: scenario_pair(
+        d_extra={"enforce_handshake_compat": False}),
+    # CPU attention wants blocks of a multiple of 32 tokens from 0.23
+    "pair_cpu": lambda: scenario_pair("CPU_ATTN", P_BACKEND, block_size=32),
+    "tp_up": scenario_tp_up,
+    "tp_down": scenario_tp_down,
+    "block_ratio": scenario_block_ratio,
+    "block_ratio_reverse": lambda: scenario_block_ratio(D_BACKEND, P_BACKEND),
+    "block_ratio_same_split": lambda: scenario_block_ratio(P_BACKEND, P_BACKEND),
+    "block_ratio_same_fused": lambda: scenario_block_ratio(D_BACKEND, D_BACKEND),
+    "span_advertised": scenario_span_mismatch,
+    "span_stock_fields": lambda: scenario_span_mismatch("stock"),
+    "advert_ignored": scenario_advert_ignored,
+    "globals": scenario_globals,
+}
+
+
+def release_report(stock: list[str], patched: list[str]) -> dict[str, Any]:
+    """Run ``stock`` scenarios on unpatched vLLM, then install pdpatch and run ``patched``."""
+    from pdpatch import installer
+
+    report: dict[str, Any] = {"stock": {n: safe(SCENARIOS[n]) for n in stock}}
+    installer.install()
+    report["summary"] = installer.summary_line()
+    report["patched"] = {n: safe(SCENARIOS[n]) for n in patched}
+    return report

@@ -640,6 +640,14 @@ def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version) -> 
         local_rank = int(getattr(worker, "transfer_tp_rank", getattr(worker, "tp_rank", 0)))
         sl = slices_for(total, local_tp, local_rank, int(remote_tp_size),
                         int(worker.block_size), int(meta.block_size))
+        if local.kind == KIND_FUSED and sl.block_size_ratio > 1:
+            # 0.19-0.25 `_build_fa_local`/`_build_fa_remote` do not divide the V descriptor by
+            # the ratio for blocks-first memory: the reads overrun into the next block.
+            raise GeometryMismatch(
+                f"vLLM {version} cannot receive a peer with {sl.block_size_ratio}x smaller "
+                "blocks into blocks-first (fused K|V) memory: its V descriptors are not "
+                "divided by the block-size ratio (the reads would overrun into the next "
+                "block); use equal block sizes or a split (K/V-first) decode layout")
         remote = remote_geometry(meta, local.num_layers,
                                  KIND_PACKED if local.kind == KIND_PACKED else "auto",
                                  max(1, total // int(remote_tp_size)), advertised)

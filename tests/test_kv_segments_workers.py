@@ -1,0 +1,240 @@
+"""``kv_segments`` on real vLLM NIXL workers: 0.33 in process, older releases from their source
+trees (``versions_harness``).
+
+A FlashAttention prefill and a decode with FlashInfer's layout (Triton: blocks-first
+``(N, 2, bs, H, D)`` up to 0.25, like FlashInfer; FlashInfer itself needs its CUDA package)
+complete vLLM's real handshake (the release's ZMQ listener, hash check, msgspec decode,
+``add_remote_agent``) and D's ``start_load_kv`` READs land P's K and V bytes in D's blocks
+(``CopyingNixlWrapper`` performs each READ with ``memmove`` after checking both descriptors lie
+in registered memory).  Without pdpatch the same pair is rejected.  Every release runs all its
+scenarios once (stock first, then with pdpatch installed); the tests below read the report.
+
+What each release family shows (see ``test_kv_segments_harness`` for the scenarios):
+
+* 0.19-0.22: FlashAttention registers K and V as separate regions, Triton fused blocks: a real
+  split <-> fused conversion, both directions, with TP 1->2, TP 2->1 and (into a split decode)
+  block-size ratio 2; on 0.19/0.20 through the ``add_remote_agent`` closure, from 0.21 through
+  ``_build_fa_remote``;
+* 0.23-0.25: both blocks-first, only the backend name differs (mixed names accepted after the
+  geometry check);
+* 0.26+ (0.33): packed K|V for every backend, mixed names accepted when the packed geometry
+  pairs exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from packaging.version import Version
+from versions_harness import release_versions, run_in_release
+
+from pdpatch import installer
+
+SPLIT_ERA = Version("0.23")      # FlashAttention blocks-first from 0.23
+PACKED_ERA = Version("0.26")
+
+STOCK = ["pair", "pair_no_enforce"]
+
+
+def patched_scenarios(version: Version) -> list[str]:
+    names = ["pair", "pair_reverse", "pair_same", "tp_up", "tp_down", "block_ratio",
+             "span_advertised", "span_stock_fields", "advert_ignored"]
+    if version < SPLIT_ERA:
+        names += ["block_ratio_reverse", "pair_cpu"]
+    if version >= PACKED_ERA:
+        names += ["pair_cpu"]
+    return [*names, "globals"]           # last: it uninstalls pdpatch
+
+
+# 0.19 (single-file connector) and 0.20 (package): the closure builder; 0.22: _build_fa_remote
+# with split FlashAttention; 0.25: blocks-first FlashAttention, base_worker.
+OLD = [ver for spec in (">=0.19,<0.20", ">=0.20,<0.21", ">=0.22,<0.23", ">=0.25,<0.26")
+       for ver in release_versions(spec)[-1:]]
+_reports: dict[str, dict[str, Any]] = {}
+
+
+def report(ver: str) -> dict[str, Any]:
+    """One subprocess per release (or in process for the installed 0.33), cached."""
+    if ver not in _reports:
+        if ver == "0.33.0":
+            import test_kv_segments_harness as h
+
+            installer.uninstall()
+            try:
+                _reports[ver] = h.release_report([*STOCK, "pair_cpu"],
+                                                 patched_scenarios(Version(ver)))
+            finally:
+                installer.uninstall()
+        else:
+            run = run_in_release(ver, f"""
+                import test_kv_segments_harness as h
+                emit(h.release_report({STOCK!r}, {patched_scenarios(Version(ver))!r}))
+            """, timeout=1500)
+            _reports[ver] = run.check()
+    return _reports[ver]
+
+
+VERSIONS = ["0.33.0", *OLD]
+
+
+def scenario(ver: str, phase: str, name: str) -> dict[str, Any]:
+    out = report(ver)[phase].get(name)
+    if out is None:
+        pytest.skip(f"{name} is not run on vLLM {ver}")
+    assert "error" not in out, out["error"]
+    return out
+
+
+def ok_pull(out: dict[str, Any], blocks: list[int]) -> None:
+    assert out["crash"] is None
+    assert out["handshake_errors"] == []
+    assert out["nixl_errors"] == []
+    assert out["results"]["failed_recving"] == [] and out["results"]["invalid_blocks"] == []
+    assert out["mismatches"] == []
+    assert out["changed_blocks"] == blocks       # nothing outside the requested blocks
+
+
+def refused(out: dict[str, Any], *needles: str) -> str:
+    assert out["crash"] is None
+    assert len(out["handshake_errors"]) >= 1, out
+    err = out["handshake_errors"][0]
+    for needle in needles:
+        assert needle in err, err
+    assert out["copied_bytes"] == 0
+    assert out["changed_blocks"] == []           # D's memory untouched
+    # vLLM records the failure for this request only (failed / invalid blocks)
+    assert out["results"]["failed_recving"] or out["results"]["invalid_blocks"]
+    return err
+
+
+def v(ver: str) -> Version:
+    return Version(ver)
+
+
+# ------------------------------------------------------------------------------- stock
+
+
+@pytest.mark.parametrize("ver", VERSIONS)
+def test_stock_rejects_the_mixed_pair(ver: str) -> None:
+    out = scenario(ver, "stock", "pair")
+    assert out["backends"] == ["FLASH_ATTN", "TRITON_ATTN"]
+    refused(out, "NIXL compatibility hash mismatch")
+
+
+@pytest.mark.parametrize("ver", VERSIONS)
+def test_stock_without_hash_check(ver: str) -> None:
+    """With ``enforce_handshake_compat=false``: up to 0.22 the block-length assertion refuses
+    (K-only vs K+V block lengths); from 0.23 the layouts coincide and only the name differed."""
+    out = scenario(ver, "stock", "pair_no_enforce")
+    if v(ver) < SPLIT_ERA:
+        assert out["p_regions"] == 2 * out["d_regions"]      # FA: K and V regions per layer
+        refused(out, "AssertionError", "Remote P worker KV layer cache must be of shape")
+    else:
+        ok_pull(out, [1, 2, 3])
+
+
+# ----------------------------------------------------------------------------- patched
+
+
+@pytest.mark.parametrize("ver", VERSIONS)
+@pytest.mark.parametrize("name", ["pair", "pair_reverse"])
+def test_mixed_pair_transfers_the_right_bytes(ver: str, name: str) -> None:
+    out = scenario(ver, "patched", name)
+    ok_pull(out, [1, 2, 3])
+    assert out["copied_bytes"] == 3 * 2 * 2 * 2 * 16 * 64 * 2   # blocks x layers x K,V x heads
+    stats = out["stats"]
+    assert stats["hash_alternates_accepted"] == 1
+    if v(ver) < SPLIT_ERA:
+        assert {out["p_regions"], out["d_regions"]} == {2, 4}    # split vs fused
+        assert stats["conversions"] == 1 and stats["mixed_accepted"] == 0
+    else:
+        assert out["p_regions"] == out["d_regions"] == 2
+        assert stats["conversions"] == 0 and stats["mixed_accepted"] == 1
+
+
+@pytest.mark.parametrize("ver", VERSIONS)
+def test_equal_layouts_stay_a_pass_through(ver: str) -> None:
+    out = scenario(ver, "patched", "pair_same")
+    ok_pull(out, [1, 2, 3])
+    stats = out["stats"]
+    assert stats["advertised"] == 2
+    assert (stats["conversions"], stats["mixed_accepted"], stats["hash_alternates_accepted"],
+            stats["rejected"]) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("ver", VERSIONS)
+def test_heterogeneous_tp_through_the_conversion(ver: str) -> None:
+    up = scenario(ver, "patched", "tp_up")
+    for rank in ("rank0", "rank1"):
+        ok_pull(up[rank], [1, 2])
+        assert up[rank]["copied_bytes"] == 2 * 2 * 2 * 1 * 16 * 64 * 2   # one head of two
+    down = scenario(ver, "patched", "tp_down")
+    ok_pull(down, [1, 2])
+    kind = "conversions" if v(ver) < SPLIT_ERA else "mixed_accepted"
+    assert up["stats"][kind] == 2 and down["stats"][kind] == 2
+
+
+@pytest.mark.parametrize("ver", VERSIONS)
+def test_block_size_ratio(ver: str) -> None:
+    """D blocks of 32 tokens, P blocks of 16.  vLLM 0.19-0.25 cannot receive smaller blocks
+    into blocks-first memory (its V descriptors are not divided by the ratio -- the stock
+    same-backend pair overruns into the next block and then crashes in the receive
+    post-processing): pdpatch refuses that pairing by name.  Into a split decode (0.19-0.22)
+    and on packed 0.33 the ratio works through pdpatch."""
+    out = scenario(ver, "patched", "block_ratio")
+    if v(ver) < PACKED_ERA:
+        refused(out, "GeometryMismatch", "blocks-first", "block-size ratio")
+    else:
+        ok_pull(out, [1])
+    if v(ver) < SPLIT_ERA:
+        reverse = scenario(ver, "patched", "block_ratio_reverse")
+        ok_pull(reverse, [1])
+        assert reverse["stats"]["conversions"] == 1
+
+
+@pytest.mark.parametrize("ver", VERSIONS)
+@pytest.mark.parametrize("name", ["span_advertised", "span_stock_fields"])
+def test_span_mismatch_fails_the_peer_clearly(ver: str, name: str) -> None:
+    out = scenario(ver, "patched", name)
+    err = refused(out, "GeometryMismatch", "spans differ", "local =")
+    assert out["remote_dlists"] == 0 and out["reads"] == 0      # nothing registered or read
+    assert "remote = remote engine prefill" in out["stats"]["last_error"]
+    assert out["stats"]["rejected"] == 1, err
+
+
+@pytest.mark.parametrize("ver", VERSIONS)
+def test_not_interchangeable_backends_stay_rejected(ver: str) -> None:
+    """CPU attention re-packs its cache after a transfer from another backend (0.23+), so it is
+    not in pdpatch's interchangeable set: the hash still refuses it."""
+    out = scenario(ver, "patched", "pair_cpu")
+    refused(out, "NIXL compatibility hash mismatch")
+    assert out["stats"]["hash_alternates_accepted"] == 0
+
+
+@pytest.mark.parametrize("ver", VERSIONS)
+def test_stock_decoder_ignores_the_advertised_field(ver: str) -> None:
+    out = scenario(ver, "patched", "advert_ignored")
+    assert "pdpatch_kv_geometry" in out["wire_keys"]
+    assert out["stock_decoded_type"] == "NixlAgentMetadata"
+    assert out["stock_decoded_has_field"] is False
+    ok_pull(out, [1, 2, 3])          # D with kv_segments off: vLLM's own decoder and code path
+
+
+@pytest.mark.parametrize("ver", VERSIONS)
+def test_wire_classes_are_scoped_and_uninstall_restores(ver: str) -> None:
+    out = scenario(ver, "patched", "globals")
+    mine = "pdpatch.patches.kv_segments"
+    assert out["during_handshake"] == [[mine, mine]]    # global and decoded metadata: ours
+    assert out["restored_after_handshake"] == [True, True]
+    assert out["restored_after_uninstall"] == [True, True]
+    assert out["patched"]["done_recving"] == ["req-1"]
+    assert out["status"] == "uninstalled"
+    assert "NIXL compatibility hash mismatch" in out["after_uninstall"]["handshake_errors"][0]
+
+
+def test_old_releases_were_found() -> None:
+    """The matrix must not silently shrink to 0.33 alone (a missing tree is a skip above)."""
+    if "<none>" in OLD:
+        pytest.skip(f"some vLLM source trees are not extracted: {OLD}")
+    assert len(OLD) == 4, OLD
