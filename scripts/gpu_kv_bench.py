@@ -63,7 +63,7 @@ from pdpatch.kv.stage import (
     staging_table,
     whole_blocks,
 )
-from pdpatch.transport import check_transport, probe_memory
+from pdpatch.transport import check_transport, cuda_context_current, probe_memory
 
 POISON = 0x5A
 HEADS, HEAD_DIM, ES = 8, 128, 2  # bf16; one token of K = 2 KiB
@@ -247,7 +247,8 @@ extern "C" __global__ void pd_copy(const unsigned long long* __restrict__ d, int
 
 
 class CupyCopier:
-    """One kernel launch per CopyPlan: a thread block per <= 64 KiB chunk, 16-byte vectors."""
+    """One kernel launch per CopyPlan: a thread block per chunk, 16-byte vectors; the chunk
+    size and block size are picked by :meth:`tune` on the device."""
 
     name = "cupy-kernel"
 
@@ -256,13 +257,52 @@ class CupyCopier:
 
         self.cp = cupy
         self.kernel = cupy.RawKernel(_KERNEL, "pd_copy")
+        self.chunk, self.threads = CHUNK, 256
+        self.tuning: dict[str, float] = {}
+
+    def tune(self, nbytes: int = 256 << 20, seg: int = 64 << 10) -> dict:
+        """GB/s of a scattered segment copy per (chunk, threads), beside torch copy_ of the
+        same bytes; keeps the fastest configuration."""
+        torch = _torch()
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:0")
+        dst = torch.zeros_like(src)
+        n = nbytes // seg
+        perm = np.random.default_rng(0).permutation(n).astype(np.uint64)
+        plan = CopyPlan(np.uint64(src.data_ptr()) + perm * np.uint64(seg),
+                        np.uint64(dst.data_ptr()) + np.arange(n, dtype=np.uint64) * np.uint64(seg),
+                        np.full(n, seg, dtype=np.uint64))
+
+        def timeit(fn) -> float:
+            fn()
+            torch.cuda.synchronize()
+            best = float("inf")
+            for _ in range(5):
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            return nbytes / best / 1e9
+
+        self.tuning = {"torch copy_ (flat)": timeit(lambda: dst.copy_(src))}
+        best = (0.0, self.chunk, self.threads)
+        for chunk in (32 << 10, 64 << 10, 256 << 10):
+            for threads in (256, 512):
+                self.chunk, self.threads = chunk, threads
+                gbs = timeit(lambda: self.run(plan))
+                self.tuning[f"kernel chunk {chunk >> 10} KiB x {threads} threads"] = gbs
+                best = max(best, (gbs, chunk, threads))
+        _, self.chunk, self.threads = best
+        ok = torch.equal(dst.view(n, seg)[torch.as_tensor(np.arange(n))],
+                         src.view(n, seg)[torch.as_tensor(perm.astype(np.int64))])
+        self.tuning["byte-exact"] = ok
+        return self.tuning
 
     def run(self, plan: CopyPlan, sync: bool = True) -> None:
-        ch = plan.chunks(CHUNK)
+        ch = plan.chunks(self.chunk)
         n = len(ch)
         if n:
             arr = self.cp.asarray(np.concatenate([ch.src, ch.dst, ch.length]).astype(np.uint64))
-            self.kernel((n,), (256,), (arr, np.int32(n)))
+            self.kernel((n,), (self.threads,), (arr, np.int32(n)))
         if sync:
             self.cp.cuda.runtime.deviceSynchronize()
 
@@ -471,9 +511,12 @@ class Peer:
 
 # ============================================================================ initiator
 def requests(pattern: str, num_blocks: int, n_req: int, rng) -> tuple[np.ndarray, np.ndarray]:
-    if pattern == "scattered":
-        return (rng.choice(num_blocks, n_req, replace=False),
-                rng.choice(num_blocks, n_req, replace=False))
+    """``scattered``: n_req random blocks (half the pool by default); ``sparse``: a quarter of
+    that (1 block in 8); ``runsK``: runs of K consecutive blocks at random aligned starts."""
+    if pattern in ("scattered", "sparse"):
+        n = n_req if pattern == "scattered" else max(n_req // 4, 1)
+        return (rng.choice(num_blocks, n, replace=False),
+                rng.choice(num_blocks, n, replace=False))
     k = int(pattern.removeprefix("runs"))
     slots = num_blocks // k
 
@@ -488,6 +531,7 @@ class Bench:
     def __init__(self, args) -> None:
         self.args = args
         self.device = args.device
+        self.ctx_at_agent = cuda_context_current()
         self.agent = new_agent("pdpatch-bench-init")
         self.results: list[dict] = []
         self.peers: dict[str, Peer] = {}
@@ -495,6 +539,7 @@ class Bench:
         self.copiers: dict[str, Any] = {}
         self.notes: list[str] = []
         self._last_count = 0
+        self.copy_tuning: dict = {}
 
     def sync(self) -> None:
         if self.device == "cuda":
@@ -516,6 +561,8 @@ class Bench:
             if "cupy" not in self.copiers:
                 try:
                     self.copiers["cupy"] = CupyCopier()
+                    self.copy_tuning = self.copiers["cupy"].tune()
+                    print(f"   copy kernel tuning (GB/s): {self.copy_tuning}", flush=True)
                 except Exception as e:  # fall back, and say so
                     self.notes.append(f"cupy copy kernel unavailable ({e!r}); torch-index used")
                     self.copiers["cupy"] = None
@@ -630,7 +677,7 @@ class Bench:
                              "bytes": nbytes, "ok": True})
         rng = np.random.default_rng(block_bytes)
         for pattern in patterns:
-            k = 1 if pattern == "scattered" else int(pattern.removeprefix("runs"))
+            k = 1 if pattern in ("scattered", "sparse") else int(pattern.removeprefix("runs"))
             if 4 * k > N or n_req < k:
                 continue
             lids, rids = requests(pattern, N, n_req - n_req % k, rng)
@@ -1044,7 +1091,7 @@ def main() -> int:
     ap.add_argument("--pools", default=None,
                     help="comma list: cuda,kvcached (GPU) / host (CPU); default all available")
     ap.add_argument("--block-kib", default="16,64,256")
-    ap.add_argument("--patterns", default="scattered,runs4,runs16")
+    ap.add_argument("--patterns", default="sparse,scattered,runs4,runs16")
     ap.add_argument("--cases", default="ff,sf,fs",
                     help="ff = fused<-fused, sf = split->fused (remote split, local fused), "
                          "fs = fused->split, ss = split<-split")
@@ -1057,7 +1104,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--gap-kib", type=int, default=None,
                     help="READ gap reads for staged+gap (default: 1024 on cuda, 64 on cpu)")
-    ap.add_argument("--pipe", type=int, default=4, help="pieces of staged-pipe modes")
+    ap.add_argument("--pipe", type=int, default=1,
+                    help="pieces of staged-pipe modes (1: off; measured slower on H200)")
+    ap.add_argument("--reps-large", type=int, default=9, help="reps for blocks >= 256 KiB")
     ap.add_argument("--no-ctx-first", action="store_true",
                     help="create the NIXL agents before any CUDA context (diagnosis)")
     ap.add_argument("--no-warmup", action="store_true")
@@ -1079,7 +1128,8 @@ def main() -> int:
     if a.quick:
         a.layers, a.pool_mib, a.reps = 2, 4, 2
         a.block_kib = a.block_kib if a.block_kib != "16,64,256" else "16,64"
-        a.patterns = a.patterns if a.patterns != "scattered,runs4,runs16" else "scattered,runs4"
+        a.patterns = (a.patterns if a.patterns != "sparse,scattered,runs4,runs16"
+                      else "scattered,runs4")
     pools = (a.pools or ("host" if a.device == "cpu" else "cuda,kvcached")).split(",")
     a.pools = pools
     a.executors = (a.executors or ("cupy,torch" if a.device == "cuda" else "torch")).split(",")
@@ -1099,6 +1149,8 @@ def main() -> int:
     env_info = environment(a.device)
     print(f"environment: {json.dumps(env_info)}", flush=True)
     bench = Bench(a)
+    env_info["cuda_context_at_agent"] = bench.ctx_at_agent
+    print(f"cuda context current at NIXL agent creation: {bench.ctx_at_agent}", flush=True)
     report: dict[str, Any] = {"environment": env_info, "args": vars(a)}
     failures = 0
 
@@ -1106,6 +1158,7 @@ def main() -> int:
         if a.json:
             report["results"] = bench.results
             report["notes"] = bench.notes
+            report["copy_tuning"] = bench.copy_tuning
             with open(a.json, "w") as f:
                 json.dump(report, f, indent=1, default=str)
 
@@ -1128,9 +1181,13 @@ def main() -> int:
             ops = a.ops.split(",")
             if str(kib) in a.write_kib.split(",") and "WRITE" not in ops:
                 ops = [*ops, "WRITE"]
+            reps = a.reps
+            if kib >= 256 and a.device == "cuda":
+                a.reps = max(a.reps, a.reps_large)
             section(f"{pk} {kib} KiB",
                     lambda kib=kib, ops=ops: bench.run_block_size(pk, kib * 1024, cases,
                                                                   patterns, ops))
+            a.reps = reps
 
     def kvcached_pools() -> None:
         saved, kv_reps = a.pool_mib, a.reps
@@ -1177,6 +1234,7 @@ def main() -> int:
         bench.close()
     report["results"] = bench.results
     report["notes"] = bench.notes
+    report["copy_tuning"] = bench.copy_tuning
     summary(bench.results)
     failures += sum(1 for r in bench.results if not r["ok"])
     pol = report.get("policy") or []
@@ -1211,7 +1269,9 @@ def diag_ctx(a) -> dict:
         with open(os.path.join(outdir, f"diag_ctx_{len(out)}.txt"), "w") as f:
             f.write(text)
         lines = [ln.strip() for ln in text.splitlines()
-                 if ("cuda_ipc" in ln or "tcp" in ln) and "|" in ln][:12]
+                 if "cuda context current at NIXL agent" in ln]
+        lines += [ln.strip() for ln in text.splitlines()
+                  if ("cuda_ipc" in ln or "tcp" in ln) and "|" in ln][:12]
         try:
             with open(path) as f:
                 rows = json.load(f)["results"]

@@ -108,3 +108,13 @@ def test_probe_memory_of_host_memory() -> None:
     assert facts.kind in (tp.KIND_UNKNOWN, tp.KIND_HOST) and facts.label == "x"
     assert facts.cuda_ipc_exportable is None
     assert check_transport(GOOD, memory=[facts]) == []
+
+
+def test_agent_created_before_a_cuda_context() -> None:
+    f = check_transport(GOOD, cuda_context_at_agent=False)
+    assert codes(f) == ["nixl-agent-before-cuda-context"] and f[0].level == tp.WARN
+    assert "before the NIXL agent" in f[0].fix
+    assert check_transport(GOOD, cuda_context_at_agent=True) == []
+    assert check_transport(GOOD, cuda_context_at_agent=None) == []
+    if tp._driver() is None:  # this CPU machine: the probe cannot tell
+        assert tp.cuda_context_current() is None
