@@ -134,6 +134,18 @@ def _main(version: str, kvcached_order: str | None) -> dict[str, str]:
                 raise AssertionError("stock vLLM registered over-allocated views")
             check(f"stock_rejects_over_allocation[{variant}]", stock)
 
+    if not kvcached_order and versions.release_of(v) < Version("0.20"):
+        def stock_hetero():
+            try:
+                _hetero_tp(v, h)
+            except AssertionError as exc:
+                if "was accepted" in str(exc):
+                    return "stock 0.19 accepts the head split on NHD (silent corruption)"
+                raise
+            raise AssertionError("stock 0.19 already refuses it")
+
+        check("stock_accepts_hetero_tp_token_major", stock_hetero)
+
     installer.install()
     if kvcached_order == "pdpatch-first":
         _apply_kvcached()

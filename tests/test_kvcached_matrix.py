@@ -21,7 +21,7 @@ def expected_checks(version: str) -> set[str]:
                   f"over_allocated_registers_the_plan[{variant}]",
                   f"peer_descriptors_resolve[{variant}]"}
     if version == "0.19.0":
-        names.add("hetero_tp_token_major_rejected")
+        names |= {"hetero_tp_token_major_rejected", "stock_accepts_hetero_tp_token_major"}
     return names
 
 
