@@ -83,6 +83,17 @@ def test_forced_by_extra_config(patched):
     assert resolve(cfg(extra={"pdpatch": {"layout_force": True}})) == TOKEN_MAJOR
 
 
+def test_forced_by_environment(fresh_pdpatch, monkeypatch):
+    from pdpatch.patches import layout
+
+    monkeypatch.setenv("PDPATCH_LAYOUT_FORCE", "1")
+    layout._reset_for_tests()
+    fresh_pdpatch.install()              # the settings accept the variable the patch declares
+    assert resolve(cfg()) == TOKEN_MAJOR
+    monkeypatch.setenv("PDPATCH_LAYOUT_FORCE", "0")
+    assert resolve(cfg()) == HEAD_MAJOR
+
+
 def test_switched_off_by_extra_config(patched, kvcached_running):
     assert resolve(cfg(extra={"pdpatch": {"layout": False}})) == HEAD_MAJOR
 
