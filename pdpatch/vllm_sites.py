@@ -149,6 +149,16 @@ SPLIT_LEN_SOURCES = (
 )
 
 
+# Request validation in the front-end process, before the request reaches the engine core.
+# A `ValueError` (vLLM's `VLLMValidationError`) raised here is a 400 for that one request on
+# every entry point (OpenAI/Anthropic servers, `LLM`).  `kv_transfer_params` rides in
+# `SamplingParams.extra_args["kv_transfer_params"]` (read back by `v1/request.py`).
+# Same module, class and signature (params, supported_tasks) in 0.19.0-0.33.0.
+VALIDATE_REQUEST_PARAMS = (
+    _site(">=0.19", "vllm.v1.engine.input_processor", "InputProcessor._validate_params"),
+)
+
+
 # The decode worker's per-step result collection.  In 0.19-0.21 `get_finished` runs the
 # heterogeneous-block-size post-processing for *failed* receives too, looking up the remote
 # engine -- which raises KeyError when the handshake failed before the engine was registered

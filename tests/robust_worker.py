@@ -267,27 +267,42 @@ def kv_cache_config(num_blocks: int, layer_names: list[str], spec: Any) -> Any:
 
 def kv_tensors(kind: str, kv_heads: int, num_blocks: int, layer_names: list[str],
                local_heads: int) -> dict[str, torch.Tensor]:
-    """One contiguous tensor per layer in the release's CPU cache shape: MLA ``(N, bs, C)``;
-    attention ``(2, N, H, bs, D)`` up to 0.22, packed ``(N, H, bs, 2D)`` from 0.23 (head-major,
-    the layout the NIXL connector asks for)."""
+    """One contiguous tensor per layer: MLA ``(N, bs, C)``; attention in
+    :func:`kv_cache_shape`'s shape (head-major, the layout the NIXL connector asks for; from
+    0.29 ``(N, H, bs, 2D)`` as the planner lays out LBHNC)."""
     out = {}
     for i, n in enumerate(layer_names):
         if kind == "mla":
             shape: tuple[int, ...] = (num_blocks, BLOCK_SIZE, 160)
-        elif version_of() < Version("0.23"):
-            shape = (2, num_blocks, local_heads, BLOCK_SIZE, HEAD_DIM)
         else:
-            shape = (num_blocks, local_heads, BLOCK_SIZE, 2 * HEAD_DIM)
+            shape = kv_cache_shape(num_blocks, BLOCK_SIZE, local_heads, HEAD_DIM)
         t = torch.arange(int(np.prod(shape)), dtype=torch.float32).reshape(shape)
         out[n] = (t + 1000 * i).to(DTYPE)
     return out
 
 
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                   cache_dtype_str: str = "auto") -> tuple[int, ...]:
+    """The attention KV shape per release, as the GPU backends NIXL serves define it (0.19-0.22:
+    K and V as separate regions; 0.23-0.25: FlashAttention's blocks-first ``(N, 2, ...)``, K|V
+    virtually split per block; 0.26-0.28: K|V packed in the content dim).  From 0.29 the
+    planner decides and the backend has no such method."""
+    v = version_of()
+    if v < Version("0.23"):
+        return (2, num_blocks, num_kv_heads, block_size, head_size)
+    if v < Version("0.26"):
+        return (num_blocks, 2, num_kv_heads, block_size, head_size)
+    return (num_blocks, num_kv_heads, block_size, 2 * head_size)
+
+
 def cpu_backend() -> Any:
+    """The attention backend object the worker consults, mocked as vLLM's tests do; up to
+    0.28 the worker derives the K/V layout from ``get_kv_cache_shape``."""
     backend = MagicMock()
     backend.get_name.return_value = "CPU_ATTN"
     backend.get_supported_kernel_block_sizes.return_value = [BLOCK_SIZE]
     backend.full_cls_name.return_value = "fake.CPU_ATTN"
+    backend.get_kv_cache_shape.side_effect = kv_cache_shape
     return backend
 
 
@@ -556,11 +571,15 @@ def scenario_division() -> dict[str, Any]:
     d = build_worker("decode-engine", kv_heads=heads, num_blocks=32)
     p = build_worker("prefill-bad", role="kv_producer", kv_heads=heads, num_blocks=40)
     ok = build_worker("prefill-ok", role="kv_producer", kv_heads=heads, num_blocks=40)
+    # The length the release divides (the K half where K|V share a block, 0.23-0.25).
     length = int(d.block_len_per_layer[0])
+    if version_of() < Version("0.29") and hasattr(d, "get_backend_aware_kv_block_len"):
+        length = int(d.get_backend_aware_kv_block_len(0, True, False))
+    full = int(d.block_len_per_layer[0])
     if version_of() < Version("0.24"):
-        remote_len = length // bad_tp
+        remote_len = full // bad_tp
     else:
-        remote_len = length * max(1, heads // bad_tp) // heads
+        remote_len = full * max(1, heads // bad_tp) // heads
     base = own_metadata(p)
     bad = {r: dataclasses.replace(base, engine_id="prefill-bad", agent_metadata=f"BAD{r}".encode(),
                                   block_lens=[remote_len] * len(base.block_lens))
@@ -589,6 +608,7 @@ def scenario_division() -> dict[str, Any]:
         crash = crash or crash2
     reads = _reads_by_req(d)
     return {"crash": crash, "block_len": length, "peer_block_len": remote_len,
+            "peer_unit": remote_len // 2 if length != full else remote_len,
             "handshake_errors": errors, "results": acc, "after": after,
             "local_split_lens": local_chunks, "remote_read_lens": remote_reads,
             "reads_bad": len(reads.get("r-bad", [])), "reads_ok": len(reads.get("r-ok", []))}

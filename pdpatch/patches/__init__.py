@@ -17,13 +17,14 @@ def all_patches() -> list[Patch]:
         layout,
         mla_notif,
         num_blocks,
+        params_check,
         read_guard,
         spec_classify,
     )
 
     return [read_guard.PATCH, layout.PATCH, num_blocks.PATCH, mla_notif.PATCH,
             division_checks.PATCH, spec_classify.PATCH, handshake_failure_guard.PATCH,
-            kv_segments.PATCH]
+            kv_segments.PATCH, params_check.PATCH]
 
 
 def patch_names() -> list[str]:

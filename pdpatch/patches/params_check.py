@@ -1,0 +1,150 @@
+"""Patch ``params_check``: a malformed ``kv_transfer_params`` is a 400 for that request, not an
+engine crash or a silent read of the wrong blocks.
+
+Found by the issue-7 bad-input sweep against a real vLLM 0.33 decode engine.  The NIXL connector
+trusts the proxy's ``kv_transfer_params`` completely:
+
+* ``{"do_remote_prefill": true}`` without ``remote_block_ids`` (or with ``[]``):
+  ``get_num_new_matched_tokens`` promises remote tokens, then ``update_state_after_alloc``
+  hits ``assert num_external_tokens == 0`` in the scheduler -- EngineCore dies, every request
+  on the engine fails (0.33 ``pull_scheduler.py``);
+* ``remote_block_ids`` of the wrong shape or type (a string, floats, flat, nested, negative,
+  out of range, 200 000 ids) reach the worker's read path, where they crash the worker
+  (without ``read_guard``) or, for floats, are truncated to valid ids and read *another
+  request's* blocks: a wrong answer with no error;
+* a non-numeric ``remote_port`` or ``tp_size`` and friends fail late, deep in the handshake.
+
+This patch validates the parameters of a decode-side request (``do_remote_prefill`` true) in
+the front end, where vLLM validates every other sampling parameter
+(``InputProcessor._validate_params``): types, ranges, and sizes bounded by the model
+(``remote_block_ids``: at most one group per layer, at most ``max_model_len`` blocks per group,
+since a block holds at least one token).  A failure raises vLLM's own ``VLLMValidationError``
+naming the field: HTTP 400 on the OpenAI server, ``ValueError`` from ``LLM``.  Engine ids cannot
+be checked here (they are only known after a handshake); an unknown one fails the handshake
+and the request, cleanly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from packaging.version import Version
+
+from pdpatch import config, vllm_sites
+from pdpatch.registry import Patch, Target
+
+NAME = "params_check"
+STR_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host")
+COUNT_FIELDS = ("tp_size", "remote_tp_size", "remote_dcp_size", "remote_pp_size")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def problems(params: Any, max_blocks: int, max_groups: int) -> list[str]:
+    """What is wrong with one request's ``kv_transfer_params`` (empty when nothing is)."""
+    if params is None:
+        return []
+    if not isinstance(params, Mapping):
+        return [f"must be an object, got {type(params).__name__}"]
+    out = []
+    for flag in ("do_remote_prefill", "do_remote_decode"):
+        if flag in params and not isinstance(params[flag], bool):
+            out.append(f"{flag} must be true or false, got {params[flag]!r}")
+    if params.get("do_remote_prefill") is not True:
+        return out
+    for key in STR_FIELDS:
+        v = params.get(key)
+        if not isinstance(v, str) or not v:
+            out.append(f"{key} must be a non-empty string, got {v!r}")
+    port = params.get("remote_port")
+    if not _is_int(port) or not 0 < port < 65536:
+        out.append(f"remote_port must be an integer in 1..65535, got {port!r}")
+    for key in COUNT_FIELDS:
+        if key in params and params[key] is not None and (
+                not _is_int(params[key]) or not 1 <= params[key] <= 65536):
+            out.append(f"{key} must be a positive integer, got {params[key]!r}")
+    n = params.get("remote_num_tokens")
+    if n is not None and (not _is_int(n) or n < 0):
+        out.append(f"remote_num_tokens must be a non-negative integer, got {n!r}")
+    t = params.get("remote_blocks_expiry_time")
+    if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool)):
+        out.append(f"remote_blocks_expiry_time must be a number, got {t!r}")
+    out += _block_id_problems(params.get("remote_block_ids"), max_blocks, max_groups)
+    return out
+
+
+def _block_id_problems(ids: Any, max_blocks: int, max_groups: int) -> list[str]:
+    what = "remote_block_ids must be a non-empty list of groups, each a list of block ids"
+    if not isinstance(ids, list) or not ids:
+        return [f"{what}, got {_short(ids)}"]
+    if len(ids) > max_groups:
+        return [f"remote_block_ids has {len(ids)} groups; this model has at most {max_groups} "
+                "KV-cache groups (one per layer)"]
+    for g, group in enumerate(ids):
+        if not isinstance(group, list):
+            return [f"{what}; group {g} is {_short(group)}"]
+        if len(group) > max_blocks:
+            return [f"remote_block_ids group {g} has {len(group)} blocks; at most "
+                    f"{max_blocks} (max_model_len) can hold a prompt"]
+        bad = next((b for b in group if not _is_int(b) or b < 0), None)
+        if bad is not None:
+            return [f"remote_block_ids group {g} holds {bad!r}; block ids are non-negative "
+                    "integers"]
+    return []
+
+
+def _short(x: Any) -> str:
+    r = repr(x)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _limits(processor: Any) -> tuple[int, int]:
+    model_config = getattr(processor, "model_config", None)
+    max_blocks = int(getattr(model_config, "max_model_len", 0) or 1 << 20)
+    try:
+        max_groups = int(model_config.get_total_num_hidden_layers())
+    except Exception:
+        max_groups = 1024
+    return max_blocks, max(1, max_groups)
+
+
+def _kv_connector_extra(processor: Any) -> Mapping | None:
+    ktc = getattr(getattr(processor, "vllm_config", None), "kv_transfer_config", None)
+    extra = getattr(ktc, "kv_connector_extra_config", None)
+    return extra if isinstance(extra, Mapping) else None
+
+
+def check_kv_transfer_params(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    result = wrapped(*args, **kwargs)
+    params = kwargs["params"] if "params" in kwargs else args[0]
+    extra_args = getattr(params, "extra_args", None)
+    if not extra_args or "kv_transfer_params" not in extra_args:
+        return result
+    if not config.extra_config_allows(NAME, _kv_connector_extra(instance)):
+        return result
+    found = problems(extra_args["kv_transfer_params"], *_limits(instance))
+    if found:
+        msg = "invalid kv_transfer_params: " + "; ".join(found) + " [pdpatch params_check]"
+        try:
+            from vllm.exceptions import VLLMValidationError
+        except ImportError:                       # pragma: no cover - every checked release has it
+            raise ValueError(msg) from None
+        raise VLLMValidationError(msg, parameter="kv_transfer_params")
+    return result
+
+
+def _targets(version: Version) -> list[Target]:
+    site = vllm_sites.lookup(vllm_sites.VALIDATE_REQUEST_PARAMS, version)
+    return [] if site is None else [Target(site.module, site.qualname, check_kv_transfer_params)]
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="reject malformed kv_transfer_params with a 400 before they reach the engine",
+    versions=">=0.19,<0.34",
+    why_version="request validation was checked in 0.19-0.33 only",
+    targets=_targets,
+)
