@@ -114,6 +114,7 @@ def _main(version: str, kvcached_order: str | None) -> dict[str, str]:
 
     if kvcached_order == "kvcached-first":
         _apply_kvcached()
+        check("kvcached_layout_patch_alone", lambda: _kvcached_layout(h, pdpatch=False))
 
         def alone():
             try:
@@ -197,6 +198,8 @@ def _main(version: str, kvcached_order: str | None) -> dict[str, str]:
 
     check("under_allocated_fails_clearly", under)
     if kvcached_order:
+        check("layout_with_kvcached_patch", lambda: _kvcached_layout(h, pdpatch=True))
+
         def in_charge():
             line = num_blocks.status_line()
             assert line == "num_blocks=pdpatch+kvcached-patch-neutralized", line
@@ -233,6 +236,34 @@ def _apply_kvcached() -> None:
     from kvcached.integration.vllm.nixl_compat import NixlConnectorPatch
 
     assert NixlConnectorPatch().patch_connector()
+
+
+def _kvcached_layout(h, pdpatch: bool) -> str:
+    """EngineCore resolution for the pull and the push connector with kvcached's own layout
+    patch applied (it replaces the method on the ``NixlConnector`` alias = the pull class).
+    kvcached's runtime state is stood in under its module name (its interfaces need CUDA)."""
+    import types
+
+    from vllm.v1.engine import core
+
+    from pdpatch import kvcached
+
+    mod = types.ModuleType(kvcached.INTERFACES_MODULE)
+    mod._kvcached_initialized, mod._is_worker = True, False
+    mod._contiguous_layout, mod._created_kv_tensor_capacity = False, {}
+    sys.modules[kvcached.INTERFACES_MODULE] = mod
+    try:
+        got = {}
+        for name in ("NixlConnector", "NixlPushConnector"):
+            role = "kv_producer" if name == "NixlPushConnector" else "kv_consumer"
+            cfg = h.vllm_config(layout=None, kv_connector=name, kv_role=role)
+            got[name] = core.resolve_kv_cache_layout(cfg, [["LBNHC", "LBHNC"]], []).name
+    finally:
+        del sys.modules[kvcached.INTERFACES_MODULE]
+    want = ({"NixlConnector": "LBNHC", "NixlPushConnector": "LBNHC"} if pdpatch
+            else {"NixlConnector": "LBNHC", "NixlPushConnector": "LBHNC"})
+    assert got == want, got
+    return f"{got}" + ("" if pdpatch else " (kvcached alone misses the push connector)")
 
 
 def _connector_classes(v) -> list[type]:

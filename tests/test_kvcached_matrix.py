@@ -55,10 +55,11 @@ def test_with_kvcacheds_real_nixl_patch(order):
     results = _run(m.INSTALLED, order)
     failed = {k: v for k, v in results.items() if not v.startswith("ok")}
     assert not failed, failed
-    expected = {"installed", "under_allocated_fails_clearly", "pdpatch_in_charge"}
+    expected = {"installed", "under_allocated_fails_clearly", "pdpatch_in_charge",
+                "layout_with_kvcached_patch"}
     for variant in VARIANTS[m.INSTALLED]:
         expected |= {f"over_allocated_registers_the_plan[{variant}]",
                      f"peer_descriptors_resolve[{variant}]"}
     if order == "kvcached-first":
-        expected.add("kvcached_patch_alone_refused")
+        expected |= {"kvcached_patch_alone_refused", "kvcached_layout_patch_alone"}
     assert set(results) == expected
