@@ -17,7 +17,7 @@ How each release runs (a child process per release, ``--capture`` mode):
   ``PYTHONPATH=<tree>``, so ``import vllm`` is that release's code over the venv's torch,
   transformers, cbor2, xxhash.  Releases before 0.24 also import ``diskcache`` (<= 0.11) and
   ``gguf``, which the 0.33 venv lacks: they are installed with ``pip install --no-deps --target
-  ~/.cache/pdpatch/oldvllm-deps`` and appended to the child's PYTHONPATH (the venv itself is
+  ~/.cache/pdpatch/old-vllm-deps`` and appended to the child's PYTHONPATH (the venv itself is
   not touched).  No compiled vLLM code is needed: hashing is pure Python.
 
 In the child, every key comes from vLLM's own objects: ``get_hash_fn_by_name`` (from
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("releases", nargs="*", default=list(DEFAULT_RELEASES))
     ap.add_argument("--capture", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--sources", type=Path, help="directory of <release>/vllm/*.py trees")
-    ap.add_argument("--deps", type=Path, default=Path.home() / ".cache/pdpatch/oldvllm-deps")
+    ap.add_argument("--deps", type=Path, default=Path.home() / ".cache/pdpatch/old-vllm-deps")
     ap.add_argument("--out", type=Path, default=OUT_DIR)
     ap.add_argument("--check", action="store_true", help="compare with the committed files")
     args = ap.parse_args(argv)

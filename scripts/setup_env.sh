@@ -48,6 +48,7 @@ fi
 
 # Real source trees of older vLLM releases, for the version-matrix tests.
 bash "$here/scripts/fetch_vllm_sources.sh" >/dev/null
+bash "$here/scripts/fetch_test_extras.sh" "$venv/bin/pip"
 
 # pdpatch itself, editable, so the .pth and the entry point come from this checkout.
 "$venv/bin/pip" install -q --no-deps -e "$here"

@@ -31,7 +31,8 @@ release's Python code on the CPU platform, with no compiled ops.
 
 Releases before 0.24 import ``gguf`` at ``import vllm`` time, which the 0.33 venv does not need
 and lacks; :func:`extras_dir` installs the real package (``pip install --target``, no deps) once
-into ``~/.cache/pdpatch/oldvllm-extras`` and appends it to the child's path.
+into ``~/.cache/pdpatch/old-vllm-deps`` (``scripts/fetch_test_extras.sh`` does it at setup) and
+appends it to the child's path.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 SOURCES_ROOT = Path(os.environ.get("PDPATCH_VLLM_SOURCES",
                                    Path.home() / ".cache" / "pdpatch" / "vllm-src"))
-EXTRAS_ROOT = Path(os.environ.get("PDPATCH_OLDVLLM_EXTRAS",
-                                  Path.home() / ".cache" / "pdpatch" / "oldvllm-extras"))
+EXTRAS_ROOT = Path(os.environ.get("PDPATCH_OLD_VLLM_DEPS",
+                                  Path.home() / ".cache" / "pdpatch" / "old-vllm-deps"))
 # Third-party modules older releases import eagerly but vLLM 0.33 no longer needs.
 EXTRA_PACKAGES = ("gguf",)
 RESULT_MARK = "@@PDPATCH-RESULT@@"
