@@ -266,3 +266,81 @@ def record_recv_failure(worker: Any, req_id: str, version: Version | None = None
         worker._failed_recv_reqs.add(req_id)
     # else: the reads already posted report the request when they finish, and the blocks
     # marked invalid above make the scheduler recompute it.
+
+
+# ---------------------------------------------------------------- block keys (patch block_keys)
+
+def lookup_all(sites: tuple[Site, ...], version: Version) -> list[Site]:
+    """Every site of ``sites`` for ``version`` (a concept defined on several classes)."""
+    return [s for s in sites if s.matches(version)]
+
+
+# P side: the connector facade's `request_finished` and `request_finished_all_groups` (every
+# release has both; each hands the scheduler half `(request, block_ids-per-group)` and returns
+# `(delay_free, kv_transfer_params)`).  >=0.24 they are defined on `NixlBaseConnector`, which
+# the pull (`NixlConnector` alias) and push connectors share.
+REQUEST_FINISHED = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnector.request_finished"),
+    _site(">=0.20,<0.24", f"{NIXL_PKG}.connector", "NixlConnector.request_finished"),
+    _site(">=0.24", f"{NIXL_PKG}.connector", "NixlBaseConnector.request_finished"),
+)
+REQUEST_FINISHED_ALL_GROUPS = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnector.request_finished_all_groups"),
+    _site(">=0.20,<0.24", f"{NIXL_PKG}.connector",
+          "NixlConnector.request_finished_all_groups"),
+    _site(">=0.24", f"{NIXL_PKG}.connector", "NixlBaseConnector.request_finished_all_groups"),
+)
+
+# D side: the scheduler half's `get_num_new_matched_tokens(request, num_computed_tokens)`, which
+# turns `do_remote_prefill` params into "load N tokens asynchronously".  `(0, False)` is the
+# "no external tokens" answer in every release; `update_state_after_alloc` then sees
+# `num_external_tokens == 0` and (pull) queues a receive with no blocks, whose only effect is the
+# notification that frees P's blocks -- stock vLLM's path for a full local prefix hit.  Push
+# (0.24+) stages no registration then; its `request_finished` frees P when D finishes.
+GET_NUM_NEW_MATCHED_TOKENS = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorScheduler.get_num_new_matched_tokens"),
+    _site(">=0.20,<0.24", f"{NIXL_PKG}.scheduler",
+          "NixlConnectorScheduler.get_num_new_matched_tokens"),
+    _site(">=0.24", f"{NIXL_PKG}.pull_scheduler",
+          "NixlPullConnectorScheduler.get_num_new_matched_tokens"),
+    _site(">=0.24", f"{NIXL_PKG}.push_scheduler",
+          "NixlPushConnectorScheduler.get_num_new_matched_tokens"),
+)
+NO_EXTERNAL_TOKENS = (0, False)
+
+# Engine start: `EngineCore.__init__` has created the scheduler (and the connector's scheduler
+# half), then `init_none_hash` and the request block hasher -- when prefix caching or a KV
+# connector is on -- in every release 0.19-0.33.
+ENGINE_CORE_INIT = (
+    _site(">=0.19", "vllm.v1.engine.core", "EngineCore.__init__"),
+)
+
+
+def hash_block_size(vllm_config: Any, kv_cache_config: Any, version: Version) -> int:
+    """Tokens per entry of ``request.block_hashes``, as EngineCore passes it to
+    ``get_request_block_hasher``.
+
+    0.19: ``block_size * DCP * PCP`` (core.py L137-141).  0.20+: the second value of
+    ``resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)``, called with the very
+    scheduler-side KV-cache config that the scheduler and its connector hold; 0.32+ also store
+    it in ``kv_cache_config.hash_block_size`` (None in a config built outside EngineCore).
+    """
+    stored = getattr(kv_cache_config, "hash_block_size", None)
+    if isinstance(stored, int) and stored > 0:
+        return stored
+    if release_of(version) < Version("0.20"):
+        par = vllm_config.parallel_config
+        return (vllm_config.cache_config.block_size * par.decode_context_parallel_size
+                * par.prefill_context_parallel_size)
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    return int(resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1])
+
+
+def live_none_hash() -> bytes | None:
+    """NONE_HASH of this EngineCore process, read at call time (``init_none_hash`` rebinds the
+    module global of ``vllm.v1.core.kv_cache_utils`` in every release); None before it ran."""
+    import vllm.v1.core.kv_cache_utils as kcu
+
+    value = getattr(kcu, "NONE_HASH", None)
+    return value if isinstance(value, bytes) and value else None

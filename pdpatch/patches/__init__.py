@@ -11,6 +11,7 @@ from pdpatch.registry import Patch
 def all_patches() -> list[Patch]:
     """Imported lazily: patch modules are tiny, but the bootstrap should not pay for them."""
     from pdpatch.patches import (
+        block_keys,
         division_checks,
         handshake_failure_guard,
         kv_segments,
@@ -24,7 +25,7 @@ def all_patches() -> list[Patch]:
 
     return [read_guard.PATCH, layout.PATCH, num_blocks.PATCH, mla_notif.PATCH,
             division_checks.PATCH, spec_classify.PATCH, handshake_failure_guard.PATCH,
-            kv_segments.PATCH, params_check.PATCH]
+            kv_segments.PATCH, block_keys.PATCH, params_check.PATCH]
 
 
 def patch_names() -> list[str]:

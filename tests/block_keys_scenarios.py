@@ -1,0 +1,410 @@
+"""P/D exchanges through REAL vLLM scheduler-side objects, for the ``block_keys`` patch tests.
+
+Built the way vLLM's own connector unit tests build them (``tests/v1/kv_connector/unit/utils.py``
+of the 0.33 sdist: ``create_vllm_config``, ``create_scheduler``, ``create_request``), from vLLM's
+real classes, with a local model directory instead of a hub model: a real ``VllmConfig`` with
+``NixlConnector`` (or ``NixlPushConnector``), a real ``Scheduler`` (which creates the real NIXL
+connector's scheduler half), real ``Request`` objects hashed by vLLM's own
+``get_request_block_hasher`` after ``init_none_hash`` under the side's ``PYTHONHASHSEED``.
+
+One exchange: P schedules a ``do_remote_decode`` request, a model-runner output with one token
+finishes it, and vLLM's ``update_from_output`` returns the ``kv_transfer_params`` P's connector
+produced (JSON round trip, as through the API server and the proxy).  D then receives a request
+with those params and runs one ``schedule()``: we observe whether D waits for remote KV
+(``WAITING_FOR_REMOTE_KVS``, blocks queued to receive) or computes the prompt itself (scheduled,
+a receive queued with *no* blocks: the worker's notification that frees P's blocks).
+
+Version-agnostic (names looked up per release), so the same scenarios run in process under the
+installed 0.33 and in a subprocess under an older release's source tree
+(``tests/versions_harness.py``).  Every scenario returns JSON-able observations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import inspect
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import robust_worker as rw
+import torch
+from packaging.version import Version
+
+from pdpatch import vllm_sites
+
+PROMPT_LEN = 100          # 6 full blocks of 16 + a partial block of 4
+EOS = 2
+
+
+def version_of() -> Version:
+    return rw.version_of()
+
+
+@dataclass(frozen=True)
+class Side:
+    """One engine's configuration and its copy of the request."""
+
+    algo: str = "sha256"
+    seed: str | None = "0"            # PYTHONHASHSEED in that engine (None: unset)
+    block_size: int = 16
+    prompt: tuple[int, ...] = tuple(range(1000, 1000 + PROMPT_LEN))
+    lora: tuple[str, str] | None = None       # (name, path)
+    salt: str | None = None
+    connector: str = "NixlConnector"
+
+
+# ---------------------------------------------------------------------------- vLLM objects
+
+
+def vllm_config(side: Side, role: str) -> Any:
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    model_config = ModelConfig(model=str(rw.model_dir("llama", 2)), dtype="bfloat16", seed=0,
+                               skip_tokenizer_init=True, max_model_len=2048)
+    sched_kwargs: dict[str, Any] = {"max_num_seqs": 16, "max_num_batched_tokens": 2048,
+                                    "max_model_len": 2048, "enable_chunked_prefill": True}
+    if "is_encoder_decoder" in inspect.signature(SchedulerConfig).parameters:
+        sched_kwargs["is_encoder_decoder"] = False
+    cache_config = CacheConfig(block_size=side.block_size, gpu_memory_utilization=0.9,
+                               enable_prefix_caching=True,
+                               prefix_caching_hash_algo=side.algo)
+    if version_of() >= Version("0.29"):
+        cache_config.kv_cache_layout = "LBHNC"   # resolved by EngineCore in a real engine
+    return VllmConfig(
+        model_config=model_config,
+        cache_config=cache_config,
+        scheduler_config=SchedulerConfig(**sched_kwargs),
+        kv_transfer_config=KVTransferConfig(kv_connector=side.connector, kv_role=role),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def scheduler(side: Side, role: str, num_blocks: int = 1000) -> Any:
+    """``create_scheduler`` of vLLM's tests: one full-attention group, many blocks."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    cfg = vllm_config(side, role)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
+            block_size=side.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32))])
+    cfg.cache_config.num_gpu_blocks = num_blocks
+    kwargs: dict[str, Any] = {"vllm_config": cfg, "kv_cache_config": kv_cache_config,
+                              "log_stats": True,
+                              "structured_output_manager": StructuredOutputManager(cfg),
+                              "block_size": side.block_size}
+    return Scheduler(**kwargs)
+
+
+def engine_hash_block_size(sched: Any) -> int:
+    """What EngineCore would hand ``get_request_block_hasher`` (the Scheduler's value from
+    0.20, ``block_size`` in 0.19)."""
+    return getattr(sched, "hash_block_size", None) or sched.block_size
+
+
+def init_hashing(side: Side) -> Callable[[Any], bytes]:
+    """EngineCore's ``init_none_hash`` under this side's PYTHONHASHSEED."""
+    from vllm.v1.core import kv_cache_utils as K
+
+    try:
+        from vllm.utils.hashing import get_hash_fn_by_name
+    except ImportError:                       # <= 0.11
+        from vllm.utils import get_hash_fn_by_name
+    if side.seed is None:
+        os.environ.pop("PYTHONHASHSEED", None)
+    else:
+        os.environ["PYTHONHASHSEED"] = side.seed
+    fn = get_hash_fn_by_name(side.algo)
+    K.init_none_hash(fn)
+    return fn
+
+
+def request(side: Side, sched: Any, req_id: str, params: dict | None,
+            max_tokens: int) -> Any:
+    """``create_request`` of vLLM's tests, hashed by this engine's block hasher."""
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    fn = init_hashing(side)
+    sp = SamplingParams(max_tokens=max_tokens)
+    sp.update_from_generation_config({}, EOS)
+    kwargs: dict[str, Any] = {}
+    if side.lora is not None:
+        from vllm.lora.request import LoRARequest
+
+        kwargs["lora_request"] = LoRARequest(side.lora[0], 1, side.lora[1])
+    if side.salt is not None:
+        kwargs["cache_salt"] = side.salt
+    req = Request(request_id=req_id, prompt_token_ids=list(side.prompt), sampling_params=sp,
+                  pooling_params=None,
+                  block_hasher=get_request_block_hasher(engine_hash_block_size(sched), fn),
+                  **kwargs)
+    req.kv_transfer_params = params
+    return req
+
+
+def runner_output(reqs: list[Any], token: int = 7) -> Any:
+    """``create_model_runner_output`` of vLLM's tests: one sampled token per request."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = [r.request_id for r in reqs]
+    fields = ModelRunnerOutput.__dataclass_fields__
+    kwargs: dict[str, Any] = {"req_ids": ids, "req_id_to_index": {r: i for i, r in enumerate(ids)},
+                              "sampled_token_ids": [[token] for _ in ids], "logprobs": None,
+                              "prompt_logprobs_dict": {}}
+    if "pooler_output" in fields:
+        kwargs["pooler_output"] = None
+    return ModelRunnerOutput(**kwargs)
+
+
+# ---------------------------------------------------------------------------- one exchange
+
+
+@contextlib.contextmanager
+def captured_pdpatch_log() -> Iterator[list[str]]:
+    lines: list[str] = []
+
+    class _H(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(f"{record.levelname} {record.getMessage()}")
+
+    lg = logging.getLogger("pdpatch")
+    h = _H(level=logging.DEBUG)
+    old = lg.level
+    lg.addHandler(h)
+    lg.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        lg.removeHandler(h)
+        lg.setLevel(old)
+
+
+def prefill(p: Side, req_id: str = "req") -> dict[str, Any]:
+    """P finishes a ``do_remote_decode`` request; returns the params vLLM hands back."""
+    sched = scheduler(p, "kv_producer")
+    req = request(p, sched, req_id, {"do_remote_prefill": False, "do_remote_decode": True},
+                  max_tokens=1)
+    sched.add_request(req)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens.get(req_id) == len(p.prompt), out.num_scheduled_tokens
+    outputs = sched.update_from_output(out, runner_output([req]))
+    for eco in outputs.values():
+        for o in eco.outputs:
+            if o.request_id == req_id and o.finished:
+                assert o.kv_transfer_params is not None, "P returned no kv_transfer_params"
+                return json.loads(json.dumps(o.kv_transfer_params))   # over HTTP and back
+    raise AssertionError(f"P did not finish {req_id}: {outputs}")
+
+
+def decode(d: Side, params: dict[str, Any], req_id: str = "dreq",
+           steps: int = 1) -> dict[str, Any]:
+    """D receives the request with P's params and schedules it ``steps`` times."""
+    from vllm.v1.request import RequestStatus
+
+    sched = scheduler(d, "kv_consumer")
+    req = request(d, sched, req_id, copy.deepcopy(params), max_tokens=4)
+    sched.add_request(req)
+    obs: dict[str, Any] = {"steps": []}
+    for _ in range(steps):
+        out = sched.schedule()
+        meta = out.kv_connector_metadata
+        recv = getattr(meta, "reqs_to_recv", {}) or {}
+        entry = recv.get(req_id)
+        blocks = None
+        if entry is not None:
+            ids = entry.local_block_ids
+            blocks = (sum(len(g) for g in ids) if ids and isinstance(ids[0], (list, tuple))
+                      else len(ids))
+        obs["steps"].append({
+            "status": req.status.name,
+            "scheduled_tokens": out.num_scheduled_tokens.get(req_id, 0),
+            "recv_listed": entry is not None,
+            "recv_blocks": blocks,
+        })
+    obs["waiting_for_remote"] = req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    obs["remote_prefill_flag"] = (req.kv_transfer_params or {}).get("do_remote_prefill")
+    obs["d_keys"] = len(req.block_hashes)
+    obs["d_hbs"] = engine_hash_block_size(sched)
+    return obs
+
+
+def exchange(p: Side, d: Side, mutate: Callable[[dict], Any] | None = None,
+             steps: int = 1) -> dict[str, Any]:
+    """P then D; ``mutate(params)`` edits what reaches D (a malicious or broken network)."""
+    from pdpatch.patches import block_keys
+
+    saved_seed = os.environ.get("PYTHONHASHSEED")
+    block_keys.reset()
+    try:
+        with captured_pdpatch_log() as log:
+            params = prefill(p)
+            sent = copy.deepcopy(params.get(block_keys.PARAMS_KEY))
+            if mutate is not None:
+                mutate(params)
+            obs = decode(d, params, steps=steps)
+    finally:
+        if saved_seed is None:
+            os.environ.pop("PYTHONHASHSEED", None)
+        else:
+            os.environ["PYTHONHASHSEED"] = saved_seed
+    obs["sent"] = sent
+    obs["sent_bytes"] = len(json.dumps(sent)) if sent is not None else 0
+    obs["stats"] = block_keys.stats()
+    obs["log"] = log
+    return obs
+
+
+# ---------------------------------------------------------------------------- the scenarios
+
+BASE = Side()
+LORA_A = ("adapter", "/adapters/a")
+# names that differ in every release's key format (0.12-0.30 hash the name only)
+LORA_B = ("adapter-b", "/adapters/b")
+
+
+def _prompt_changed(at: int) -> tuple[int, ...]:
+    p = list(BASE.prompt)
+    p[at] += 1
+    return tuple(p)
+
+
+def _set(key: str, value: Any) -> Callable[[dict], None]:
+    def mutate(params: dict) -> None:
+        from pdpatch.patches import block_keys
+
+        params[block_keys.PARAMS_KEY][key] = value
+    return mutate
+
+
+def _replace_params(value: Any) -> Callable[[dict], None]:
+    def mutate(params: dict) -> None:
+        from pdpatch.patches import block_keys
+
+        params[block_keys.PARAMS_KEY] = value
+    return mutate
+
+
+def _drop_params(params: dict) -> None:
+    from pdpatch.patches import block_keys
+
+    params.pop(block_keys.PARAMS_KEY, None)
+
+
+EVAL_BAIT = "__import__('os').system('touch /tmp/pdpatch-block-keys-pwned')"
+
+#: name -> (P side, D side, mutate, expected causes or None for a match/unchecked)
+MISMATCHES: dict[str, tuple[Side, Side, Any, list[str]]] = {
+    "seed": (BASE, replace(BASE, seed="1"), None, ["seed"]),
+    "algo": (BASE, replace(BASE, algo="sha256_cbor"), None, ["algo"]),
+    "block_size": (BASE, replace(BASE, block_size=32), None, ["hash_block_size"]),
+    "prompt": (BASE, replace(BASE, prompt=_prompt_changed(20)), None, ["prompt"]),
+    "prompt_tail": (BASE, replace(BASE, prompt=_prompt_changed(PROMPT_LEN - 1)), None,
+                    ["prompt"]),
+    "lora": (replace(BASE, lora=LORA_A), replace(BASE, lora=LORA_B), None, ["lora"]),
+    "lora_missing_on_d": (replace(BASE, lora=LORA_A), BASE, None, ["lora"]),
+    "cache_salt": (replace(BASE, salt="tenant-a"), replace(BASE, salt="tenant-b"), None,
+                   ["cache_salt"]),
+    "short_prompt_seed": (replace(BASE, prompt=tuple(range(5, 15))),
+                          replace(BASE, prompt=tuple(range(5, 15)), seed="1"), None, ["seed"]),
+}
+
+MALFORMED: dict[str, Any] = {
+    "not_a_dict": _replace_params("v1:" + "ab" * 20),
+    "eval_bait_digest": _set("kd", EVAL_BAIT),
+    "pickle_bait": _replace_params({"v": 1, "fp": "gASVCAAAAAAAAACMBHBvc2l4lC4=", "n": 1}),
+    "oversized_keys": _set("keys", ["00" * 32] * 100_000),
+    "huge_string": _set("kd", "a" * 10_000_000),
+    "wrong_version": _set("v", 999),
+    "bool_as_int": _set("n", True),
+    "too_many_fields": _replace_params({f"f{i}": i for i in range(10_000)}),
+    "bad_algo": lambda p: p["pdpatch_block_keys"]["fp"].__setitem__("algo", "md5"),
+}
+
+MATCHES: dict[str, tuple[Side, Side]] = {
+    "default": (BASE, BASE),
+    "xxhash_cbor_seeded": (replace(BASE, algo="xxhash_cbor"), replace(BASE, algo="xxhash_cbor")),
+    "lora_and_salt": (replace(BASE, lora=LORA_A, salt="s"), replace(BASE, lora=LORA_A, salt="s")),
+    "short_prompt": (replace(BASE, prompt=tuple(range(5, 15))),
+                     replace(BASE, prompt=tuple(range(5, 15)))),
+}
+
+
+def run_mismatch(name: str, steps: int = 1) -> dict[str, Any]:
+    p, d, mutate, _ = MISMATCHES[name]
+    return exchange(p, d, mutate, steps=steps)
+
+
+def run_match(name: str) -> dict[str, Any]:
+    p, d = MATCHES[name]
+    return exchange(p, d)
+
+
+def run_malformed(name: str) -> dict[str, Any]:
+    return exchange(BASE, BASE, MALFORMED[name])
+
+
+def run_stock_p() -> dict[str, Any]:
+    return exchange(BASE, BASE, _drop_params)
+
+
+def install_patch() -> dict[str, Any]:
+    """Install pdpatch (all patches) in this process; the block_keys targets' states."""
+    from pdpatch import installer
+
+    importlib.import_module("vllm.v1.engine.core")
+    states = installer.install()
+    ps = states["block_keys"]
+    return {"status": ps.status, "reason": ps.reason,
+            "targets": {ts.target.label: ts.status for ts in ps.targets}}
+
+
+def release_report() -> dict[str, Any]:
+    """Every scenario under this process's vLLM: stock first (no pdpatch), then patched."""
+    out: dict[str, Any] = {"version": str(version_of()), "stock": {}, "patched": {}}
+    out["stock"]["match"] = run_match("default")
+    out["stock"]["seed"] = run_mismatch("seed")
+    out["install"] = install_patch()
+    for name in MATCHES:
+        out["patched"][f"match:{name}"] = run_match(name)
+    for name in MISMATCHES:
+        out["patched"][f"mismatch:{name}"] = run_mismatch(name)
+    for name in MALFORMED:
+        out["patched"][f"malformed:{name}"] = run_malformed(name)
+    out["patched"]["stock_p"] = run_stock_p()
+    out["hash_block_size"] = {
+        str(bs): vllm_sites.hash_block_size(
+            scheduler(replace(BASE, block_size=bs), "kv_consumer").vllm_config,
+            scheduler(replace(BASE, block_size=bs), "kv_consumer").kv_cache_config,
+            version_of())
+        for bs in (16, 32)}
+    return out
+
+
+def safe(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as exc:  # reported to the test, which fails with it
+        import traceback
+
+        return {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"}
+
+
+__all__ = ["BASE", "MALFORMED", "MATCHES", "MISMATCHES", "Side", "exchange",
+           "release_report", "run_malformed", "run_match", "run_mismatch", "run_stock_p"]
