@@ -696,4 +696,12 @@ def release_report(names: list[str]) -> dict[str, Any]:
     report["summary"] = installer.summary_line()
     report["status"] = {n: s["status"] for n, s in installer.status()["patches"].items()}
     report["patched"] = run_all()
+    # Every target of every active patch resolves in this release: import the target modules
+    # (the scenarios import only the NIXL ones) and read the installer's verdict.
+    for ps in installer.status()["patches"].values():
+        for label in ps["targets"]:
+            with contextlib.suppress(Exception):
+                importlib.import_module(label.split(":")[0])
+    report["targets"] = {n: {t: list(v) for t, v in s["targets"].items()}
+                         for n, s in installer.status()["patches"].items()}
     return report
