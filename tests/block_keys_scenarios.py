@@ -39,6 +39,7 @@ from packaging.version import Version
 from pdpatch import vllm_sites
 
 PROMPT_LEN = 100          # 6 full blocks of 16 + a partial block of 4
+ENGINE_IDS = {"kv_producer": "P-engine", "kv_consumer": "D-engine"}
 EOS = 2
 
 
@@ -87,7 +88,8 @@ def vllm_config(side: Side, role: str) -> Any:
         model_config=model_config,
         cache_config=cache_config,
         scheduler_config=SchedulerConfig(**sched_kwargs),
-        kv_transfer_config=KVTransferConfig(kv_connector=side.connector, kv_role=role),
+        kv_transfer_config=KVTransferConfig(kv_connector=side.connector, kv_role=role,
+                                            engine_id=ENGINE_IDS[role]),
         device_config=DeviceConfig("cpu"),
     )
 
@@ -196,8 +198,9 @@ def captured_pdpatch_log() -> Iterator[list[str]]:
         lg.setLevel(old)
 
 
-def prefill(p: Side, req_id: str = "req") -> dict[str, Any]:
-    """P finishes a ``do_remote_decode`` request; returns the params vLLM hands back."""
+def prefill(p: Side, req_id: str = "req") -> tuple[dict[str, Any], list[str]]:
+    """P finishes a ``do_remote_decode`` request; returns the params vLLM hands back and the
+    request's ``block_hashes`` (hex) as P's vLLM computed them."""
     sched = scheduler(p, "kv_producer")
     req = request(p, sched, req_id, {"do_remote_prefill": False, "do_remote_decode": True},
                   max_tokens=1)
@@ -209,20 +212,28 @@ def prefill(p: Side, req_id: str = "req") -> dict[str, Any]:
         for o in eco.outputs:
             if o.request_id == req_id and o.finished:
                 assert o.kv_transfer_params is not None, "P returned no kv_transfer_params"
-                return json.loads(json.dumps(o.kv_transfer_params))   # over HTTP and back
+                params = json.loads(json.dumps(o.kv_transfer_params))  # over HTTP and back
+                return params, [h.hex() for h in req.block_hashes]
     raise AssertionError(f"P did not finish {req_id}: {outputs}")
 
 
-def decode(d: Side, params: dict[str, Any], req_id: str = "dreq",
-           steps: int = 1) -> dict[str, Any]:
-    """D receives the request with P's params and schedules it ``steps`` times."""
+def decode(d: Side, params: dict[str, Any], req_id: str = "dreq", steps: int = 1,
+           finish: bool = False) -> dict[str, Any]:
+    """D receives the request with P's params and schedules it ``steps`` times; ``finish``:
+    then a model output with EOS ends it and one more step runs (push mode frees P's blocks
+    only when D's request finishes)."""
     from vllm.v1.request import RequestStatus
 
     sched = scheduler(d, "kv_consumer")
     req = request(d, sched, req_id, copy.deepcopy(params), max_tokens=4)
     sched.add_request(req)
     obs: dict[str, Any] = {"steps": []}
-    for _ in range(steps):
+    out = None
+    for i in range(steps + (1 if finish else 0)):
+        if finish and i == steps:
+            assert out is not None and out.num_scheduled_tokens.get(req_id), \
+                "finish needs a request D computes itself"
+            sched.update_from_output(out, runner_output([req], token=EOS))
         out = sched.schedule()
         meta = out.kv_connector_metadata
         recv = getattr(meta, "reqs_to_recv", {}) or {}
@@ -239,6 +250,9 @@ def decode(d: Side, params: dict[str, Any], req_id: str = "dreq",
             "recv_blocks": blocks,
         })
     obs["waiting_for_remote"] = req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    obs["finished"] = req.is_finished()
+    # a receive with no blocks: the worker only notifies P, which frees the request's blocks
+    obs["frees_p"] = any(st["recv_listed"] and st["recv_blocks"] == 0 for st in obs["steps"])
     obs["remote_prefill_flag"] = (req.kv_transfer_params or {}).get("do_remote_prefill")
     obs["d_keys"] = len(req.block_hashes)
     obs["d_hbs"] = engine_hash_block_size(sched)
@@ -246,25 +260,28 @@ def decode(d: Side, params: dict[str, Any], req_id: str = "dreq",
 
 
 def exchange(p: Side, d: Side, mutate: Callable[[dict], Any] | None = None,
-             steps: int = 1) -> dict[str, Any]:
-    """P then D; ``mutate(params)`` edits what reaches D (a malicious or broken network)."""
+             steps: int = 1, finish: bool = False, reset: bool = True) -> dict[str, Any]:
+    """P then D; ``mutate(params)`` edits what reaches D (a malicious or broken network);
+    ``reset``: start from zero counters and fresh rate limits."""
     from pdpatch.patches import block_keys
 
     saved_seed = os.environ.get("PYTHONHASHSEED")
-    block_keys.reset()
+    if reset:
+        block_keys.reset()
     try:
         with captured_pdpatch_log() as log:
-            params = prefill(p)
+            params, p_hashes = prefill(p)
             sent = copy.deepcopy(params.get(block_keys.PARAMS_KEY))
             if mutate is not None:
                 mutate(params)
-            obs = decode(d, params, steps=steps)
+            obs = decode(d, params, steps=steps, finish=finish)
     finally:
         if saved_seed is None:
             os.environ.pop("PYTHONHASHSEED", None)
         else:
             os.environ["PYTHONHASHSEED"] = saved_seed
     obs["sent"] = sent
+    obs["p_block_hashes"] = p_hashes
     obs["sent_bytes"] = len(json.dumps(sent)) if sent is not None else 0
     obs["stats"] = block_keys.stats()
     obs["log"] = log
@@ -368,9 +385,10 @@ def install_patch() -> dict[str, Any]:
     """Install pdpatch (all patches) in this process; the block_keys targets' states."""
     from pdpatch import installer
 
-    importlib.import_module("vllm.v1.engine.core")
     states = installer.install()
     ps = states["block_keys"]
+    for ts in ps.targets:               # the post-import hooks wrap as vLLM imports them
+        importlib.import_module(ts.target.module)
     return {"status": ps.status, "reason": ps.reason,
             "targets": {ts.target.label: ts.status for ts in ps.targets}}
 
