@@ -202,8 +202,11 @@ def summary_line() -> str:
     active = [n for n, ps in _state.patches.items() if ps.status == "active"]
     skipped = [f"{n} ({ps.reason})" for n, ps in _state.patches.items()
                if ps.status == "skipped"]
+    notes = [note for ps in _state.patches.values() if ps.patch.summary_note
+             for note in [ps.patch.summary_note(ps.status == "active")] if note]
     return (f"pdpatch: pid={os.getpid()} role={process_role()} vllm={_state.vllm} "
-            f"patched=[{', '.join(active)}] skipped=[{'; '.join(skipped)}]")
+            f"patched=[{', '.join(active)}] skipped=[{'; '.join(skipped)}]"
+            + (f" notes=[{'; '.join(notes)}]" if notes else ""))
 
 
 def process_role() -> str:
@@ -227,6 +230,7 @@ def status() -> dict[str, Any]:
             "vllm": _state.vllm,
             "patches": {
                 n: {"status": ps.status, "reason": ps.reason,
+                    "runtime": ps.patch.runtime_status() if ps.patch.runtime_status else "",
                     "targets": {ts.target.label: (ts.status, ts.detail) for ts in ps.targets}}
                 for n, ps in _state.patches.items()
             },

@@ -38,6 +38,11 @@ class Patch:
     targets: Callable[[Version], Sequence[Target]]
     why_version: str = ""                          # said when the version gate skips it
     options: tuple[str, ...] = field(default=())    # extra PDPATCH_* variables it reads
+    # A short note for the summary line, given whether the patch is active here ("" = none):
+    # e.g. which of two cooperating patchers is in charge.
+    summary_note: Callable[[bool], str] | None = None
+    # Runtime state for `pdpatch.status()` (decisions taken after install).
+    runtime_status: Callable[[], str] | None = None
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier() or self.name.lower() != self.name:

@@ -161,3 +161,27 @@ def test_coexists_with_kvcached_style_setattr(fresh_pdpatch, monkeypatch, order)
     with pytest.raises(AssertionError, match="num_local_blocks"):
         _bound_read(cls, _Worker())("req-2", None)
     monkeypatch.setattr(cls, "_read_blocks_for_req", boom)
+
+
+def test_summary_line_says_who_reconciles_block_counts_when_kvcached_is_loaded(
+        fresh_pdpatch, monkeypatch):
+    import sys
+    import types
+
+    from pdpatch import kvcached
+
+    assert "notes=[" not in (fresh_pdpatch.install() and fresh_pdpatch.summary_line())
+    fresh_pdpatch.uninstall()
+    iface = types.ModuleType(kvcached.INTERFACES_MODULE)   # kvcached's module globals, as
+    iface._kvcached_initialized = True                      # init_kvcached() leaves them
+    iface._is_worker = True
+    iface._contiguous_layout = False
+    iface._created_kv_tensor_capacity = {0: {"num_blocks": 29}}
+    monkeypatch.setitem(sys.modules, kvcached.INTERFACES_MODULE, iface)
+    fresh_pdpatch.install()
+    assert ("notes=[kvcached initialised (worker, non-contiguous layout; group 0: 29 virtual "
+            "blocks); block-count reconciliation by pdpatch]") in fresh_pdpatch.summary_line()
+    fresh_pdpatch.uninstall()
+    monkeypatch.setenv("PDPATCH_NUM_BLOCKS", "0")
+    fresh_pdpatch.install()
+    assert "reconciliation by kvcached's own patch" in fresh_pdpatch.summary_line()

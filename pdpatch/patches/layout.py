@@ -384,4 +384,5 @@ PATCH = Patch(
     why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
     targets=_targets,
     options=(FORCE_ENV,),
+    runtime_status=status_line,
 )

@@ -349,6 +349,15 @@ def status_line() -> str:
         return f"num_blocks={_status.in_charge}{seen}"
 
 
+def summary_note(active: bool) -> str:
+    """Said once per process at install: kvcached's own NIXL patch may be present too."""
+    state = kvcached.read_state()
+    if not state.imported:
+        return ""
+    charge = "pdpatch" if active else "kvcached's own patch (pdpatch num_blocks is off)"
+    return f"{state.describe()}; block-count reconciliation by {charge}"
+
+
 def last_reconciliation() -> str:
     return _status.last
 
@@ -365,4 +374,6 @@ PATCH = Patch(
     versions=">=0.19,<0.34",
     why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
     targets=_targets,
+    summary_note=summary_note,
+    runtime_status=status_line,
 )
