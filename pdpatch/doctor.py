@@ -96,6 +96,7 @@ def diagnose(check_targets: bool = True) -> Report:
         r.problem("python -S skips .pth files and the plugin path is off")
 
     _kvcached(r)
+    _transport(r)
     version = versions.vllm_version()
     r.data["patches"] = {}
     for patch in patches:
@@ -122,6 +123,17 @@ def _kvcached(r: Report) -> None:
           f"KVCACHED_CONTIGUOUS_LAYOUT={os.environ.get('KVCACHED_CONTIGUOUS_LAYOUT', '<unset>')}")
     if kpth and (find_pth(PTH_NAME) and kpth.name > PTH_NAME):
         r.problem("kvcached's .pth sorts after pdpatch's; pdpatch would wrap under kvcached")
+
+
+def _transport(r: Report) -> None:
+    """UCX settings that make GPU KV slow; memory facts come at startup (transport_check)."""
+    from pdpatch import transport
+
+    found = transport.check_transport(os.environ)
+    r.data["transport"] = [f.code for f in found]
+    r.say("KV transport, for GPU KV buffers: " + ("no known slow path" if not found else ""))
+    for f in found:
+        r.say("  " + f.line())
 
 
 def run(as_json: bool, check_targets: bool) -> int:

@@ -21,11 +21,12 @@ def all_patches() -> list[Patch]:
         params_check,
         read_guard,
         spec_classify,
+        transport_check,
     )
 
     return [read_guard.PATCH, layout.PATCH, num_blocks.PATCH, mla_notif.PATCH,
             division_checks.PATCH, spec_classify.PATCH, handshake_failure_guard.PATCH,
-            kv_segments.PATCH, block_keys.PATCH, params_check.PATCH]
+            kv_segments.PATCH, block_keys.PATCH, params_check.PATCH, transport_check.PATCH]
 
 
 def patch_names() -> list[str]:

@@ -1,0 +1,60 @@
+"""Patch ``transport_check``: after KV registration, say when NIXL/UCX will move KV slowly.
+
+UCX picks its transport silently; measured on an H200 (docs/gpu_results.md), kvcached's CUDA-VMM
+pages and UCX's default cuda_ipc GET setting each turned a same-node KV pull into TCP loopback at
+~0.5 GB/s.  Nothing fails, so without this the operator only sees slow TTFT.  The check runs once
+per worker, on the tensors just registered, and only logs (``pdpatch.transport`` holds the rules).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from packaging.version import Version
+
+from pdpatch import transport, vllm_sites
+from pdpatch.log import logger
+from pdpatch.registry import Patch, Target
+
+_reported = False
+
+
+def findings_for(worker: Any, kv_caches: dict[str, Any]) -> list[transport.Finding]:
+    device = getattr(worker, "kv_buffer_device", "cuda")
+    memory = []
+    if device == "cuda" and kv_caches:
+        first = next(iter(kv_caches.values()))
+        memory.append(transport.probe_memory(first.data_ptr(), label="kv_caches"))
+    return transport.check_transport(os.environ, memory=memory, kv_buffer_device=device)
+
+
+def check_after_register(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    global _reported
+    result = wrapped(*args, **kwargs)
+    if not _reported:
+        _reported = True
+        kv_caches = kwargs.get("kv_caches", args[0] if args else {})
+        try:
+            found = findings_for(instance, kv_caches)
+        except Exception as exc:       # a diagnostic must never break registration
+            logger.debug("pdpatch transport_check failed: %r", exc)
+            return result
+        if found:
+            logger.warning(transport.format_findings(found))
+    return result
+
+
+def _targets(version: Version) -> list[Target]:
+    site = vllm_sites.lookup(vllm_sites.REGISTER_KV_CACHES, version)
+    return [] if site is None else [Target(site.module, site.qualname, check_after_register)]
+
+
+PATCH = Patch(
+    name="transport_check",
+    summary="warn when NIXL/UCX will move KV over a slow transport (VMM memory, cuda_ipc READ "
+            "off) and say what to set",
+    versions=">=0.19,<0.34",
+    why_version="written against vLLM 0.19-0.33 sources",
+    targets=_targets,
+)
