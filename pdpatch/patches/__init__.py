@@ -19,6 +19,7 @@ def all_patches() -> list[Patch]:
         mla_notif,
         num_blocks,
         params_check,
+        peer_check,
         read_guard,
         spec_classify,
         transport_check,
@@ -26,7 +27,8 @@ def all_patches() -> list[Patch]:
 
     return [read_guard.PATCH, layout.PATCH, num_blocks.PATCH, mla_notif.PATCH,
             division_checks.PATCH, spec_classify.PATCH, handshake_failure_guard.PATCH,
-            kv_segments.PATCH, block_keys.PATCH, params_check.PATCH, transport_check.PATCH]
+            kv_segments.PATCH, block_keys.PATCH, params_check.PATCH, transport_check.PATCH,
+            peer_check.PATCH]
 
 
 def patch_names() -> list[str]:

@@ -1,0 +1,296 @@
+"""Bad inputs for a real decode engine, and the probes that judge the outcome (issue 7).
+
+Two families, each case a function of the real P's answer so that everything except the one
+malformed field is valid:
+
+* ``kv_transfer_params`` sent with the decode request (what a buggy or hostile proxy sends);
+* handshake metadata served by a fake prefill side channel (:class:`FakeSideChannel`): the real
+  P's real handshake payload (same compatibility hash, a real NIXL agent blob), fetched over
+  vLLM's own side-channel protocol, with one field corrupted; D is pointed at it through
+  ``remote_host``/``remote_port``/``remote_engine_id``.
+
+Imported by ``test_robustness_e2e.py`` and usable from a script (for recording what stock vLLM
+does case by case, restarting the engine it kills).
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+import threading
+import time
+import urllib.error
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from pdpatch.rig import proxy
+from pdpatch.rig.servers import Engine
+
+GET_META_MSG = b"get_meta_msg"      # vllm ...nixl/metadata.py (0.33); checked in fetch_payload
+PROMPT_LEN = 140                    # two 128-token blocks on the CPU platform
+MAX_TOKENS = 4
+BOUND_S = 90.0                      # a failing request must be answered within this
+
+
+def prompt_for(case: str, vocab: int = 512) -> list[int]:
+    """A prompt of its own per case: D must not answer from its prefix cache (which a case that
+    was served earlier would have filled) instead of pulling KV."""
+    import random
+    import zlib
+
+    rng = random.Random(zlib.crc32(case.encode()))
+    return [rng.randrange(3, vocab) for _ in range(PROMPT_LEN)]
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------ kv_transfer_params cases
+
+ParamsCase = Callable[[dict[str, Any]], Any]
+
+
+def _with(**changes: Any) -> ParamsCase:
+    def make(good: dict[str, Any]) -> dict[str, Any]:
+        bad = copy.deepcopy(good)
+        for k, v in changes.items():
+            if v is _DROP:
+                bad.pop(k, None)
+            else:
+                bad[k] = v(good) if callable(v) else v
+        return bad
+    return make
+
+
+_DROP = object()
+
+PARAMS_CASES: dict[str, ParamsCase] = {
+    # wrong types
+    "block_ids_string": _with(remote_block_ids="abc"),
+    "block_ids_strings": _with(remote_block_ids=[["x", "y"]]),
+    "block_ids_dict": _with(remote_block_ids={"a": 1}),
+    "block_ids_too_deep": _with(remote_block_ids=[[[1]]]),
+    "block_ids_flat": _with(remote_block_ids=lambda g: [b for grp in g["remote_block_ids"]
+                                                        for b in grp]),
+    "block_ids_floats": _with(remote_block_ids=[[0.5, 1.5]]),
+    "engine_id_int": _with(remote_engine_id=12345),
+    "port_string": _with(remote_port="abc"),
+    "host_int": _with(remote_host=7),
+    "request_id_none": _with(remote_request_id=None),
+    "tp_size_string": _with(tp_size="two"),
+    "do_remote_prefill_string": _with(do_remote_prefill="yes"),
+    "num_tokens_string": _with(remote_num_tokens="many"),
+    "expiry_string": _with(remote_blocks_expiry_time="soon"),
+    "params_string": lambda g: "not-an-object",
+    "params_list": lambda g: [1, 2, 3],
+    # huge lists / numbers
+    "block_ids_huge": _with(remote_block_ids=[list(range(200_000))]),
+    "block_ids_many_groups": _with(remote_block_ids=[[0]] * 10_000),
+    "block_ids_out_of_range": _with(remote_block_ids=lambda g: [
+        [10**9 + i for i, _ in enumerate(g["remote_block_ids"][0])]]),
+    "tp_size_huge": _with(tp_size=10**6),
+    "port_out_of_range": _with(remote_port=70000),
+    # negative / zero
+    "block_ids_negative": _with(remote_block_ids=lambda g: [
+        [-1 - i for i, _ in enumerate(g["remote_block_ids"][0])]]),
+    "block_ids_too_few": _with(remote_block_ids=lambda g: [g["remote_block_ids"][0][:1]]),
+    "block_ids_empty": _with(remote_block_ids=[[]]),
+    "block_ids_none_at_all": _with(remote_block_ids=[]),
+    "tp_size_zero": _with(tp_size=0),
+    "tp_size_negative": _with(tp_size=-2),
+    "port_negative": _with(remote_port=-1),
+    "num_tokens_negative": _with(remote_num_tokens=-100),
+    # unknown / missing
+    "engine_unknown_dead_port": _with(remote_engine_id="no-such-engine",
+                                      remote_port=lambda g: closed_port()),
+    "engine_unknown_live_port": _with(remote_engine_id="no-such-engine"),
+    "host_unresolvable": _with(remote_engine_id="no-such-engine-2",
+                               remote_host="no-such-host.invalid"),
+    "missing_block_ids": _with(remote_block_ids=_DROP),
+    "missing_engine_id": _with(remote_engine_id=_DROP),
+    "missing_everything": lambda g: {"do_remote_prefill": True},
+}
+
+
+# ------------------------------------------------------------------ handshake metadata cases
+
+
+def fetch_payload(engine: Engine) -> tuple[bytes, dict[str, Any], dict[str, Any]]:
+    """P's real handshake reply, over vLLM's side-channel protocol: (timestamp part, payload
+    as a dict, agent metadata as a dict)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import metadata as nixl_metadata
+
+    assert nixl_metadata.GET_META_MSG == GET_META_MSG
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{engine.side_channel_port}")
+        sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, 0)))
+        payload_bytes, ts = sock.recv_multipart()
+    finally:
+        sock.close()
+        ctx.term()
+    payload = msgspec.msgpack.decode(payload_bytes)
+    agent = msgspec.msgpack.decode(payload["agent_metadata_bytes"])
+    return ts, payload, agent
+
+
+MetaCase = Callable[[dict[str, Any], dict[str, Any]], tuple[dict[str, Any], dict[str, Any]]]
+
+
+def _meta(**changes: Any) -> MetaCase:
+    def make(payload: dict[str, Any], agent: dict[str, Any]):
+        a = copy.deepcopy(agent)
+        for k, v in changes.items():
+            a[k] = v(agent) if callable(v) else v
+        return payload, a
+    return make
+
+
+def _payload(**changes: Any) -> MetaCase:
+    def make(payload: dict[str, Any], agent: dict[str, Any]):
+        p = copy.deepcopy(payload)
+        p.update(changes)
+        return p, agent
+    return make
+
+
+META_CASES: dict[str, MetaCase] = {
+    "meta_num_blocks_string": _meta(num_blocks="many"),
+    "meta_num_blocks_negative": _meta(num_blocks=-5),
+    "meta_num_blocks_zero": _meta(num_blocks=0),
+    "meta_num_blocks_huge": _meta(num_blocks=10**12),
+    "meta_block_lens_negative": _meta(block_lens=lambda a: [-x for x in a["block_lens"]]),
+    "meta_block_lens_huge_list": _meta(block_lens=lambda a: a["block_lens"] * 50_000),
+    "meta_base_addr_empty": _meta(kv_caches_base_addr=[]),
+    "meta_base_addr_strings": _meta(kv_caches_base_addr=lambda a: ["x"] *
+                                    len(a["kv_caches_base_addr"])),
+    "meta_block_size_zero": _meta(block_size=0),
+    "meta_block_size_negative": _meta(block_size=-16),
+    "meta_block_size_odd": _meta(block_size=lambda a: a["block_size"] * 3),
+    "meta_physical_per_logical_zero": _meta(physical_blocks_per_logical_kv_block=0),
+    "meta_device_id_negative": _meta(device_id=-1),
+    "meta_layout_unknown": _meta(kv_cache_layout="XYZZY"),
+    "meta_engine_id_other": _meta(engine_id="someone-else"),
+    "meta_agent_garbage": _meta(agent_metadata=b"garbage"),
+    "meta_region_num_blocks_short": _meta(region_num_blocks=[1]),
+    "meta_block_strides_zero": _meta(block_strides=lambda a: [0] * len(a["block_strides"])),
+    "payload_hash_wrong": _payload(compatibility_hash="0" * 64),
+    "payload_agent_bytes_garbage": _payload(agent_metadata_bytes=b"\x00\x01garbage"),
+}
+
+
+class FakeSideChannel:
+    """A prefill side channel that answers every query with one fixed (corrupted) reply."""
+
+    def __init__(self, payload_bytes: bytes, ts: bytes) -> None:
+        self.port = closed_port()
+        self._reply = (payload_bytes, ts)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(f"tcp://127.0.0.1:{self.port}")
+        self._stop = threading.Event()
+        self.queries = 0
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if poller.poll(100):
+                identity, _, _msg = self._sock.recv_multipart()
+                self.queries += 1
+                self._sock.send_multipart((identity, b"", *self._reply))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close()
+        self._ctx.term()
+
+
+def serve_meta_case(case: MetaCase, ts: bytes, payload: dict[str, Any],
+                    agent: dict[str, Any], engine_id: str) -> FakeSideChannel:
+    p, a = case(payload, agent)
+    if "engine_id" in a and a["engine_id"] == agent["engine_id"]:
+        a = {**a, "engine_id": engine_id}
+    p = dict(p)
+    if p.get("agent_metadata_bytes") == payload["agent_metadata_bytes"]:
+        p["agent_metadata_bytes"] = msgspec.msgpack.encode(a)
+    return FakeSideChannel(msgspec.msgpack.encode(p), ts)
+
+
+# ------------------------------------------------------------------ outcome of one request
+
+
+@dataclass
+class Outcome:
+    case: str
+    kind: str            # "http_error" | "stream_error" | "served" | "timeout" | "conn_error"
+    detail: str
+    tokens: int
+    seconds: float
+    engine_alive: bool
+    engine_healthy: bool
+    local_ok: bool       # a plain request right after is served
+
+    @property
+    def clean_error(self) -> bool:
+        return self.kind in ("http_error", "stream_error")
+
+
+def send(engine: Engine, params: Any, prompt: list[int]) -> tuple[str, str, int, float]:
+    """One decode request with ``params``; (kind, detail, tokens, seconds)."""
+    t0 = time.monotonic()
+    try:
+        got = proxy.stream(engine, prompt, MAX_TOKENS, kv_transfer_params=params,
+                           timeout_s=BOUND_S)
+    except urllib.error.HTTPError as exc:
+        body = exc.read().decode(errors="replace")[:400]
+        return "http_error", f"HTTP {exc.code}: {body}", 0, time.monotonic() - t0
+    except TimeoutError as exc:
+        return "timeout", str(exc), 0, time.monotonic() - t0
+    except OSError as exc:
+        return "conn_error", f"{type(exc).__name__}: {exc}", 0, time.monotonic() - t0
+    dt = time.monotonic() - t0
+    if got.error is not None:
+        return "stream_error", got.error[:400], len(got.token_ids), dt
+    return "served", f"finish={got.finish_reason}", len(got.token_ids), dt
+
+
+def healthy(engine: Engine, patience_s: float = 30.0) -> bool:
+    """``/health`` answers 200 within ``patience_s`` (one probe has a 2 s timeout, too short on
+    a loaded 2-core machine); False at once if the server process is gone."""
+    deadline = time.monotonic() + patience_s
+    while engine.alive():
+        if engine.healthy():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1.0)
+    return False
+
+
+def judge(engine: Engine, case: str, result: tuple[str, str, int, float]) -> Outcome:
+    kind, detail, tokens, dt = result
+    alive = engine.alive()
+    healthy_now = healthy(engine)
+    local_ok = False
+    if healthy_now:
+        try:
+            local = proxy.stream(engine, list(range(200, 230)), 2, timeout_s=BOUND_S)
+            local_ok = local.error is None and len(local.token_ids) == 2
+        except OSError:
+            local_ok = False
+    return Outcome(case, kind, detail, tokens, dt, alive, healthy_now, local_ok)
