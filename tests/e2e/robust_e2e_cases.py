@@ -193,12 +193,11 @@ class FakeSideChannel:
     """A prefill side channel that answers every query with one fixed (corrupted) reply."""
 
     def __init__(self, payload_bytes: bytes, ts: bytes) -> None:
-        self.port = closed_port()
         self._reply = (payload_bytes, ts)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(f"tcp://127.0.0.1:{self.port}")
+        self.port = self._sock.bind_to_random_port("tcp://127.0.0.1")
         self._stop = threading.Event()
         self.queries = 0
         self._thread = threading.Thread(target=self._serve, daemon=True)
