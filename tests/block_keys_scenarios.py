@@ -393,6 +393,12 @@ def install_patch() -> dict[str, Any]:
             "targets": {ts.target.label: ts.status for ts in ps.targets}}
 
 
+def installer_state() -> dict[str, Any]:
+    from pdpatch import installer
+
+    return installer.install()          # idempotent: the states of this process
+
+
 def release_report() -> dict[str, Any]:
     """Every scenario under this process's vLLM: stock first (no pdpatch), then patched."""
     out: dict[str, Any] = {"version": str(version_of()), "stock": {}, "patched": {}}
@@ -406,6 +412,12 @@ def release_report() -> dict[str, Any]:
     for name in MALFORMED:
         out["patched"][f"malformed:{name}"] = run_malformed(name)
     out["patched"]["stock_p"] = run_stock_p()
+    # sha256 with PYTHONHASHSEED unset on both: deterministic from 0.29 ("vllm-none-hash"),
+    # os.urandom per engine before
+    unset = replace(BASE, seed=None)
+    out["patched"]["sha256_seed_unset"] = exchange(unset, unset)
+    out["install_after"] = {ts.target.label: ts.status
+                            for ts in installer_state()["block_keys"].targets}
     out["hash_block_size"] = {
         str(bs): vllm_sites.hash_block_size(
             scheduler(replace(BASE, block_size=bs), "kv_consumer").vllm_config,

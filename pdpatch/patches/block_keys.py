@@ -312,11 +312,15 @@ def _first_time(kind: str, peer: str) -> bool:
         return True
 
 
+def _printable(text: str, limit: int = 64) -> str:
+    """Untrusted text for a log line: bounded, escaped (no forged log lines)."""
+    return text[:limit].encode("unicode_escape").decode("ascii")
+
+
 def _peer_name(params: Mapping[str, Any]) -> str:
-    """The remote engine id for logs: untrusted, so bounded and made printable."""
+    """The remote engine id for logs (it came over the network)."""
     raw = params.get("remote_engine_id")
-    text = raw if isinstance(raw, str) else repr(type(raw).__name__)
-    return text[:64].encode("unicode_escape").decode("ascii")    # no forged log lines
+    return _printable(raw if isinstance(raw, str) else repr(type(raw).__name__))
 
 
 def on_mismatch_policy(env: Mapping[str, str] | None = None) -> str:
@@ -482,7 +486,7 @@ def _check(sched: Any, request: Any, params: dict, version: Version) -> str:
     except PeerParamsError as exc:
         verdict = Verdict("rejected", ("malformed",), str(exc))
         _count("rejected", verdict.causes)
-        _warn_causes(verdict, peer, str(request.request_id), recompute, None, None)
+        _warn_causes(verdict, peer, _printable(str(request.request_id)), recompute, None, None)
         return "recompute" if recompute else "load"
     try:
         engine = _engine_keys_for(sched, version)
@@ -493,7 +497,7 @@ def _check(sched: Any, request: Any, params: dict, version: Version) -> str:
         _count("errors")
         if _warn.admit("d-error") is not None:
             logger.warning("pdpatch: could not check the block keys of request %s (%s: %s); "
-                           "loading unchecked [block_keys]", request.request_id,
+                           "loading unchecked [block_keys]", _printable(str(request.request_id)),
                            type(exc).__name__, exc)
         return "load"
     if verdict.status == "match":
@@ -503,7 +507,7 @@ def _check(sched: Any, request: Any, params: dict, version: Version) -> str:
                         "are counted, not logged [block_keys]", peer, engine.describe())
         return "load"
     _count("mismatched", verdict.causes)
-    _warn_causes(verdict, peer, str(request.request_id), recompute, engine,
+    _warn_causes(verdict, peer, _printable(str(request.request_id)), recompute, engine,
                  peer_keys.fingerprint)
     return "recompute" if recompute else "load"
 

@@ -1,0 +1,115 @@
+"""The ``block_keys`` patch on every extracted OLD vLLM release (0.19-0.32), real code.
+
+Each release runs ``block_keys_scenarios.release_report`` in a subprocess whose ``vllm`` is that
+release's source tree (``tests/versions_harness.py``): its own ``Scheduler``, NIXL connector
+(single-file ``nixl_connector.py`` in 0.19, the ``nixl`` package from 0.20, pull/push split from
+0.24), ``Request`` and block hasher.  Stock first (no pdpatch), then with pdpatch installed.
+0.33 runs in process (``test_block_keys_vllm.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import block_keys_scenarios as sc
+import pytest
+from packaging.version import Version
+from versions_harness import release_versions, run_in_release
+
+from pdpatch import vllm_sites
+
+OLD_RELEASES = [v for v in release_versions(">=0.19,<0.33") if v != "<none>"] or ["<none>"]
+
+
+@functools.cache
+def report(version: str) -> dict[str, Any]:
+    run = run_in_release(version, "import block_keys_scenarios as sc\n"
+                                  "emit(sc.safe(sc.release_report))\n", timeout=1200)
+    result = run.check()
+    if "error" in result:
+        raise AssertionError(f"scenarios could not run on vLLM {version}:\n{result['error']}")
+    return result
+
+
+def _release(ver: str) -> dict[str, Any]:
+    if ver == "<none>":
+        pytest.skip("no old vLLM source tree extracted (scripts/fetch_vllm_sources.sh)")
+    return report(ver)
+
+
+def remote_load(obs: dict) -> bool:
+    st = obs["steps"][0]
+    return obs["waiting_for_remote"] and st["scheduled_tokens"] == 0 and st["recv_blocks"] > 0
+
+
+def local_compute(obs: dict, prompt_len: int) -> bool:
+    st = obs["steps"][0]
+    return (not obs["waiting_for_remote"] and st["status"] == "RUNNING"
+            and st["scheduled_tokens"] == prompt_len and obs["frees_p"])
+
+
+@pytest.mark.parametrize("ver", OLD_RELEASES)
+def test_hooks_wrap_the_defining_classes(ver):
+    rep = _release(ver)
+    v = Version(ver)
+    assert rep["version"] == ver
+    assert rep["install"]["status"] == "active", rep["install"]
+    want = {f"{s.module}:{s.qualname}"
+            for table in (vllm_sites.REQUEST_FINISHED, vllm_sites.REQUEST_FINISHED_ALL_GROUPS,
+                          vllm_sites.GET_NUM_NEW_MATCHED_TOKENS, vllm_sites.ENGINE_CORE_INIT)
+            for s in vllm_sites.lookup_all(table, v)}
+    assert rep["install_after"] == dict.fromkeys(want, "wrapped"), rep["install_after"]
+    # the site's hash block size is what that release's Scheduler uses
+    assert rep["hash_block_size"] == {"16": 16, "32": 32}
+
+
+@pytest.mark.parametrize("ver", OLD_RELEASES)
+def test_stock_release_loads_despite_a_seed_mismatch(ver):
+    rep = _release(ver)
+    assert remote_load(rep["stock"]["match"])
+    assert remote_load(rep["stock"]["seed"])           # the bug
+    assert rep["stock"]["seed"]["sent"] is None
+
+
+@pytest.mark.parametrize("ver", OLD_RELEASES)
+def test_matches_load_remote_kv(ver):
+    rep = _release(ver)
+    for name in sc.MATCHES:
+        obs = rep["patched"][f"match:{name}"]
+        assert remote_load(obs), (name, obs)
+        assert obs["stats"]["matched"] == 1 and obs["stats"]["sent"] == 1, (name, obs["stats"])
+        assert obs["sent"]["fp"]["vllm"] == ver
+
+
+@pytest.mark.parametrize("ver", OLD_RELEASES)
+def test_each_mismatch_computes_locally(ver):
+    rep = _release(ver)
+    for name, (_, d, _, causes) in sc.MISMATCHES.items():
+        obs = rep["patched"][f"mismatch:{name}"]
+        assert local_compute(obs, len(d.prompt)), (name, obs)
+        assert obs["stats"]["causes"] == dict.fromkeys(causes, 1), (name, obs["stats"])
+        assert sum(line.startswith("WARNING") for line in obs["log"]) == len(causes), obs["log"]
+
+
+@pytest.mark.parametrize("ver", OLD_RELEASES)
+def test_malformed_params_rejected_and_stock_p_unchecked(ver):
+    rep = _release(ver)
+    for name in sc.MALFORMED:
+        obs = rep["patched"][f"malformed:{name}"]
+        assert local_compute(obs, sc.PROMPT_LEN), (name, obs)
+        assert obs["stats"]["rejected"] == 1 and obs["stats"]["errors"] == 0, (name, obs)
+    obs = rep["patched"]["stock_p"]
+    assert remote_load(obs) and obs["stats"]["unchecked"] == 1, obs
+
+
+@pytest.mark.parametrize("ver", OLD_RELEASES)
+def test_sha256_without_pythonhashseed_matches_only_from_0_29(ver):
+    obs = _release(ver)["patched"]["sha256_seed_unset"]
+    if Version(ver) >= Version("0.29"):
+        assert remote_load(obs) and obs["stats"]["matched"] == 1, obs
+        assert obs["sent"]["fp"]["seed"] == "default"
+    else:                       # <= 0.28: NONE_HASH from os.urandom in each engine
+        assert local_compute(obs, sc.PROMPT_LEN), obs
+        assert obs["stats"]["causes"] == {"seed": 1}, obs["stats"]
+        assert obs["sent"]["fp"]["seed"] == "reported"
