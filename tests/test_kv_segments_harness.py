@@ -540,7 +540,25 @@ def scenario_globals() -> dict[str, Any]:
             "status": installer.status()["patches"]["kv_segments"]["status"]}
 
 
+def scenario_restore() -> dict[str, Any]:
+    """0.33 sleep/wake: ``restore_kv_caches`` re-encodes the metadata through vLLM's class; the
+    advertisement must survive it."""
+    _reset()
+    p = build("prefill", "kv_producer", P_BACKEND, num_blocks=12, seed=1)
+
+    def keys() -> list[str]:
+        return sorted(msgspec.msgpack.decode(
+            p.worker.xfer_handshake_metadata.agent_metadata_bytes))
+
+    before = keys()
+    p.worker.unregister_kv_caches()
+    p.worker.restore_kv_caches()
+    return {"before": "pdpatch_kv_geometry" in before,
+            "after": "pdpatch_kv_geometry" in keys(), "same_keys": before == keys()}
+
+
 SCENARIOS = {
+    "restore": scenario_restore,
     "pair": scenario_pair,
     "pair_reverse": lambda: scenario_pair(D_BACKEND, P_BACKEND),
     "pair_same": lambda: scenario_pair(P_BACKEND, P_BACKEND),

@@ -522,7 +522,11 @@ def local_view(worker: Any, version: Version) -> LocalView | None:
     total = int(worker.vllm_config.model_config.get_total_num_kv_heads())
     tp = int(getattr(worker, "transfer_tp_size", 0) or getattr(worker, "world_size", 1))
     heads = max(1, total // tp)
-    head_major = head_major_of(own.get("kv_cache_layout"))
+    # The tensors' strides win over the layout name: a backend may ignore the requested
+    # layout (vLLM 0.19's Triton keeps token-major memory while NIXL advertises "HND").
+    orders = {la.head_major for la in true.layers} if true is not None else {None}
+    head_major = orders.pop() if len(orders) == 1 and None not in orders else \
+        head_major_of(own.get("kv_cache_layout"))
     try:
         view = geometry_from_handshake(
             addrs, lens, int(own["num_blocks"]), num_layers=layers, layout=kind,
@@ -607,6 +611,18 @@ def _shadow(meta: Any, remote: KVGeometry, kind: str) -> Any:
     return dataclasses.replace(meta, kv_caches_base_addr=addrs, block_lens=lens)
 
 
+def _same_regions(worker: Any, meta: Any, advertised: Any, version: Version) -> bool:
+    """Cheap test that stock code is right for a same-backend peer: from 0.26 there is no K/V
+    split to get wrong; before, vLLM's own view (2·L regions = split, L = fused) is the same on
+    both sides when the region counts are.  A peer that advertises its geometry gets the full
+    comparison (its true placement may differ from what its region count says: kvcached)."""
+    if versions.release_of(version) not in vllm_sites.KV_SPLIT_DESCRIPTORS:
+        return True
+    lens = getattr(worker, "block_len_per_layer", None)
+    return advertised is None and lens is not None and \
+        len(meta.kv_caches_base_addr) == len(lens)
+
+
 def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
     if name in kwargs:
         return kwargs[name]
@@ -619,14 +635,16 @@ def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version) -> 
     bytes cannot pair with ours (only that peer's requests fail)."""
     if getattr(worker, "use_mla", False) or getattr(worker, "_has_mamba", False):
         return None
-    local = local_view(worker, version)
-    if local is None:
-        return None
     ctx: _HandshakeCtx | None = getattr(_tls, "handshake", None)
     local_name = getattr(worker, "backend_name", None)
     remote_name = getattr(meta, "attn_backend_name", None)
     mixed = (remote_name is not None and remote_name != local_name) or bool(ctx and ctx.accepted)
     advertised = getattr(meta, FIELD, None)
+    if not mixed and _same_regions(worker, meta, advertised, version):
+        return None                 # the pass-through: no geometry is built for this peer
+    local = local_view(worker, version)
+    if local is None:
+        return None
     try:
         if local.kind == KIND_PACKED:
             remote_kind = KIND_PACKED
