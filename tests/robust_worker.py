@@ -248,8 +248,16 @@ def attention_spec(kind: str, kv_heads: int) -> Any:
                              dtype=DTYPE)
 
 
-def kv_cache_config(num_blocks: int, layer_names: list[str], spec: Any) -> Any:
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+def kv_cache_config(num_blocks: int, layer_names: list[str], spec: Any,
+                    hma: bool = False) -> Any:
+    """One group of ``spec`` for all layers; ``hma``: layer 0 full attention, layer 1 sliding
+    window, one group each (a hybrid KV-cache layout, ``_is_hma_required``)."""
+    from vllm.v1.kv_cache_interface import (
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        SlidingWindowSpec,
+    )
 
     page = spec.page_size_bytes
     fields = KVCacheTensor.__dataclass_fields__
@@ -262,7 +270,15 @@ def kv_cache_config(num_blocks: int, layer_names: list[str], spec: Any) -> Any:
             tensors.append(KVCacheTensor(size=num_blocks * page, shared_by=[n]))
         else:
             tensors.append(KVCacheTensor(size=num_blocks * page, layers=[n]))
-    return KVCacheConfig(num_blocks, tensors, [KVCacheGroupSpec(layer_names, spec)])
+    if hma:
+        swa = SlidingWindowSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                                head_size=spec.head_size, dtype=spec.dtype,
+                                sliding_window=2 * spec.block_size)
+        groups = [KVCacheGroupSpec([layer_names[0]], spec),
+                  KVCacheGroupSpec(layer_names[1:], swa)]
+    else:
+        groups = [KVCacheGroupSpec(layer_names, spec)]
+    return KVCacheConfig(num_blocks, tensors, groups)
 
 
 def kv_tensors(kind: str, kv_heads: int, num_blocks: int, layer_names: list[str],
@@ -328,7 +344,7 @@ def fake_runtime(tp_rank: int, tp_size: int) -> Iterator[Any]:
 
 def build_worker(engine_id: str, *, role: str = "kv_consumer", num_blocks: int = 32,
                  kind: str = "llama", kv_heads: int = 2, tp_rank: int = 0, tp_size: int = 1,
-                 extra: dict | None = None) -> Any:
+                 extra: dict | None = None, hma: bool = False) -> Any:
     """A real worker of the running release with its KV caches registered."""
     from vllm.config import set_current_vllm_config
 
@@ -336,7 +352,7 @@ def build_worker(engine_id: str, *, role: str = "kv_consumer", num_blocks: int =
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
     local_heads = max(1, kv_heads // tp_size)
     spec = attention_spec(kind, local_heads)
-    kvc = kv_cache_config(num_blocks, layers, spec)
+    kvc = kv_cache_config(num_blocks, layers, spec, hma)
     with fake_runtime(tp_rank, tp_size), set_current_vllm_config(cfg), \
             patch("threading.Thread"):
         worker = worker_class()(cfg, engine_id, kvc)
@@ -490,26 +506,28 @@ def _reads_by_req(worker: Any) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def scenario_read_assert() -> dict[str, Any]:
+def scenario_read_assert(hma: bool = False) -> dict[str, Any]:
     """Bug 1: a producer that sent fewer blocks than the decode side allocated.
 
     ``bad`` has 3 local blocks but only 1 remote block (the prefix-trim assert), ``good`` is a
     normal request of the same batch, ``after`` arrives one step later.  Observes whether
     ``start_load_kv`` raised (on the model-runner thread: the worker dies), how each request is
-    reported, the blocks marked invalid, and which READs were posted.
+    reported, the blocks marked invalid, and which READs were posted.  ``hma``: the same on a
+    hybrid (full + sliding-window) KV-cache layout, two block-id groups per request.
     """
-    d = build_worker("decode-engine", num_blocks=32)
-    p = build_worker("prefill-engine", role="kv_producer", num_blocks=40)
+    d = build_worker("decode-engine", num_blocks=32, hma=hma)
+    p = build_worker("prefill-engine", role="kv_producer", num_blocks=40, hma=hma)
+    g = 2 if hma else 1
     connect_by_handshake(d, {0: remote_metadata(p, "prefill-engine", "P0")}, 1)
     # A first request completes the handshake, so the batch below is read in one step, in order.
-    warm = step(d, recv_metadata([{"req_id": "warmup", "local_ids": [[0]], "remote_ids": [[0]],
-                                   "engine": "prefill-engine"}]))
+    warm = step(d, recv_metadata([{"req_id": "warmup", "local_ids": [[0]] * g,
+                                   "remote_ids": [[0]] * g, "engine": "prefill-engine"}]))
     _, warm = run_until(d, lambda a: "warmup" in a["done_recving"])
     assert warm is None, warm
     batch = recv_metadata([
-        {"req_id": "bad", "local_ids": [[1, 2, 3]], "remote_ids": [[7]],
+        {"req_id": "bad", "local_ids": [[1, 2, 3]] * g, "remote_ids": [[7]] * g,
          "engine": "prefill-engine"},
-        {"req_id": "good", "local_ids": [[4, 5]], "remote_ids": [[8, 9]],
+        {"req_id": "good", "local_ids": [[4, 5]] * g, "remote_ids": [[8, 9]] * g,
          "engine": "prefill-engine"},
     ])
     crash = step(d, batch)
@@ -520,12 +538,13 @@ def scenario_read_assert() -> dict[str, Any]:
         acc = merge(acc, more)
     after = None
     if crash is None:
-        crash = step(d, recv_metadata([{"req_id": "after", "local_ids": [[10]],
-                                        "remote_ids": [[11]], "engine": "prefill-engine"}]))
+        crash = step(d, recv_metadata([{"req_id": "after", "local_ids": [[10]] * g,
+                                        "remote_ids": [[11]] * g, "engine": "prefill-engine"}]))
         after, crash2 = run_until(d, lambda a: "after" in a["done_recving"])
         crash = crash or crash2
     return {"crash": crash, "results": acc, "after": after, "reads": _reads_by_req(d),
-            "failure_style": vllm_sites.recv_failure_style(version_of())}
+            "failure_style": vllm_sites.recv_failure_style(version_of()),
+            "hma": bool(d._is_hma_required)}
 
 
 def scenario_mla_notif() -> dict[str, Any]:
@@ -666,7 +685,12 @@ def scenario_dead_peer() -> dict[str, Any]:
             "reads": _reads_by_req(d)}
 
 
+def scenario_read_assert_hma() -> dict[str, Any]:
+    return scenario_read_assert(hma=True)
+
+
 SCENARIOS = {
+    "read_assert_hma": scenario_read_assert_hma,
     "dead_peer": scenario_dead_peer,
     "read_assert": scenario_read_assert,
     "mla_notif": scenario_mla_notif,

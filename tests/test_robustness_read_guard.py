@@ -67,6 +67,33 @@ def test_read_assert_on_old_release(ver):
     assert_contained(robust_matrix.scenario(ver, "patched", "read_assert"), Version(ver))
 
 
+def assert_hma(obs: dict, version: Version) -> None:
+    """Hybrid KV layout (full + sliding window): before 0.30 a failed load can only be reported
+    as invalid blocks, which those releases skip for HMA -- failing the request alone would let
+    the scheduler decode from garbage KV, so read_guard keeps the crash there."""
+    assert obs["hma"], obs
+    if vllm_sites.recv_failure_style(version) == "deferred":
+        assert obs["crash"] is None, obs
+        assert obs["results"]["failed_recving"] == ["bad"], obs
+        assert obs["reads"]["good"] and obs["reads"]["after"], obs
+    else:
+        assert obs["crash"] is not None and obs["crash"].startswith("AssertionError"), obs
+
+
+def test_read_guard_0_33_hma_fails_only_that_request(fresh_pdpatch):
+    assert_stock_crash(rw.scenario_read_assert(hma=True))
+    fresh_pdpatch.install()
+    assert_hma(rw.scenario_read_assert(hma=True), Version("0.33.0"))
+
+
+@pytest.mark.parametrize("ver", robust_matrix.OLD_RELEASES)
+def test_read_assert_hma_on_old_release(ver):
+    if ver == "<none>":
+        pytest.skip("no old vLLM source tree extracted (scripts/fetch_vllm_sources.sh)")
+    assert_stock_crash(robust_matrix.scenario(ver, "stock", "read_assert_hma"))
+    assert_hma(robust_matrix.scenario(ver, "patched", "read_assert_hma"), Version(ver))
+
+
 def test_failure_styles_cover_every_release_with_the_bug():
     for minor in range(19, 34):
         assert vllm_sites.recv_failure_style(Version(f"0.{minor}.0")) is not None, minor
