@@ -200,17 +200,21 @@ class FakeSideChannel:
         self.port = self._sock.bind_to_random_port("tcp://127.0.0.1")
         self._stop = threading.Event()
         self.queries = 0
+        self.error: str | None = None
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if poller.poll(100):
-                identity, _, _msg = self._sock.recv_multipart()
-                self.queries += 1
-                self._sock.send_multipart((identity, b"", *self._reply))
+        try:
+            poller = zmq.Poller()
+            poller.register(self._sock, zmq.POLLIN)
+            while not self._stop.is_set():
+                if poller.poll(100):
+                    identity, _, _msg = self._sock.recv_multipart()
+                    self.queries += 1
+                    self._sock.send_multipart((identity, b"", *self._reply))
+        except Exception as exc:         # surfaced by the test, never swallowed
+            self.error = f"{type(exc).__name__}: {exc}"
 
     def close(self) -> None:
         self._stop.set()

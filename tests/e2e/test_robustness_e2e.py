@@ -77,43 +77,35 @@ def test_bad_kv_transfer_params_sweep(rig: EngineGroup) -> None:
     assert_all_clean(outcomes)
 
 
-def test_bad_handshake_metadata_sweep(rig: EngineGroup) -> None:
-    p, d = rig["P"], rig["D"]
-    ts, payload, agent = C.fetch_payload(p)
-    _captured["handshake"] = (ts, payload, agent)
-    outcomes = []
-    for name, make in C.META_CASES.items():
-        prompt, good = prefill(p, name)
-        fake = C.serve_meta_case(make, ts, payload, agent, f"fake-{name}")
+def meta_case(p, d, name: str, make: C.MetaCase) -> C.Outcome:
+    ts, payload, agent = _captured["handshake"]
+    prompt, good = prefill(p, name)
+    # D's first handshake query to a fresh side channel is occasionally not delivered on this
+    # loaded machine (D then fails the request on its 5 s ZMQ timeout, cleanly, without
+    # having seen the corrupted reply); such a case is repeated once under a new engine id.
+    for attempt in range(2):
+        engine_id = f"fake-{name}-{attempt}"
+        fake = C.serve_meta_case(make, ts, payload, agent, engine_id)
         try:
-            params = dict(good, remote_engine_id=f"fake-{name}", remote_port=fake.port,
+            params = dict(good, remote_engine_id=engine_id, remote_port=fake.port,
                           remote_host="127.0.0.1")
             o = C.judge(d, name, C.send(d, params, prompt))
-            o.detail += f" [side channel queried {fake.queries}x]"
-            assert fake.queries >= 1, o     # D really handshook with the corrupted reply
+            o.detail += f" [side channel queried {fake.queries}x, attempt {attempt + 1}]"
+            assert fake.error is None, fake.error
         finally:
             fake.close()
-        outcomes.append(o)
+        if fake.queries:
+            return o
+        prompt, good = prefill(p, f"{name}-retry")
+    raise AssertionError(f"D never queried the fake side channel for {name}: {o}")
+
+
+def test_bad_handshake_metadata_sweep(rig: EngineGroup) -> None:
+    p, d = rig["P"], rig["D"]
+    _captured["handshake"] = C.fetch_payload(p)
+    outcomes = [meta_case(p, d, name, make) for name, make in C.META_CASES.items()]
     report("corrupted handshake metadata -> D", outcomes)
     assert_all_clean(outcomes)
-
-
-def test_stock_worker_dies_on_short_block_list(rig: EngineGroup) -> None:
-    """Bug 1 on real engines: the peer lists 1 block for a 2-block prompt."""
-    p, d, stock = rig["P"], rig["D"], rig["Dstock"]
-    results = {}
-    for eng in (d, stock):
-        prompt, good = prefill(p, f"short-{eng.spec.name}")
-        assert len(good["remote_block_ids"][0]) >= 2, good
-        bad = dict(good, remote_block_ids=[good["remote_block_ids"][0][:1]])
-        results[eng.spec.name] = C.judge(eng, "block_ids_too_few", C.send(eng, bad, prompt))
-    report("short block list", list(results.values()))
-    assert_all_clean([results["D"]])
-    dead = results["Dstock"]
-    assert not (dead.engine_healthy and dead.local_ok), dead
-    log = stock.log_text()
-    assert "_apply_prefix_caching" in log and "AssertionError" in log
-    assert "EngineDeadError" in log or "EngineCore encountered an issue" in log
 
 
 def test_prefill_killed_before_decode_pulls(rig: EngineGroup) -> None:
@@ -142,6 +134,36 @@ def test_prefill_killed_before_decode_pulls(rig: EngineGroup) -> None:
     # New requests after the failures are served by D.
     after = proxy.stream(d, list(range(400, 440)), 4, timeout_s=C.BOUND_S)
     assert after.error is None and len(after.token_ids) == 4
+
+
+def test_stock_worker_dies_on_short_block_list(rig: EngineGroup) -> None:
+    """Bug 1 on real engines: a peer lists 1 block for a 2-block prompt.  The peer is P's real
+    handshake reply under a new engine id (P itself is gone by now; the assert fires before
+    any byte would move)."""
+    d, stock = rig["D"], rig["Dstock"]
+    ts, payload, agent = _captured["handshake"]
+    results = {}
+    for eng in (d, stock):
+        engine_id = f"ghost-{eng.spec.name}"
+        fake = C.serve_meta_case(lambda p_, a_: (p_, a_), ts, payload, agent, engine_id)
+        try:
+            params = {"do_remote_prefill": True, "do_remote_decode": False,
+                      "remote_engine_id": engine_id, "remote_request_id": "ghost-req",
+                      "remote_host": "127.0.0.1", "remote_port": fake.port,
+                      "remote_block_ids": [[0]], "tp_size": 1}
+            prompt = C.prompt_for(f"short-{eng.spec.name}")     # 2 blocks on D
+            results[eng.spec.name] = C.judge(eng, "block_ids_too_few",
+                                             C.send(eng, params, prompt))
+        finally:
+            fake.close()
+    report("short block list (P's real reply, 1 of 2 blocks)", list(results.values()))
+    assert_all_clean([results["D"]])
+    assert "failing this request instead of the worker [read_guard" in d.log_text()
+    dead = results["Dstock"]
+    assert not (dead.engine_healthy and dead.local_ok), dead
+    log = stock.log_text()
+    assert "_apply_prefix_caching" in log and "AssertionError" in log
+    assert "EngineDeadError" in log or "EngineCore encountered an issue" in log
 
 
 @pytest.fixture(autouse=True)
