@@ -17,8 +17,8 @@ What each release family shows (see ``test_kv_segments_harness`` for the scenari
   ``_build_fa_remote``;
 * 0.23-0.25: both blocks-first, only the backend name differs (mixed names accepted after the
   geometry check);
-* 0.26+ (0.33): packed K|V for every backend, mixed names accepted when the packed geometry
-  pairs exactly.
+* 0.26+ (0.28, 0.33): packed K|V for every backend, mixed names accepted when the packed
+  geometry pairs exactly.
 """
 
 from __future__ import annotations
@@ -45,8 +45,12 @@ def patched_scenarios(version: Version) -> list[str]:
         names = ["pair", "pair_reverse", "pair_same", "span_advertised", "span_stock_fields",
                  "advert_ignored"]
         return [*names, "globals"]
-    names = ["pair", "pair_reverse", "pair_same", "tp_up", "tp_down", "block_ratio",
-             "span_advertised", "span_stock_fields", "advert_ignored"]
+    names = ["pair", "pair_reverse", "pair_same", "tp_up", "tp_down", "span_advertised",
+             "span_stock_fields", "advert_ignored"]
+    if not PACKED_ERA <= version < Version("0.33"):
+        # 0.28: the stock same-backend pair with 16- vs 32-token blocks already does not
+        # reproduce P's tokens after vLLM's receive post-processing on CPU; nothing to compare.
+        names += ["block_ratio"]
     if version < SPLIT_ERA:
         names += ["block_ratio_reverse", "pair_cpu"]
     if version >= PACKED_ERA:
@@ -57,8 +61,10 @@ def patched_scenarios(version: Version) -> list[str]:
 
 
 # 0.19 (single-file connector) and 0.20 (package): the closure builder; 0.22: _build_fa_remote
-# with split FlashAttention; 0.25: blocks-first FlashAttention, base_worker.
-OLD = [ver for spec in (">=0.19,<0.20", ">=0.20,<0.21", ">=0.22,<0.23", ">=0.25,<0.26")
+# with split FlashAttention; 0.25: blocks-first FlashAttention, base_worker; 0.28: packed K|V
+# with Nx3 descriptors (0.33, in process: the planner and Nx5 strided descriptors).
+OLD = [ver for spec in (">=0.19,<0.20", ">=0.20,<0.21", ">=0.22,<0.23", ">=0.25,<0.26",
+                        ">=0.28,<0.29")
        for ver in release_versions(spec)[-1:]]
 _reports: dict[str, dict[str, Any]] = {}
 
@@ -285,4 +291,4 @@ def test_old_releases_were_found() -> None:
     """The matrix must not silently shrink to 0.33 alone (a missing tree is a skip above)."""
     if "<none>" in OLD:
         pytest.skip(f"some vLLM source trees are not extracted: {OLD}")
-    assert len(OLD) == 4, OLD
+    assert len(OLD) == 5, OLD
