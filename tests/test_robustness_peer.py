@@ -27,6 +27,7 @@ def test_real_metadata_passes(real_meta):
 @pytest.mark.parametrize("changes, needle", [
     ({"num_blocks": -5}, "num_blocks is -5, not a positive integer"),
     ({"num_blocks": 0}, "num_blocks is 0"),
+    ({"num_blocks": 10**12}, "num_blocks 1000000000000 x block length"),
     ({"num_blocks": 10**12, "region_num_blocks": None}, "beyond a 48-bit address space"),
     ({"region_num_blocks": [10**12, 10**12]}, "beyond a 48-bit address space"),
     ({"block_size": 0}, "block_size is 0"),

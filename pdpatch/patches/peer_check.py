@@ -15,7 +15,8 @@ the values every release relies on: positive ``num_blocks``, ``block_size``, blo
 (0.21+) ``physical_blocks_per_logical_kv_block``; one block length and one base address per
 region; non-negative addresses and device id; (0.29+) strides no shorter than the block;
 (0.30+) positive per-region counts; and that every region fits a 48-bit address space
-(``count x stride``), which bounds the descriptor count by what the peer could have registered.
+(``count x stride``, and ``num_blocks x block length``), which bounds the descriptor count by
+what the peer could have registered.
 """
 
 from __future__ import annotations
@@ -82,7 +83,10 @@ def problems(meta: Any) -> list[str]:
                                or any(c < 1 for c in counts)):
         out.append("region_num_blocks must be one positive integer per region")
         counts = None
-    if not out and _int(num_blocks):
+    if not out and num_blocks * max(lens) > ADDRESS_SPACE:
+        out.append(f"num_blocks {num_blocks} x block length {max(lens)} B is beyond a 48-bit "
+                   "address space")
+    if not out:
         for i, base in enumerate(addrs):
             count = counts[i] if counts is not None else num_blocks
             span = count * (strides[i] if strides is not None else lens[i])
