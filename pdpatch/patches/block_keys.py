@@ -76,8 +76,8 @@ MAX_REMEMBERED_PEERS = 256
 CAUSE_HINTS: dict[str, str] = {
     "algo": "P and D hash with different --prefix-caching-hash-algo; set the same on both",
     "seed": "NONE_HASH differs: set the same PYTHONHASHSEED in the environment of both "
-            "engines (required for xxhash/xxhash_cbor, and for every algorithm up to vLLM "
-            "0.28; 0.29+ sha256/sha256_cbor are deterministic only when it is unset on both)",
+            "engines (required for xxhash/xxhash_cbor and for every algorithm up to vLLM "
+            "0.28; with 0.29+ sha256/sha256_cbor it may instead be unset on both)",
     "hash_block_size": "P and D hash at different block sizes; use the same --block-size "
                        "(and --prefix-match-unit) on both",
     "key_format": "P and D run vLLM releases that build LoRA/multimodal/salt keys differently",
