@@ -30,6 +30,7 @@ from unittest.mock import MagicMock, patch
 
 import numpy as np
 import torch
+from kvc_harness import expand_descs
 from packaging.version import Version
 
 from pdpatch import vllm_sites
@@ -112,21 +113,6 @@ def vllm_config(kind: str, kv_heads: int, role: str, tp_size: int,
 
 
 # ---------------------------------------------------------------------------- fake NIXL
-
-
-def expand_descs(descs: Any) -> list[tuple[int, int]]:
-    """Per-descriptor (addr, len): Nx5 strided rows (0.33) expanded the way NIXL indexes them,
-    Nx3 rows (0.26-0.32) and (addr, len, dev) tuples (<=0.25) as they are."""
-    arr = np.asarray(descs, dtype=np.uint64)
-    if arr.size == 0:
-        return []
-    if arr.ndim == 2 and arr.shape[1] == 5:
-        out = []
-        for addr, length, _dev, stride, count in arr.tolist():
-            out += [(addr + i * stride, length) for i in range(int(count))]
-        return out
-    arr = arr.reshape(-1, arr.shape[-1])
-    return [(int(r[0]), int(r[1])) for r in arr.tolist()]
 
 
 class RecordingNixlWrapper:
