@@ -234,6 +234,25 @@ def serve_meta_case(case: MetaCase, ts: bytes, payload: dict[str, Any],
     return FakeSideChannel(msgspec.msgpack.encode(p), ts)
 
 
+def handshake_timed_out(engine: Engine, remote_engine_id: str) -> bool:
+    """vLLM's hard 5 s receive timeout on the handshake with ``remote_engine_id`` fired.
+
+    On a loaded 2-core machine the engine's handshake thread sometimes does not see the fake
+    side channel's reply within those 5 s; the request then fails before the reply under test
+    was ever read, so such an attempt proves nothing and is repeated under a new engine id."""
+    needle = f"'remote_engine_id': '{remote_engine_id}'"
+    lines = engine.log_text().splitlines()
+    for i, ln in enumerate(lines):
+        if needle in ln and "handshake_setup_failed" in ln:
+            # the traceback that vLLM logs right after names the cause
+            for tb in lines[i + 1:i + 60]:
+                if "zmq.error.Again" in tb:
+                    return True
+                if "NIXL transfer failure" in tb:
+                    break
+    return False
+
+
 # ------------------------------------------------------------------ outcome of one request
 
 

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from pdpatch.patches import block_keys
 from pdpatch.rig import proxy
 from pdpatch.rig.demo import PromptCase, demo_prompts, run_case
 from pdpatch.rig.model import tiny_config
@@ -71,25 +72,47 @@ def test_pd_decode_equals_baseline(rig: EngineGroup, case: PromptCase) -> None:
     assert t.external_hit_tokens + t.local_hit_tokens == len(case.ids), t
 
 
+def _mismatched_pair(seed: int) -> tuple[list[int], list[int]]:
+    rng = random.Random(seed)
+    vocab = tiny_config()["vocab_size"]
+    a = [rng.randrange(3, vocab) for _ in range(200)]
+    b = [rng.randrange(3, vocab) for _ in range(200)]
+    return a, b
+
+
 def test_decode_uses_the_transferred_kv(rig: EngineGroup) -> None:
     """Negative control: hand D the KV of a *different* prompt of the same length.
 
     If D ignored the pulled KV and recomputed the prompt, it would still match the baseline;
-    it must not.  (This poisons D's prefix cache for prompt ``b`` only, which no other test
-    uses.)
+    it must not.  P's ``block_keys`` entry is dropped from the params (what a P without pdpatch
+    sends), so D's block-key check has nothing to compare and D loads what it is given.  (This
+    poisons D's prefix cache for prompt ``b`` only, which no other test uses.)
     """
-    rng = random.Random(99)
-    vocab = tiny_config()["vocab_size"]
-    a = [rng.randrange(3, vocab) for _ in range(200)]
-    b = [rng.randrange(3, vocab) for _ in range(200)]
+    a, b = _mismatched_pair(99)
     p, d, base = rig["P"], rig["D"], rig["baseline"]
     want = proxy.stream(base, b, MAX_TOKENS)
     pre = proxy.complete(p, a, 1, kv_transfer_params=dict(proxy.PREFILL_KV_PARAMS))
-    assert pre.kv_transfer_params
-    got = proxy.stream(d, b, MAX_TOKENS, kv_transfer_params=pre.kv_transfer_params)
+    assert pre.kv_transfer_params and block_keys.PARAMS_KEY in pre.kv_transfer_params
+    params = {k: v for k, v in pre.kv_transfer_params.items() if k != block_keys.PARAMS_KEY}
+    got = proxy.stream(d, b, MAX_TOKENS, kv_transfer_params=params)
     assert len(got.token_ids) == MAX_TOKENS
     assert got.logprobs != want.logprobs
     assert got.token_ids != want.token_ids
+
+
+def test_block_keys_refuse_kv_of_another_prompt(rig: EngineGroup) -> None:
+    """The same swap with P's block keys intact: D's ``block_keys`` check sees that P prefilled
+    another prompt, computes ``b`` locally (baseline output) and says so in its log."""
+    a, b = _mismatched_pair(98)
+    p, d, base = rig["P"], rig["D"], rig["baseline"]
+    want = proxy.stream(base, b, MAX_TOKENS)
+    pre = proxy.complete(p, a, 1, kv_transfer_params=dict(proxy.PREFILL_KV_PARAMS))
+    got = proxy.stream(d, b, MAX_TOKENS, kv_transfer_params=pre.kv_transfer_params)
+    assert got.error is None
+    assert got.token_ids == want.token_ids
+    assert got.logprobs == want.logprobs
+    assert re.search(r"block keys of request \S+ from P engine \S+ do not match D's: prompt",
+                     d.log_text())
 
 
 def test_d_log_reports_successful_nixl_transfers(rig: EngineGroup) -> None:
