@@ -95,10 +95,21 @@ def test_same_configuration_and_request_match():
     assert verdict(engine(), engine(), p_inputs=lora, d_inputs=lora).status == "match"
 
 
+@pytest.mark.parametrize(("p_hbs", "d_hbs"), [(16, 32), (32, 16), (16, 48), (64, 16)])
+def test_different_hash_block_sizes_match_through_the_inputs(p_hbs, d_hbs):
+    """vLLM's NIXL connector pairs engines of different block sizes (block_size_ratio): such a
+    pair must not be sent to local compute for that alone."""
+    v = verdict(engine(hbs=p_hbs), engine(hbs=d_hbs))
+    assert v.status == "match", v
+    assert f"P hashes every {p_hbs} tokens, D every {d_hbs}" in v.detail
+
+
 @pytest.mark.parametrize(("p", "d", "kw", "want"), [
     ({}, {"seed": "1"}, {}, ["seed"]),
     ({}, {"algo": "sha256_cbor"}, {}, ["algo"]),
-    ({}, {"hbs": 32}, {}, ["hash_block_size"]),
+    ({}, {"hbs": 32, "seed": "1"}, {}, ["seed"]),
+    ({}, {"hbs": 32}, {"d_prompt": [*PROMPT[:-1], 7]}, ["prompt"]),
+    ({}, {"hbs": 32}, {"p_inputs": {"cache_salt": "x"}}, ["cache_salt"]),
     ({"algo": "xxhash_cbor", "seed": None}, {"algo": "xxhash_cbor", "seed": None}, {},
      ["seed"]),          # both random: nobody can share vLLM's secret NONE_HASH
     ({}, {}, {"d_prompt": [*PROMPT[:20], 7, *PROMPT[21:]]}, ["prompt"]),

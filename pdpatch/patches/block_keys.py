@@ -78,8 +78,6 @@ CAUSE_HINTS: dict[str, str] = {
     "seed": "NONE_HASH differs: set the same PYTHONHASHSEED in the environment of both "
             "engines (required for xxhash/xxhash_cbor and for every algorithm up to vLLM "
             "0.28; with 0.29+ sha256/sha256_cbor it may instead be unset on both)",
-    "hash_block_size": "P and D hash at different block sizes; use the same --block-size "
-                       "(and --prefix-match-unit) on both",
     "key_format": "P and D run vLLM releases that build LoRA/multimodal/salt keys differently",
     "pickle_protocol": "P and D run Pythons with different pickle protocols (sha256/xxhash "
                        "pickle their input); use the same Python or a *_cbor algorithm",
@@ -189,6 +187,12 @@ def judge(engine: EngineKeys, req: RequestKeys, peer: PeerBlockKeys) -> Verdict:
     protocol, lookahead) or a hashing input differs (prompt incl. its partial last block, LoRA,
     salt, multimodal, embeddings).  A different vLLM key format alone is no cause while the
     keys agree: for a plain prompt every release since 0.10.2 builds the same keys.
+
+    A different hash block size is no cause either: vLLM's NIXL connector pairs engines with
+    different block sizes (``block_size_ratio``), and keys hashed at different granularities
+    cannot be compared one by one.  What decides the keys at any granularity -- algorithm,
+    NONE_HASH, pickle protocol, lookahead and every hashing input -- is still compared, so
+    such a pair matches exactly when D's keys are the ones P would compute at D's block size.
     """
     keys = req.keys
     keys_equal = (len(keys) == peer.num_blocks and keys_digest(keys) == peer.keys_digest
@@ -196,6 +200,9 @@ def judge(engine: EngineKeys, req: RequestKeys, peer: PeerBlockKeys) -> Verdict:
     causes = fingerprint_diff(engine.compact, peer.fingerprint)
     if keys_equal and "key_format" in causes:
         causes.remove("key_format")
+    regrouped = "hash_block_size" in causes
+    if regrouped:
+        causes.remove("hash_block_size")
     formats_differ = engine.compact["kf"] != peer.fingerprint["kf"]
     mine, theirs = request_summary_of(req.tokens, req.extra), peer.summary
     if mine["nt"] != theirs["nt"] or mine["td"] != theirs["td"]:
@@ -206,10 +213,13 @@ def judge(engine: EngineKeys, req: RequestKeys, peer: PeerBlockKeys) -> Verdict:
             continue                # shaped by the key format: not comparable across eras
         if mine[key] != theirs[key]:
             causes.append(cause)
-    if not keys_equal and not causes:
+    if not keys_equal and not causes and not regrouped:
         causes.append("keys")
     if not causes:
-        return Verdict("match")
+        return Verdict("match", detail=(
+            f"P hashes every {peer.fingerprint['hbs']} tokens, D every "
+            f"{engine.hash_block_size}: compared through the configuration and the hashing "
+            "inputs" if regrouped else ""))
     detail = f"P: {peer.num_blocks} prompt blocks, D: {len(keys)}"
     first = first_difference(keys, peer.keys)
     if first is not None:
@@ -348,8 +358,7 @@ def _warn_causes(verdict: Verdict, peer: str, request_id: str, recompute: bool,
             continue
         sides = ""
         if engine is not None and peer_fp is not None and cause in (
-                "algo", "seed", "hash_block_size", "key_format", "pickle_protocol",
-                "lookahead"):
+                "algo", "seed", "key_format", "pickle_protocol", "lookahead"):
             sides = (f" (P: {_fp_brief(peer_fp)}; "
                      f"D: {_fp_brief(engine.compact, engine.seed_label)})")
         logger.warning(
@@ -503,8 +512,9 @@ def _check(sched: Any, request: Any, params: dict, version: Version) -> str:
     if verdict.status == "match":
         _count("matched")
         if _first_time("matched", peer):
-            logger.info("pdpatch: block keys of P engine %s match D's (%s); later matches "
-                        "are counted, not logged [block_keys]", peer, engine.describe())
+            logger.info("pdpatch: block keys of P engine %s match D's (%s%s); later matches "
+                        "are counted, not logged [block_keys]", peer, engine.describe(),
+                        f"; {verdict.detail}" if verdict.detail else "")
         return "load"
     _count("mismatched", verdict.causes)
     _warn_causes(verdict, peer, _printable(str(request.request_id)), recompute, engine,
