@@ -330,7 +330,8 @@ EVAL_BAIT = "__import__('os').system('touch /tmp/pdpatch-block-keys-pwned')"
 MISMATCHES: dict[str, tuple[Side, Side, Any, list[str]]] = {
     "seed": (BASE, replace(BASE, seed="1"), None, ["seed"]),
     "algo": (BASE, replace(BASE, algo="sha256_cbor"), None, ["algo"]),
-    "block_size": (BASE, replace(BASE, block_size=32), None, ["hash_block_size"]),
+    # a different block size is no cause by itself (vLLM pairs such engines), the seed is
+    "block_size_and_seed": (BASE, replace(BASE, block_size=32, seed="1"), None, ["seed"]),
     "prompt": (BASE, replace(BASE, prompt=_prompt_changed(20)), None, ["prompt"]),
     "prompt_tail": (BASE, replace(BASE, prompt=_prompt_changed(PROMPT_LEN - 1)), None,
                     ["prompt"]),
@@ -360,6 +361,7 @@ MATCHES: dict[str, tuple[Side, Side]] = {
     "lora_and_salt": (replace(BASE, lora=LORA_A, salt="s"), replace(BASE, lora=LORA_A, salt="s")),
     "short_prompt": (replace(BASE, prompt=tuple(range(5, 15))),
                      replace(BASE, prompt=tuple(range(5, 15)))),
+    "block_size_differs": (BASE, replace(BASE, block_size=32)),
 }
 
 

@@ -115,8 +115,10 @@ def test_match_remote_load_proceeds_unchanged(patched, name):
     assert warnings_of(obs) == []
     assert any("match D's" in line for line in obs["log"]), obs["log"]
     sent = obs["sent"]
-    assert sent["fp"]["algo"] == sc.MATCHES[name][0].algo
-    assert sent["n"] == len(sc.MATCHES[name][0].prompt) // 16 == obs["d_keys"]
+    p, d = sc.MATCHES[name]
+    assert sent["fp"]["algo"] == p.algo
+    assert sent["n"] == len(p.prompt) // p.block_size
+    assert obs["d_keys"] == len(d.prompt) // d.block_size
 
 
 def test_match_is_exactly_stock_behaviour(fresh_pdpatch):
