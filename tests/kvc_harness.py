@@ -348,27 +348,29 @@ def vllm_config(kv_role: str = "kv_consumer", extra: dict | None = None,
 
 
 def kv_cache_config(planned: int, layer_names: list[str]) -> Any:
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS,
                              head_size=HEAD_DIM, dtype=DTYPE)
-    page = spec.page_size_bytes
+    tensors = kv_cache_tensors(planned, spec.page_size_bytes, layer_names)
+    return KVCacheConfig(planned, tensors, [KVCacheGroupSpec(layer_names, spec)])
+
+
+def kv_cache_tensors(num_blocks: int, page: int, layer_names: list[str]) -> list[Any]:
+    """One ``KVCacheTensor`` per layer, in the field names of the installed release."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
     fields = KVCacheTensor.__dataclass_fields__
     tensors = []
     for n in layer_names:
         if "layer_stride" in fields:            # >= 0.29: placement is part of the plan
-            tensors.append(KVCacheTensor(size=planned * page, layers=[n],
-                                         layer_stride=planned * page, block_stride=page))
+            tensors.append(KVCacheTensor(size=num_blocks * page, layers=[n],
+                                         layer_stride=num_blocks * page, block_stride=page))
         elif "shared_by" in fields:
-            tensors.append(KVCacheTensor(size=planned * page, shared_by=[n]))
+            tensors.append(KVCacheTensor(size=num_blocks * page, shared_by=[n]))
         else:
-            tensors.append(KVCacheTensor(size=planned * page, layers=[n]))
-    return KVCacheConfig(planned, tensors, [KVCacheGroupSpec(layer_names, spec)])
+            tensors.append(KVCacheTensor(size=num_blocks * page, layers=[n]))
+    return tensors
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ from unittest.mock import MagicMock, patch
 
 import numpy as np
 import torch
-from kvc_harness import expand_descs
+from kvc_harness import expand_descs, kv_cache_tensors
 from packaging.version import Version
 
 from pdpatch import vllm_sites
@@ -238,24 +238,9 @@ def kv_cache_config(num_blocks: int, layer_names: list[str], spec: Any,
                     hma: bool = False) -> Any:
     """One group of ``spec`` for all layers; ``hma``: layer 0 full attention, layer 1 sliding
     window, one group each (a hybrid KV-cache layout, ``_is_hma_required``)."""
-    from vllm.v1.kv_cache_interface import (
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-        SlidingWindowSpec,
-    )
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
-    page = spec.page_size_bytes
-    fields = KVCacheTensor.__dataclass_fields__
-    tensors = []
-    for n in layer_names:
-        if "layer_stride" in fields:            # >= 0.29: placement is part of the plan
-            tensors.append(KVCacheTensor(size=num_blocks * page, layers=[n],
-                                         layer_stride=num_blocks * page, block_stride=page))
-        elif "shared_by" in fields:
-            tensors.append(KVCacheTensor(size=num_blocks * page, shared_by=[n]))
-        else:
-            tensors.append(KVCacheTensor(size=num_blocks * page, layers=[n]))
+    tensors = kv_cache_tensors(num_blocks, spec.page_size_bytes, layer_names)
     if hma:
         swa = SlidingWindowSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
                                 head_size=spec.head_size, dtype=spec.dtype,
