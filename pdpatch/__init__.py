@@ -6,26 +6,24 @@ environment): the installer and the patch modules load only when ``install()`` i
 
 from __future__ import annotations
 
-from typing import Any
-
 __version__ = "0.1.0"
 
 
-def install() -> Any:
+def install() -> object:
     """Arm every enabled patch in this process (idempotent); see ``pdpatch.installer``."""
     from pdpatch import installer
 
     return installer.install()
 
 
-def uninstall() -> Any:
+def uninstall() -> object:
     """Restore vLLM's original objects in this process."""
     from pdpatch import installer
 
     return installer.uninstall()
 
 
-def status() -> dict[str, Any]:
+def status() -> dict[str, object]:
     from pdpatch import installer
 
     return installer.status()

@@ -5,6 +5,12 @@ through a path-only .pth (so no other .pth of this venv runs); "installed" adds 
 `pdpatch_autoload.pth`, exactly as the wheel installs it.  Runs are interleaved, median of N.
 Also checks that enabling pdpatch imports no vLLM submodule eagerly.
 
+A whole ``import vllm`` takes seconds and varies by tens of ms between runs, more than
+pdpatch's share; two finer measures follow it in the same run: the start-up cost of the
+``.pth`` in a process that never imports vLLM (``python -c pass``), and the import time of the
+modules that appear only because pdpatch is installed/enabled (``-X importtime``, self times
+summed), which is what pdpatch adds to ``import vllm`` apart from wrapping a few methods.
+
     .venv/bin/python scripts/bench_activation.py [--runs 10]
 """
 
@@ -59,6 +65,25 @@ def timed(python: Path, env: dict[str, str]) -> tuple[float, float]:
     return wall, (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
 
 
+def startup(python: Path, env: dict[str, str]) -> float:
+    start = time.perf_counter()
+    subprocess.run([str(python), "-c", "pass"], env=env, check=True)
+    return time.perf_counter() - start
+
+
+def import_self_times(python: Path, env: dict[str, str]) -> dict[str, float]:
+    """Module -> self import time in seconds, from ``-X importtime`` of ``import vllm``."""
+    out = subprocess.run([str(python), "-X", "importtime", "-c", "import vllm"], env=env,
+                         check=True, capture_output=True, text=True)
+    times = {}
+    for line in out.stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            self_us, _cum, name = line[len("import time:"):].split("|")
+            if self_us.strip().isdigit():
+                times[name.strip()] = int(self_us) / 1e6
+    return times
+
+
 def vllm_modules(python: Path, env: dict[str, str]) -> list[str]:
     out = subprocess.run([str(python), "-c", LIST_MODULES], env=env, check=True,
                          capture_output=True, text=True)
@@ -88,6 +113,24 @@ def main() -> int:
                 med = statistics.median(t[index] for t in samples)
                 print(f"  {kind:4s} {name:22s} {med * 1000:8.1f} ms   ratio {med / base:6.3f}"
                       f"   ({(med - base) * 1000:+7.1f} ms)")
+        print(f"python -c pass (the .pth in a process without vLLM), median of "
+              f"{3 * args.runs} interleaved runs")
+        starts: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(3 * args.runs):
+            for name, (python, env) in variants.items():
+                starts[name].append(startup(python, env))
+        base = statistics.median(starts["not installed"])
+        for name, samples in starts.items():
+            med = statistics.median(samples)
+            print(f"  wall {name:22s} {med * 1000:8.1f} ms   ({(med - base) * 1000:+7.1f} ms)")
+        print("import vllm -X importtime: modules only present with pdpatch, summed self time "
+              "(median of 5)")
+        runs = {name: [import_self_times(*v) for _ in range(5)] for name, v in variants.items()}
+        stock = set().union(*runs["not installed"])
+        for name in ("installed, disabled", "installed, enabled"):
+            added = set().union(*runs[name]) - stock
+            total = statistics.median(sum(t.get(m, 0.0) for m in added) for t in runs[name])
+            print(f"  {name:22s} {len(added):4d} modules  {total * 1000:7.1f} ms")
         extra = sorted(set(vllm_modules(*variants["installed, enabled"]))
                        - set(vllm_modules(*variants["installed, disabled"])))
         print(f"vLLM submodules imported only because pdpatch is enabled: {extra or 'none'}")

@@ -74,3 +74,60 @@ def test_invalid_switch_fails_vllm_plugin_loading_with_a_clear_message():
         env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "ENABLE_PDPATCH='maybe' is not a valid value" in out.stderr
+
+
+def _site_packages() -> str:
+    import sysconfig
+
+    return sysconfig.get_paths()["purelib"]
+
+
+def test_pth_costs_nothing_in_a_process_that_never_imports_vllm():
+    """The ``.pth`` runs in every interpreter of the environment: it must not import wrapt
+    (and with it asyncio and importlib.metadata, ~55 ms) until ``vllm`` is looked up."""
+    code = ("import sys, json; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0]"
+            " in ('wrapt', 'pdpatch', 'asyncio', 'vllm'))))")
+    env = dict(os.environ, ENABLE_PDPATCH="true")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60, check=True)
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert loaded == ["pdpatch", "pdpatch.bootstrap", "pdpatch.bootstrap.autoload"]
+
+
+HOOK_ORDER = """
+import json, sys
+sys.path[:0] = [{root!r}, {site!r}]   # -S: the editable install's .pth did not run
+order = []
+def earlier(_m): order.append("earlier")
+if {wrapt_first}:               # kvcached's .pth sorts first and registers its wrapt hook
+    import wrapt
+    wrapt.register_post_import_hook(earlier, "vllm")
+import pdpatch.bootstrap.autoload as autoload
+autoload.init()
+autoload.init()                 # idempotent
+if not {wrapt_first}:           # a hook registered after the .pth ran, before vllm is imported
+    import wrapt
+    wrapt.register_post_import_hook(earlier, "vllm")
+import pdpatch.bootstrap.entry as entry
+real = entry.activate
+entry.activate = lambda **kw: (order.append("pdpatch"), real(**kw))
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+print(json.dumps({{"order": order,
+                   "wrapped": hasattr(base_worker.NixlBaseConnectorWorker.add_remote_agent,
+                                      "__wrapped__")}}))
+"""
+
+
+@pytest.mark.parametrize("wrapt_first", [True, False])
+def test_vllm_import_hook_fires_once_after_earlier_hooks(wrapt_first):
+    """``-S``: no .pth runs, the test plays the site module's part in a controlled order."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDPATCH_")}
+    env.update(ENABLE_PDPATCH="true", VLLM_TARGET_DEVICE="cpu")
+    code = HOOK_ORDER.format(root=str(HERE.parent), site=_site_packages(),
+                            wrapt_first=wrapt_first)
+    out = subprocess.run([sys.executable, "-S", "-c", code], env=env, cwd=HERE,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"order": ["earlier", "pdpatch"], "wrapped": True}, out.stderr[-2000:]
