@@ -53,22 +53,16 @@ def env_for(enabled: bool) -> dict[str, str]:
     return env
 
 
-def timed(python: Path, env: dict[str, str]) -> tuple[float, float]:
+def timed(python: Path, env: dict[str, str], code: str = "import vllm") -> tuple[float, float]:
     """Wall seconds and CPU seconds (user+sys) of the child: CPU time stays meaningful when
     other work shares the machine, wall time is what an operator waits."""
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    subprocess.run([str(python), "-c", "import vllm"], env=env, check=True,
+    subprocess.run([str(python), "-c", code], env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - start
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
-
-
-def startup(python: Path, env: dict[str, str]) -> float:
-    start = time.perf_counter()
-    subprocess.run([str(python), "-c", "pass"], env=env, check=True)
-    return time.perf_counter() - start
 
 
 def import_self_times(python: Path, env: dict[str, str]) -> dict[str, float]:
@@ -118,7 +112,7 @@ def main() -> int:
         starts: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(3 * args.runs):
             for name, (python, env) in variants.items():
-                starts[name].append(startup(python, env))
+                starts[name].append(timed(python, env, "pass")[0])
         base = statistics.median(starts["not installed"])
         for name, samples in starts.items():
             med = statistics.median(samples)

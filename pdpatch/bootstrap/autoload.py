@@ -56,11 +56,13 @@ class VllmImportTrigger:
             return None
         if not _register():
             return None
+        from wrapt.importer import ImportHookFinder
+
         # wrapt put its ImportHookFinder on sys.meta_path; the import in progress has
         # already passed that position, so ask it directly (it wraps vllm's loader so
         # that the hook runs once vllm is executed).
         for finder in sys.meta_path:
-            if type(finder).__name__ == "ImportHookFinder" and hasattr(finder, "find_spec"):
+            if isinstance(finder, ImportHookFinder):
                 return finder.find_spec(fullname, path, target)
         return None
 
