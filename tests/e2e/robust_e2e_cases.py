@@ -253,6 +253,38 @@ def handshake_timed_out(engine: Engine, remote_engine_id: str) -> bool:
     return False
 
 
+#: How often one fake-peer case is tried before it counts as "D never read the reply".  Stalls
+#: of 5 s and more (vLLM's handshake timeout) come in bursts of 10-20 s on this 2-core VM, e.g.
+#: while a killed engine's memory is freed, so the attempts back off.
+HANDSHAKE_ATTEMPTS = 5
+HANDSHAKE_BACKOFF_S = 3.0
+
+
+def until_reply_read(engine: Engine, label: str, case: MetaCase,
+                     captured: tuple[bytes, dict[str, Any], dict[str, Any]],
+                     request: Callable[[str, int, int], Outcome]) -> tuple[Outcome, bool]:
+    """Serve ``case``'s reply from a fake side channel and run ``request(engine_id, port,
+    attempt)`` against ``engine`` until the engine has really read that reply.
+
+    An attempt proves nothing when the query never reached the fake or vLLM's 5 s receive
+    timeout fired (:func:`handshake_timed_out`); it is repeated under a new engine id.  Returns
+    the last outcome (judged by the caller like any other) and whether the reply was read."""
+    ts, payload, agent = captured
+    for attempt in range(HANDSHAKE_ATTEMPTS):
+        engine_id = f"{label}-{attempt}"
+        fake = serve_meta_case(case, ts, payload, agent, engine_id)
+        try:
+            outcome = request(engine_id, fake.port, attempt)
+            outcome.detail += f" [side channel queried {fake.queries}x, attempt {attempt + 1}]"
+            assert fake.error is None, fake.error
+        finally:
+            fake.close()
+        if fake.queries and not handshake_timed_out(engine, engine_id):
+            return outcome, True
+        time.sleep(HANDSHAKE_BACKOFF_S * (attempt + 1))
+    return outcome, False
+
+
 # ------------------------------------------------------------------ outcome of one request
 
 
