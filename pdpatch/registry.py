@@ -12,8 +12,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+
+from pdpatch.versions import VersionRange
 
 # wrapt's wrapper signature: (wrapped, instance, args, kwargs) -> result
 Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
@@ -34,7 +35,7 @@ class Target:
 class Patch:
     name: str                                      # toggle: PDPATCH_<NAME>
     summary: str                                   # one line, for `pdpatch doctor`
-    versions: SpecifierSet                         # vLLM releases this patch is written for
+    versions: VersionRange                         # vLLM releases this patch is written for
     targets: Callable[[Version], Sequence[Target]]
     why_version: str = ""                          # said when the version gate skips it
     options: tuple[str, ...] = field(default=())    # extra PDPATCH_* variables it reads
@@ -48,4 +49,4 @@ class Patch:
         if not self.name.isidentifier() or self.name.lower() != self.name:
             raise ValueError(f"patch name {self.name!r} must be a lower-case identifier")
         if isinstance(self.versions, str):
-            object.__setattr__(self, "versions", SpecifierSet(self.versions))
+            object.__setattr__(self, "versions", VersionRange(self.versions))

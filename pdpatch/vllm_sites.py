@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from pdpatch.versions import release_of
+from pdpatch.versions import VersionRange, release_of
 
 KVC = "vllm.distributed.kv_transfer.kv_connector"
 NIXL_PKG = f"{KVC}.v1.nixl"
@@ -22,16 +21,16 @@ NIXL_SINGLE_FILE = f"{KVC}.v1.nixl_connector"      # 0.19 only
 
 @dataclass(frozen=True)
 class Site:
-    versions: SpecifierSet
+    versions: VersionRange
     module: str
     qualname: str
 
     def matches(self, version: Version) -> bool:
-        return self.versions.contains(release_of(version), prereleases=True)
+        return version in self.versions
 
 
 def _site(spec: str, module: str, qualname: str) -> Site:
-    return Site(SpecifierSet(spec), module, qualname)
+    return Site(VersionRange(spec), module, qualname)
 
 
 def lookup(sites: tuple[Site, ...], version: Version) -> Site | None:
@@ -129,7 +128,7 @@ RESTORE_KV_CACHES = (
 # Releases whose NIXL descriptors still address K and V of a block separately (FlashAttention's
 # (2, N, ...) split regions, or a "virtual" K/V split of blocks-first memory); from 0.26 every
 # backend packs K and V per token and a block moves as one unit.
-KV_SPLIT_DESCRIPTORS = SpecifierSet(">=0.19,<0.26")
+KV_SPLIT_DESCRIPTORS = VersionRange(">=0.19,<0.26")
 
 
 BUILD_LOCAL_SPLITS = (
@@ -144,8 +143,8 @@ BUILD_LOCAL_SPLITS = (
 # share a block), from 0.29 `block_len_per_layer[i]` (0.29 `_build_fa_remote`; 0.33 no longer
 # has the backend-aware method).
 SPLIT_LEN_SOURCES = (
-    (SpecifierSet(">=0.19,<0.29"), "backend_aware"),
-    (SpecifierSet(">=0.29"), "block_len_per_layer"),
+    (VersionRange(">=0.19,<0.29"), "backend_aware"),
+    (VersionRange(">=0.29"), "block_len_per_layer"),
 )
 
 
@@ -185,7 +184,7 @@ def remote_engine_known(worker: Any, engine_id: str, version: Version) -> bool:
 def split_len_source(version: Version) -> str | None:
     rel = release_of(version)
     return next((src for spec, src in SPLIT_LEN_SOURCES
-                 if spec.contains(rel, prereleases=True)), None)
+                 if rel in spec), None)
 
 
 def layout_names(version: Version) -> tuple[str, str]:
@@ -211,9 +210,9 @@ def layout_names(version: Version) -> tuple[str, str]:
 # skip for HMA models (their own "TODO handle failed transfer for HMA"): there a failure cannot
 # be recorded without the scheduler treating garbage KV as loaded.
 RECV_FAILURE_STYLES = (
-    (SpecifierSet(">=0.19,<0.22"), "set"),
-    (SpecifierSet(">=0.22,<0.30"), "queue"),
-    (SpecifierSet(">=0.30"), "deferred"),
+    (VersionRange(">=0.19,<0.22"), "set"),
+    (VersionRange(">=0.22,<0.30"), "queue"),
+    (VersionRange(">=0.30"), "deferred"),
 )
 
 
@@ -224,7 +223,7 @@ class FailureNotRecordable(RuntimeError):
 def recv_failure_style(version: Version) -> str | None:
     rel = release_of(version)
     return next((style for spec, style in RECV_FAILURE_STYLES
-                 if spec.contains(rel, prereleases=True)), None)
+                 if rel in spec), None)
 
 
 def record_recv_failure(worker: Any, req_id: str, version: Version | None = None) -> None:

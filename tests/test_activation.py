@@ -94,6 +94,35 @@ def test_pth_costs_nothing_in_a_process_that_never_imports_vllm():
     assert loaded == ["pdpatch", "pdpatch.bootstrap", "pdpatch.bootstrap.autoload"]
 
 
+LAZY_CORES = """
+import json, sys
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker  # wraps its methods
+import pdpatch.installer
+cores = ("pdpatch.hashing", "pdpatch.kv", "pdpatch.transport", "pdpatch.block_counts")
+print(json.dumps({"installed": pdpatch.installer.status()["installed"],
+                  "wrapped": hasattr(base_worker.NixlBaseConnectorWorker.add_remote_agent,
+                                     "__wrapped__"),
+                  "cores": sorted(m for m in sys.modules
+                                  if m in cores or m.startswith(tuple(c + "." for c in cores)))}))
+"""
+
+
+def test_install_leaves_the_patch_cores_to_their_first_use():
+    """install() runs inside every ``import vllm`` (API server, EngineCore, each worker): the
+    hashing, descriptor-planning, transport and block-count cores (~15 ms of imports) are
+    loaded by the first request or KV registration that needs them, not by wrapping."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PDPATCH_") and k != "ENABLE_PDPATCH"}
+    env.update(VLLM_TARGET_DEVICE="cpu", ENABLE_PDPATCH="true")
+    out = subprocess.run([sys.executable, "-c", LAZY_CORES], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["installed"] and result["wrapped"]
+    assert result["cores"] == []
+
+
 HOOK_ORDER = """
 import json, sys
 sys.path[:0] = [{root!r}, {site!r}]   # -S: the editable install's .pth did not run

@@ -38,26 +38,21 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packaging.version import Version
 
 from pdpatch import config, vllm_sites
-from pdpatch.hashing import KeyConfig, UnreproducibleSeedError
-from pdpatch.hashing.errors import PeerParamsError
-from pdpatch.hashing.extra_keys import ExtraKeys
-from pdpatch.hashing.fingerprint import Fingerprint, fingerprint_diff, fingerprint_of
-from pdpatch.hashing.formats import HashFormat, format_for
-from pdpatch.hashing.peer_check import (
-    PeerBlockKeys,
-    keys_digest,
-    params_for_keys,
-    parse_params,
-    request_summary_of,
-)
-from pdpatch.hashing.request_adapter import prompt_tokens, request_inputs
 from pdpatch.log import logger
 from pdpatch.registry import Patch, Target
+
+# The hashing core is imported where it is first used (the first request), not here: this
+# module is imported by install() inside every `import vllm`, and the core costs ~8 ms.
+if TYPE_CHECKING:
+    from pdpatch.hashing.extra_keys import ExtraKeys
+    from pdpatch.hashing.fingerprint import Fingerprint
+    from pdpatch.hashing.formats import HashFormat
+    from pdpatch.hashing.peer_check import PeerBlockKeys
 
 NAME = "block_keys"
 PARAMS_KEY = "pdpatch_block_keys"
@@ -130,6 +125,10 @@ def engine_keys(*, algo: str, hash_block_size: int, vllm_version: str, none_hash
     started -- is reported as the live value alone.  Raises ``HashingError`` for a
     configuration vLLM itself would reject (an algorithm the release does not have).
     """
+    from pdpatch.hashing import KeyConfig, UnreproducibleSeedError
+    from pdpatch.hashing.fingerprint import fingerprint_of
+    from pdpatch.hashing.formats import format_for
+
     cfg = KeyConfig(algo=algo, hash_block_size=hash_block_size, vllm_version=vllm_version,
                     pythonhashseed=pythonhashseed, lookahead=lookahead)
     try:
@@ -168,6 +167,8 @@ def prompt_block_count(num_block_hashes: int, num_prompt_tokens: int, hbs: int) 
 
 def build_p_params(engine: EngineKeys, req: RequestKeys) -> dict[str, Any]:
     """What P adds under :data:`PARAMS_KEY` (JSON-able, bounded)."""
+    from pdpatch.hashing.peer_check import params_for_keys, request_summary_of
+
     return params_for_keys(engine.compact, req.keys, request_summary_of(req.tokens, req.extra),
                            include_keys=MAX_HEX_KEYS)
 
@@ -194,6 +195,9 @@ def judge(engine: EngineKeys, req: RequestKeys, peer: PeerBlockKeys) -> Verdict:
     NONE_HASH, pickle protocol, lookahead and every hashing input -- is still compared, so
     such a pair matches exactly when D's keys are the ones P would compute at D's block size.
     """
+    from pdpatch.hashing.fingerprint import fingerprint_diff
+    from pdpatch.hashing.peer_check import keys_digest, request_summary_of
+
     keys = req.keys
     keys_equal = (len(keys) == peer.num_blocks and keys_digest(keys) == peer.keys_digest
                   and (peer.keys is None or tuple(keys) == peer.keys))
@@ -237,7 +241,10 @@ def first_difference(mine: Sequence[bytes], theirs: Sequence[bytes] | None) -> i
 
 
 def parse_peer(raw: Any) -> PeerBlockKeys:
-    """P's params as they arrived (already JSON-decoded by vLLM's API server)."""
+    """P's params as they arrived (already JSON-decoded by vLLM's API server); raises
+    ``PeerParamsError`` for malformed ones."""
+    from pdpatch.hashing.peer_check import parse_params
+
     return parse_params(raw)
 
 
@@ -409,6 +416,9 @@ def _engine_keys_for(holder: Any, version: Version) -> EngineKeys | None:
 
 
 def _request_keys(request: Any, engine: EngineKeys) -> RequestKeys:
+    from pdpatch.hashing.extra_keys import ExtraKeys
+    from pdpatch.hashing.request_adapter import prompt_tokens, request_inputs
+
     hashes = request.block_hashes
     n = prompt_block_count(len(hashes), request.num_prompt_tokens, engine.hash_block_size)
     inputs = request_inputs(request, embeds_bytes=_embeds_bytes)
@@ -473,6 +483,8 @@ def make_d_hook(version: Version) -> Callable[..., Any]:
 
 def _check(sched: Any, request: Any, params: dict, version: Version) -> str:
     """``"load"`` (vLLM decides as usual) or ``"recompute"`` (no remote KV)."""
+    from pdpatch.hashing.errors import PeerParamsError
+
     try:
         if not config.extra_config_allows(NAME, _extra_config(sched)):
             return "load"

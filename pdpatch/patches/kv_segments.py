@@ -55,31 +55,18 @@ import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packaging.version import Version
 
 from pdpatch import config, versions, vllm_sites
-from pdpatch.kv import (
-    KIND_FUSED,
-    KIND_PACKED,
-    KIND_SPLIT,
-    ROLE_K,
-    ROLE_V,
-    GeometryMismatch,
-    HeadSlice,
-    KVGeometry,
-    KVPlanError,
-    PairPlan,
-    UnsupportedLayout,
-    as_tuples,
-    geometry_from_handshake,
-    handshake_kind,
-    infer_geometry,
-    tensor_info,
-)
 from pdpatch.log import logger
 from pdpatch.registry import Patch, Target, Wrapper
+
+# The descriptor-planning core (pdpatch.kv, ~6 ms) is imported by the functions that use it,
+# when vLLM first registers or pairs KV caches, not by install() inside every `import vllm`.
+if TYPE_CHECKING:
+    from pdpatch.kv import HeadSlice, KVGeometry, PairPlan
 
 NAME = "kv_segments"
 FIELD = "pdpatch_kv_geometry"
@@ -356,6 +343,8 @@ def _probe_heads_dims(worker: Any) -> dict[str, int]:
 def local_geometry(worker: Any, kv_caches: Mapping[str, Any]) -> KVGeometry | None:
     """The worker's registered KV memory as :class:`KVGeometry` (from strides), or None where
     pdpatch does not model it (MLA, Mamba, shared or non-tensor caches)."""
+    from pdpatch.kv import infer_geometry, tensor_info
+
     if getattr(worker, "use_mla", False) or getattr(worker, "_has_mamba", False):
         return None
     if getattr(worker, "use_host_buffer", False):
@@ -389,6 +378,8 @@ def _set_advertised(worker: Any, geometry: KVGeometry) -> None:
 
 
 def _register_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    from pdpatch.kv import KVPlanError
+
     result = wrapped(*args, **kwargs)
     if not _allowed(instance):
         return result
@@ -432,6 +423,8 @@ def head_major_of(layout: Any) -> bool | None:
 
 
 def _with_heads(geometry: KVGeometry, heads: int | None, head_major: bool | None) -> KVGeometry:
+    from pdpatch.kv import KVGeometry
+
     layers = tuple(dataclasses.replace(
         la, num_heads=la.num_heads if la.num_heads is not None else heads,
         head_major=la.head_major if la.head_major is not None else head_major)
@@ -454,6 +447,8 @@ def slices_for(total_heads: int, local_tp: int, local_rank: int, remote_tp: int,
     D TP > P TP reads slice ``rank_offset_factor`` of ``remote heads / local heads`` parts of
     the peer's segment; P TP > D TP reads ``local heads / remote heads`` peers into as many
     parts of the local segment.  Non-divisible sizes raise :class:`GeometryMismatch`."""
+    from pdpatch.kv import GeometryMismatch, HeadSlice
+
     if remote_block_size <= 0 or local_block_size % remote_block_size:
         raise GeometryMismatch(
             f"local block size {local_block_size} is not a multiple of the peer's "
@@ -493,6 +488,8 @@ class LocalView:
 def _own_metadata(worker: Any) -> dict[str, Any]:
     import msgspec
 
+    from pdpatch.kv import UnsupportedLayout
+
     meta = msgspec.msgpack.decode(worker.xfer_handshake_metadata.agent_metadata_bytes)
     if not isinstance(meta, dict):
         raise UnsupportedLayout("own handshake metadata is not a map")
@@ -500,6 +497,14 @@ def _own_metadata(worker: Any) -> dict[str, Any]:
 
 
 def local_view(worker: Any, version: Version) -> LocalView | None:
+    from pdpatch.kv import (
+        KIND_FUSED,
+        KIND_PACKED,
+        KIND_SPLIT,
+        KVPlanError,
+        geometry_from_handshake,
+    )
+
     true = worker.__dict__.get("_pdpatch_kv_geometry")
     try:
         own = _own_metadata(worker)
@@ -540,6 +545,8 @@ def local_view(worker: Any, version: Version) -> LocalView | None:
 def remote_geometry(meta: Any, num_layers: int, layout: str, heads: int,
                     advertised: Mapping | None) -> KVGeometry:
     """The peer's geometry: its advertisement, else vLLM's own metadata fields."""
+    from pdpatch.kv import GeometryMismatch, KVGeometry, geometry_from_handshake
+
     label = f"remote engine {meta.engine_id}"
     if advertised is not None:
         geo = KVGeometry.from_wire(dict(advertised), label=label)
@@ -575,6 +582,8 @@ class Conversion:
     def check_against(self, stock: list, factor: int | None) -> None:
         """vLLM's own list (built from the shadow) must match pdpatch's in count, order and
         lengths -- only addresses may differ -- or the desc ids would not line up."""
+        from pdpatch.kv import GeometryMismatch
+
         stock_lens = [int(d[1]) for d in stock]
         mine = [d[1] for d in self.descs]
         problem = ""
@@ -596,6 +605,8 @@ def _shadow(meta: Any, remote: KVGeometry, kind: str) -> Any:
     """``meta`` describing the same bytes the way vLLM expects a peer of layout ``kind``:
     split = per layer a K and a V region of one segment each; fused = one region per layer
     whose ``block_len`` is K+V.  vLLM's validation then checks the real byte spans."""
+    from pdpatch.kv import KIND_SPLIT, ROLE_K, ROLE_V, GeometryMismatch
+
     addrs: list[int] = []
     lens: list[int] = []
     for la in remote.layers:
@@ -633,6 +644,16 @@ def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version) -> 
     """None: stock code is right for this peer.  A :class:`Conversion`: K/V placements differ
     and pdpatch's descriptors replace vLLM's.  Raises :class:`GeometryMismatch` for a peer whose
     bytes cannot pair with ours (only that peer's requests fail)."""
+    from pdpatch.kv import (
+        KIND_FUSED,
+        KIND_PACKED,
+        GeometryMismatch,
+        PairPlan,
+        UnsupportedLayout,
+        as_tuples,
+        handshake_kind,
+    )
+
     if getattr(worker, "use_mla", False) or getattr(worker, "_has_mamba", False):
         return None
     ctx: _HandshakeCtx | None = getattr(_tls, "handshake", None)
@@ -789,6 +810,8 @@ def _make_add_remote_wrapper(version: Version) -> Wrapper:
         finally:
             _tls.conversion = prev
         if not conversion.substituted:
+            from pdpatch.kv import GeometryMismatch
+
             raise GeometryMismatch(
                 "vLLM built no remote descriptor list pdpatch could replace",
                 conversion.plan.local, conversion.plan.remote)

@@ -38,14 +38,16 @@ import dataclasses
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packaging.version import Version
 
-from pdpatch import block_counts, config, kvcached, versions, vllm_sites
-from pdpatch.block_counts import BlockCountError, LayerBlocks
+from pdpatch import config, kvcached, versions, vllm_sites
 from pdpatch.log import logger
 from pdpatch.registry import Patch, Target
+
+if TYPE_CHECKING:          # the reconciliation core is imported when a worker registers its KV
+    from pdpatch.block_counts import LayerBlocks
 
 PATCH_NAME = "num_blocks"
 MODE_KEY = "num_blocks_mode"
@@ -76,14 +78,16 @@ def _extra(worker: Any) -> Mapping | None:
 
 
 def mode_of(extra: Mapping | None) -> str:
+    from pdpatch.block_counts import MODE_SLICE, MODES
+
     section = (extra or {}).get(config.EXTRA_CONFIG_KEY)
     if not isinstance(section, Mapping) or MODE_KEY not in section:
-        return block_counts.MODE_SLICE
+        return MODE_SLICE
     mode = section[MODE_KEY]
-    if mode not in block_counts.MODES:
+    if mode not in MODES:
         raise config.ConfigError(
             f'kv_connector_extra_config["{config.EXTRA_CONFIG_KEY}"]["{MODE_KEY}"]={mode!r} is '
-            f"not valid; accepted: {', '.join(repr(m) for m in block_counts.MODES)}")
+            f"not valid; accepted: {', '.join(repr(m) for m in MODES)}")
     return mode
 
 
@@ -91,6 +95,8 @@ def mode_of(extra: Mapping | None) -> str:
 
 
 def reconcile_register(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    from pdpatch.block_counts import MODE_SLICE, BlockCountError, reconcile
+
     worker = instance
     if "kv_caches" in kwargs:
         kwargs = dict(kwargs)
@@ -113,13 +119,13 @@ def reconcile_register(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
                f"{getattr(worker, 'tp_rank', '?')})")
     if not layers:
         return wrapped(kv_caches, *rest, **kwargs)
-    rec = block_counts.reconcile(layers, planned, mode, context=context)
+    rec = reconcile(layers, planned, mode, context=context)
     if rec.over_allocated and getattr(worker, "_has_mamba", False):
         raise BlockCountError(
             f"pdpatch num_blocks: over-allocated KV tensors in a hybrid (Mamba) model are not "
             f"supported{context}; Mamba state regions use a different block count")
     neutralized = _restore_counts(worker, planned, logical, rec)
-    if mode == block_counts.MODE_SLICE:
+    if mode == MODE_SLICE:
         new_caches = _sliced(kv_caches, rec)
         if versions.release_of(_version()) >= STORAGE_REGISTRATION_FROM:
             # Also for exactly-sized views whose storage has a tail (a VMM reservation rounded
@@ -145,6 +151,8 @@ def _note(in_charge: str, kvc_patch: bool, last: str) -> None:
 def _layer_blocks(worker: Any, kv_caches: Mapping[str, Any]) -> list[LayerBlocks]:
     """Attention tensors whose block dimension is known; Mamba state tuples, flat byte views and
     host-resident (HiSparse) groups keep vLLM's own handling."""
+    from pdpatch.block_counts import LayerBlocks, block_dim
+
     specs = getattr(worker, "_layer_specs", None) or {}
     out = []
     for name, t in kv_caches.items():
@@ -155,7 +163,7 @@ def _layer_blocks(worker: Any, kv_caches: Mapping[str, Any]) -> list[LayerBlocks
             continue
         if _host_resident(worker, name):
             continue
-        dim = block_counts.block_dim(tuple(t.shape))
+        dim = block_dim(tuple(t.shape))
         out.append(LayerBlocks(name, dim, int(t.shape[dim])))
     return out
 
@@ -184,16 +192,20 @@ def _restore_counts(worker: Any, planned: int, logical: int, rec: Any) -> bool:
 
 
 def _sliced(kv_caches: Mapping[str, Any], rec: Any) -> dict[str, Any]:
+    from pdpatch.block_counts import ACTION_SLICE
+
     by_name = {lb.name: lb for lb in rec.layers}
     out = dict(kv_caches)
     for name, action in rec.actions.items():
-        if action == block_counts.ACTION_SLICE:
+        if action == ACTION_SLICE:
             lb = by_name[name]
             out[name] = kv_caches[name].narrow(lb.dim, 0, rec.planned)
     return out
 
 
 def _advertise_virtual(worker: Any, rec: Any, ratio: int, kv_cache_config: Any) -> None:
+    from pdpatch.block_counts import BlockCountError
+
     if rec.target % ratio:
         raise BlockCountError(
             f"pdpatch num_blocks (mode virtual): {rec.target} blocks is not a multiple of "
@@ -218,6 +230,8 @@ def _rebased(kv_caches: dict[str, Any], names: list[str]) -> dict[str, Any]:
     one storage (kvcached's contiguous layout interleaves every layer's blocks) are re-based
     together onto the single interval they cover, so vLLM still sees one shared storage.
     """
+    from pdpatch.block_counts import BlockCountError, byte_extent, covering_range, merge
+
     groups: dict[tuple[Any, int], list[str]] = {}
     for name in names:
         t = kv_caches[name]
@@ -226,14 +240,14 @@ def _rebased(kv_caches: dict[str, Any], names: list[str]) -> dict[str, Any]:
     for (_, _), members in groups.items():
         first = kv_caches[members[0]]
         storage = first.untyped_storage()
-        extents = {m: block_counts.byte_extent(kv_caches[m].storage_offset(),
-                                               tuple(kv_caches[m].shape),
-                                               tuple(kv_caches[m].stride()),
-                                               kv_caches[m].element_size())
+        extents = {m: byte_extent(kv_caches[m].storage_offset(),
+                                  tuple(kv_caches[m].shape),
+                                  tuple(kv_caches[m].stride()),
+                                  kv_caches[m].element_size())
                    for m in members}
-        span = block_counts.covering_range(extents.values())
+        span = covering_range(extents.values())
         if span is None:
-            merged = block_counts.merge(extents.values())
+            merged = merge(extents.values())
             if sum(hi - lo for lo, hi in merged) != sum(hi - lo for lo, hi in extents.values()):
                 raise BlockCountError(
                     f"pdpatch num_blocks: KV views {members} share one storage, overlap and "
@@ -278,6 +292,8 @@ class _Memory:
 def _bounded_bytes(storage: Any, device: Any, lo: int, hi: int) -> Any:
     import torch
 
+    from pdpatch.block_counts import BlockCountError
+
     ptr = storage.data_ptr() + lo
     if device.type == "cpu":
         import numpy as np
@@ -313,6 +329,8 @@ def advertised(worker: Any) -> dict[str, Any]:
 
 def verify_advertised(worker: Any, target: int) -> None:
     """Fail startup if what the peer will read disagrees with what was registered."""
+    from pdpatch.block_counts import BlockCountError
+
     adv = advertised(worker)
     bad = []
     if adv["num_blocks"] is not None and adv["num_blocks"] != target:

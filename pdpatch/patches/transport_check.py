@@ -9,18 +9,23 @@ per worker, on the tensors just registered, and only logs (``pdpatch.transport``
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packaging.version import Version
 
-from pdpatch import transport, vllm_sites
+from pdpatch import vllm_sites
 from pdpatch.log import logger
 from pdpatch.registry import Patch, Target
+
+if TYPE_CHECKING:          # the rules are imported when a worker registers its KV, not earlier
+    from pdpatch import transport
 
 _reported = False
 
 
 def findings_for(worker: Any, kv_caches: dict[str, Any]) -> list[transport.Finding]:
+    from pdpatch import transport
+
     device = getattr(worker, "kv_buffer_device", "cuda")
     memory = []
     if device == "cuda" and kv_caches:
@@ -41,7 +46,9 @@ def check_after_register(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
             logger.debug("pdpatch transport_check failed: %r", exc)
             return result
         if found:
-            logger.warning(transport.format_findings(found))
+            from pdpatch.transport import format_findings
+
+            logger.warning(format_findings(found))
     return result
 
 
