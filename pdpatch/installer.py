@@ -98,7 +98,7 @@ def _decide(patch: Patch, settings: config.Settings, version) -> PatchState:
         return PatchState(patch, "skipped", f"toggled off ({why})")
     if version is None:
         return PatchState(patch, "skipped", "vLLM is not installed")
-    if not versions.supported(patch.versions, version):
+    if version not in patch.versions:
         gate = f"vLLM {version} outside {patch.versions}"
         if patch.why_version:
             gate += f": {patch.why_version}"

@@ -83,10 +83,6 @@ class VersionRange:
         return hash(self._clauses)
 
 
-def supported(spec: VersionRange, version: Version) -> bool:
-    return version in spec
-
-
 def package_version(dist: str) -> str | None:
     try:
         return md.version(dist)

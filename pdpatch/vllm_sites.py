@@ -182,9 +182,7 @@ def remote_engine_known(worker: Any, engine_id: str, version: Version) -> bool:
 
 
 def split_len_source(version: Version) -> str | None:
-    rel = release_of(version)
-    return next((src for spec, src in SPLIT_LEN_SOURCES
-                 if rel in spec), None)
+    return next((src for spec, src in SPLIT_LEN_SOURCES if version in spec), None)
 
 
 def layout_names(version: Version) -> tuple[str, str]:
@@ -221,9 +219,7 @@ class FailureNotRecordable(RuntimeError):
 
 
 def recv_failure_style(version: Version) -> str | None:
-    rel = release_of(version)
-    return next((style for spec, style in RECV_FAILURE_STYLES
-                 if rel in spec), None)
+    return next((style for spec, style in RECV_FAILURE_STYLES if version in spec), None)
 
 
 def record_recv_failure(worker: Any, req_id: str, version: Version | None = None) -> None:

@@ -515,7 +515,7 @@ def local_view(worker: Any, version: Version) -> LocalView | None:
     if not addrs or len(addrs) != len(lens):
         return None
     n = len(addrs)
-    split_era = versions.release_of(version) in vllm_sites.KV_SPLIT_DESCRIPTORS
+    split_era = version in vllm_sites.KV_SPLIT_DESCRIPTORS
     if not split_era or (true is not None and true.kind == KIND_PACKED):
         kind, layers = KIND_PACKED, n
     elif int(getattr(worker, "num_regions", 0)) == 2 * n:
@@ -627,7 +627,7 @@ def _same_regions(worker: Any, meta: Any, advertised: Any, version: Version) -> 
     split to get wrong; before, vLLM's own view (2·L regions = split, L = fused) is the same on
     both sides when the region counts are.  A peer that advertises its geometry gets the full
     comparison (its true placement may differ from what its region count says: kvcached)."""
-    if versions.release_of(version) not in vllm_sites.KV_SPLIT_DESCRIPTORS:
+    if version not in vllm_sites.KV_SPLIT_DESCRIPTORS:
         return True
     lens = getattr(worker, "block_len_per_layer", None)
     return advertised is None and lens is not None and \
@@ -856,7 +856,7 @@ def _targets(version: Version) -> list[Target]:
     add(vllm_sites.REGISTER_KV_CACHES, _register_wrapper)
     add(vllm_sites.RESTORE_KV_CACHES, _restore_wrapper)
     add(vllm_sites.ADD_REMOTE_AGENT, _make_add_remote_wrapper(version))
-    if versions.release_of(version) in vllm_sites.KV_SPLIT_DESCRIPTORS:
+    if version in vllm_sites.KV_SPLIT_DESCRIPTORS:
         add(vllm_sites.BUILD_FA_REMOTE, _build_fa_remote_wrapper)
     return out
 

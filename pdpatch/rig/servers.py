@@ -264,9 +264,9 @@ def _reap_killed(e: Engine) -> None:
         logger.warning("engine %s (pid %d) still not reaped %.0f s after SIGKILL",
                        e.spec.name, e.proc.pid, KILL_REAP_S)
         return
-    if time.monotonic() - t0 > 5.0:
-        logger.info("engine %s took %.1f s to exit after SIGKILL", e.spec.name,
-                    time.monotonic() - t0)
+    took = time.monotonic() - t0
+    if took > 5.0:
+        logger.info("engine %s took %.1f s to exit after SIGKILL", e.spec.name, took)
 
 
 def _stop_all_live() -> None:

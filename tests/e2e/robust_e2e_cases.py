@@ -281,7 +281,8 @@ def until_reply_read(engine: Engine, label: str, case: MetaCase,
             fake.close()
         if fake.queries and not handshake_timed_out(engine, engine_id):
             return outcome, True
-        time.sleep(HANDSHAKE_BACKOFF_S * (attempt + 1))
+        if attempt + 1 < HANDSHAKE_ATTEMPTS:
+            time.sleep(HANDSHAKE_BACKOFF_S * (attempt + 1))
     return outcome, False
 
 
