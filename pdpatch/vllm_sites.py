@@ -7,8 +7,7 @@ Patches ask this module "where is the worker's read path in vLLM X?" instead of 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from packaging.version import Version
 
@@ -19,8 +18,10 @@ NIXL_PKG = f"{KVC}.v1.nixl"
 NIXL_SINGLE_FILE = f"{KVC}.v1.nixl_connector"      # 0.19 only
 
 
-@dataclass(frozen=True)
-class Site:
+class Site(NamedTuple):
+    """Where a concept lives in the releases ``versions``.  (A NamedTuple: defining a frozen
+    dataclass costs ~0.4 ms, paid by every ``import vllm`` with pdpatch enabled.)"""
+
     versions: VersionRange
     module: str
     qualname: str

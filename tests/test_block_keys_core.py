@@ -1,6 +1,7 @@
-"""The pure part of the ``block_keys`` patch: fingerprints, the P/D comparison, bounds, rate
-limits -- no vLLM import.  Keys come from :mod:`pdpatch.hashing` (checked byte for byte against
-real vLLM in ``test_hashing_*``); the connector-level proof is ``test_block_keys_vllm.py``."""
+"""The pure part of the ``block_keys`` patch -- fingerprints and the P/D comparison
+(:mod:`pdpatch.hashing.verdict`), the patch's bounds and rate limits -- with no vLLM import.
+Keys come from :mod:`pdpatch.hashing` (checked byte for byte against real vLLM in
+``test_hashing_*``); the connector-level proof is ``test_block_keys_vllm.py``."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import pytest
 
 from pdpatch import config
 from pdpatch.hashing import KeyConfig, LoraSpec
+from pdpatch.hashing import verdict as V
 from pdpatch.hashing.errors import HashingError, PeerParamsError
 from pdpatch.hashing.extra_keys import ExtraKeys
 from pdpatch.hashing.formats import format_for
 from pdpatch.hashing.peer_check import (
     build_params,
     params_for_keys,
+    parse_params,
     request_summary,
     request_summary_of,
 )
@@ -25,33 +28,33 @@ PROMPT = list(range(1000, 1100))       # 6 full blocks of 16 + 4 tokens
 
 
 def engine(algo: str = "sha256", seed: str | None = "0", hbs: int = 16,
-           version: str = "0.33.0", none_hash: bytes | None = None) -> bk.EngineKeys:
+           version: str = "0.33.0", none_hash: bytes | None = None) -> V.EngineKeys:
     """An engine as the patch sees it: its live NONE_HASH is what vLLM derived (or given)."""
     if none_hash is None:
         none_hash = KeyConfig(algo=algo, hash_block_size=hbs, vllm_version=version,
                               pythonhashseed=seed).validate().none_hash
-    return bk.engine_keys(algo=algo, hash_block_size=hbs, vllm_version=version,
+    return V.engine_keys(algo=algo, hash_block_size=hbs, vllm_version=version,
                           none_hash=none_hash, pythonhashseed=seed)
 
 
-def request_on(eng: bk.EngineKeys, prompt: list[int] = PROMPT, **inputs) -> bk.RequestKeys:
+def request_on(eng: V.EngineKeys, prompt: list[int] = PROMPT, **inputs) -> V.RequestKeys:
     """The request as that engine's vLLM would have hashed it (``request.block_hashes``)."""
     fp = eng.fingerprint
     h = KeyConfig(algo=fp.algo, hash_block_size=fp.hash_block_size,
                   vllm_version=fp.vllm_version, none_hash=fp.none_hash).hasher(prompt, **inputs)
-    n = bk.prompt_block_count(len(h.keys), len(prompt), fp.hash_block_size)
-    return bk.RequestKeys(h.keys[:n], prompt, ExtraKeys(eng.fmt, **inputs))
+    n = V.prompt_block_count(len(h.keys), len(prompt), fp.hash_block_size)
+    return V.RequestKeys(h.keys[:n], prompt, ExtraKeys(eng.fmt, **inputs))
 
 
-def wire(eng: bk.EngineKeys, req: bk.RequestKeys):
+def wire(eng: V.EngineKeys, req: V.RequestKeys):
     """P's params through JSON and D's parser."""
-    return bk.parse_peer(json.loads(json.dumps(bk.build_p_params(eng, req))))
+    return parse_params(json.loads(json.dumps(V.build_p_params(eng, req, bk.MAX_HEX_KEYS))))
 
 
-def verdict(p: bk.EngineKeys, d: bk.EngineKeys, p_prompt=PROMPT, d_prompt=PROMPT,
-            p_inputs=None, d_inputs=None) -> bk.Verdict:
+def verdict(p: V.EngineKeys, d: V.EngineKeys, p_prompt=PROMPT, d_prompt=PROMPT,
+            p_inputs=None, d_inputs=None) -> V.Verdict:
     peer = wire(p, request_on(p, p_prompt, **(p_inputs or {})))
-    return bk.judge(d, request_on(d, d_prompt, **(d_inputs or {})), peer)
+    return V.judge(d, request_on(d, d_prompt, **(d_inputs or {})), peer)
 
 
 # ---------------------------------------------------------------------------- fingerprints
@@ -150,15 +153,15 @@ def test_first_differing_block_is_reported():
     changed = [*PROMPT[:40], 1, *PROMPT[41:]]
     v = verdict(engine(), engine(), PROMPT, changed)
     assert "first differing block 2" in v.detail
-    assert bk.first_difference([b"a", b"b"], (b"a", b"b")) is None
-    assert bk.first_difference([b"a"], (b"a", b"b")) == 1
-    assert bk.first_difference([b"a"], None) is None
+    assert V.first_difference([b"a", b"b"], (b"a", b"b")) is None
+    assert V.first_difference([b"a"], (b"a", b"b")) == 1
+    assert V.first_difference([b"a"], None) is None
 
 
 def test_prompt_blocks_only():
-    assert bk.prompt_block_count(7, 100, 16) == 6     # P's first token completed block 7
-    assert bk.prompt_block_count(6, 100, 16) == 6
-    assert bk.prompt_block_count(0, 10, 16) == 0
+    assert V.prompt_block_count(7, 100, 16) == 6     # P's first token completed block 7
+    assert V.prompt_block_count(6, 100, 16) == 6
+    assert V.prompt_block_count(0, 10, 16) == 0
 
 
 # ---------------------------------------------------------------------------- bounded params
@@ -167,13 +170,14 @@ def test_prompt_blocks_only():
 def test_params_are_bounded_hex_json():
     eng = engine()
     long = list(range(32_000))
-    big = bk.build_p_params(eng, request_on(eng, long))
+    big = V.build_p_params(eng, request_on(eng, long), bk.MAX_HEX_KEYS)
     text = json.dumps(big)
     assert "keys" not in big and len(text) < 512              # 2000 blocks: digest only
-    small = bk.build_p_params(eng, request_on(eng))
+    small = V.build_p_params(eng, request_on(eng), bk.MAX_HEX_KEYS)
     assert len(small["keys"]) == 6 and all(len(k) == 64 for k in small["keys"])
     assert len(json.dumps(small)) < 1024
-    edge = bk.build_p_params(eng, request_on(eng, list(range(16 * bk.MAX_HEX_KEYS))))
+    edge_prompt = list(range(16 * bk.MAX_HEX_KEYS))
+    edge = V.build_p_params(eng, request_on(eng, edge_prompt), bk.MAX_HEX_KEYS)
     assert len(edge["keys"]) == bk.MAX_HEX_KEYS and len(json.dumps(edge)) < 2600
 
 
@@ -183,19 +187,19 @@ def test_params_are_bounded_hex_json():
 ])
 def test_malformed_params_are_rejected(raw):
     with pytest.raises(PeerParamsError):
-        bk.parse_peer(raw)
+        parse_params(raw)
 
 
 def test_tampered_params_are_rejected():
     eng = engine()
-    good = bk.build_p_params(eng, request_on(eng))
+    good = V.build_p_params(eng, request_on(eng), bk.MAX_HEX_KEYS)
     for key, value in [("kd", "__import__('os')"), ("n", -1), ("n", True),
                        ("keys", ["00" * 32] * 7), ("keys", ["zz" * 32] * 6),
                        ("keys", list(reversed(good["keys"])))]:
         bad = json.loads(json.dumps(good))
         bad[key] = value
         with pytest.raises(PeerParamsError):
-            bk.parse_peer(bad)
+            parse_params(bad)
 
 
 # ---------------------------------------------------------------------------- policy, limits

@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from pdpatch import config
-from pdpatch.kv import KIND_FUSED, KIND_SPLIT, GeometryMismatch, UnsupportedLayout, infer_geometry
+from pdpatch.kv import (
+    KIND_FUSED,
+    KIND_SPLIT,
+    GeometryMismatch,
+    UnsupportedLayout,
+    infer_geometry,
+    slices_for,
+)
 from pdpatch.kv.geometry import geometry_from_handshake
 from pdpatch.patches import kv_segments as ks
 
@@ -42,7 +49,7 @@ GRID = [(t, lt, rt) for t in (1, 2, 4, 8) for lt in (1, 2, 4, 8) for rt in (1, 2
 def test_slices_match_vllms_tp_mapping(total: int, local_tp: int, remote_tp: int) -> None:
     for rank in range(local_tp):
         vm = _vllm_mapping(total, local_tp, rank, remote_tp)
-        sl = ks.slices_for(total, local_tp, rank, remote_tp, 16, 16)
+        sl = slices_for(total, local_tp, rank, remote_tp, 16, 16)
         reads = len(vm.source_ranks_per_group[0])
         assert sl.local.parts == reads, (total, local_tp, remote_tp, rank)
         assert sl.remote.index == vm.rank_offset_factor, (total, local_tp, remote_tp, rank)
@@ -53,8 +60,8 @@ def test_slices_match_vllms_tp_mapping(total: int, local_tp: int, remote_tp: int
 
 def test_slices_refuse_non_divisible_sizes() -> None:
     with pytest.raises(GeometryMismatch, match="not a multiple of the peer's 48 tokens"):
-        ks.slices_for(2, 1, 0, 1, 64, 48)
-    assert ks.slices_for(2, 1, 0, 1, 32, 16).block_size_ratio == 2
+        slices_for(2, 1, 0, 1, 64, 48)
+    assert slices_for(2, 1, 0, 1, 32, 16).block_size_ratio == 2
 
 
 @pytest.mark.parametrize(("layout", "want"), [("HND", True), ("NHD", False), ("LBHNC", True),

@@ -61,6 +61,45 @@ class HeadSlice:
 
 
 @dataclass(frozen=True)
+class Slices:
+    """How one local rank's blocks pair with one remote rank's (vLLM's TP mapping in bytes)."""
+
+    local: HeadSlice
+    remote: HeadSlice
+    block_size_ratio: int
+
+
+def slices_for(total_heads: int, local_tp: int, local_rank: int, remote_tp: int,
+               local_block_size: int, remote_block_size: int) -> Slices:
+    """Head slices as vLLM >= 0.21 computes them (``compute_tp_mapping``), in pdpatch terms:
+    D TP > P TP reads slice ``rank_offset_factor`` of ``remote heads / local heads`` parts of
+    the peer's segment; P TP > D TP reads ``local heads / remote heads`` peers into as many
+    parts of the local segment.  Non-divisible sizes raise :class:`GeometryMismatch`."""
+    if remote_block_size <= 0 or local_block_size % remote_block_size:
+        raise GeometryMismatch(
+            f"local block size {local_block_size} is not a multiple of the peer's "
+            f"{remote_block_size} tokens")
+    ratio = local_block_size // remote_block_size
+    h_local = max(1, total_heads // local_tp)
+    h_remote = max(1, total_heads // remote_tp)
+    if local_tp >= remote_tp:
+        if h_remote % h_local:
+            raise GeometryMismatch(
+                f"peer holds {h_remote} KV heads per rank, not a multiple of the local "
+                f"{h_local}")
+        remote_rank = local_rank * remote_tp // local_tp
+        local_start = local_rank * total_heads // local_tp
+        remote_start = remote_rank * total_heads // remote_tp
+        parts = h_remote // h_local
+        index = (local_start - remote_start) // h_local
+        return Slices(HeadSlice(), HeadSlice(parts, index), ratio)
+    if h_local % h_remote:
+        raise GeometryMismatch(
+            f"local rank holds {h_local} KV heads, not a multiple of the peer's {h_remote}")
+    return Slices(HeadSlice(h_local // h_remote, 0), HeadSlice(), ratio)
+
+
+@dataclass(frozen=True)
 class DescPlan:
     """Descriptor pairs: ``length[i]`` bytes at ``local_addr[i]`` <-> ``remote_addr[i]``.
 

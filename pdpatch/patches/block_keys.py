@@ -49,10 +49,7 @@ from pdpatch.registry import Patch, Target
 # The hashing core is imported where it is first used (the first request), not here: this
 # module is imported by install() inside every `import vllm`, and the core costs ~8 ms.
 if TYPE_CHECKING:
-    from pdpatch.hashing.extra_keys import ExtraKeys
-    from pdpatch.hashing.fingerprint import Fingerprint
-    from pdpatch.hashing.formats import HashFormat
-    from pdpatch.hashing.peer_check import PeerBlockKeys
+    from pdpatch.hashing.verdict import EngineKeys, RequestKeys, Verdict
 
 NAME = "block_keys"
 PARAMS_KEY = "pdpatch_block_keys"
@@ -86,166 +83,6 @@ CAUSE_HINTS: dict[str, str] = {
     "keys": "the block keys differ for no reason the fingerprints show",
     "malformed": "P sent malformed or oversized block-key params; they were rejected unread",
 }
-
-
-# ------------------------------------------------------------------ engine fingerprint (pure)
-
-
-@dataclass(frozen=True)
-class EngineKeys:
-    """How one engine computes block keys: what it sends and what it compares with."""
-
-    fingerprint: Fingerprint
-    fmt: HashFormat
-    seed_label: str
-    """For the log: ``PYTHONHASHSEED`` / ``default`` (0.29+ "vllm-none-hash") / ``random``
-    (vLLM drew NONE_HASH from os.urandom: no peer can share it)."""
-
-    @property
-    def compact(self) -> dict[str, Any]:
-        return self.fingerprint.to_dict()
-
-    @property
-    def hash_block_size(self) -> int:
-        return self.fingerprint.hash_block_size
-
-    def describe(self) -> str:
-        fp = self.compact
-        return (f"algo={fp['algo']} seed={self.seed_label} none_hash_id={fp['nh']} "
-                f"hash_block_size={fp['hbs']} key_format={fp['kf']} vllm={fp['vllm']} "
-                f"pickle_protocol={fp['pp']} lookahead={fp['la']}")
-
-
-def engine_keys(*, algo: str, hash_block_size: int, vllm_version: str, none_hash: bytes,
-                pythonhashseed: str | None, lookahead: int = 0) -> EngineKeys:
-    """The fingerprint of an engine whose live NONE_HASH is ``none_hash``.
-
-    The seed source is the one that reproduces ``none_hash`` (PYTHONHASHSEED, or 0.29+'s
-    default); anything else -- a random seed, or an environment changed since the engine
-    started -- is reported as the live value alone.  Raises ``HashingError`` for a
-    configuration vLLM itself would reject (an algorithm the release does not have).
-    """
-    from pdpatch.hashing import KeyConfig, UnreproducibleSeedError
-    from pdpatch.hashing.fingerprint import fingerprint_of
-    from pdpatch.hashing.formats import format_for
-
-    cfg = KeyConfig(algo=algo, hash_block_size=hash_block_size, vllm_version=vllm_version,
-                    pythonhashseed=pythonhashseed, lookahead=lookahead)
-    try:
-        derived = cfg.validate()
-    except UnreproducibleSeedError:
-        derived = None
-    if derived is not None and derived.none_hash == none_hash:
-        fp = fingerprint_of(derived)
-        label = fp.seed_source
-    else:
-        live = KeyConfig(algo=algo, hash_block_size=hash_block_size,
-                         vllm_version=vllm_version, none_hash=none_hash,
-                         lookahead=lookahead).validate()
-        fp = fingerprint_of(live)
-        label = "random" if derived is None else "reported"
-    return EngineKeys(fp, format_for(vllm_version), label)
-
-
-# ------------------------------------------------------------------ the comparison (pure)
-
-
-@dataclass(frozen=True)
-class RequestKeys:
-    """One request as an engine hashed it: its prompt-block keys and hashing inputs."""
-
-    keys: Sequence[bytes]
-    tokens: Sequence[int]
-    extra: ExtraKeys
-
-
-def prompt_block_count(num_block_hashes: int, num_prompt_tokens: int, hbs: int) -> int:
-    """Keys that cover the prompt only (P's ``block_hashes`` may already include a block its
-    first generated token completed; D's never does at this point)."""
-    return min(num_block_hashes, num_prompt_tokens // hbs)
-
-
-def build_p_params(engine: EngineKeys, req: RequestKeys) -> dict[str, Any]:
-    """What P adds under :data:`PARAMS_KEY` (JSON-able, bounded)."""
-    from pdpatch.hashing.peer_check import params_for_keys, request_summary_of
-
-    return params_for_keys(engine.compact, req.keys, request_summary_of(req.tokens, req.extra),
-                           include_keys=MAX_HEX_KEYS)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    status: str                     # match | mismatch | rejected
-    causes: tuple[str, ...] = ()
-    detail: str = ""
-
-
-def judge(engine: EngineKeys, req: RequestKeys, peer: PeerBlockKeys) -> Verdict:
-    """Compare D's view of a request with P's validated params.
-
-    Mismatch when the keys differ, or -- even where the keys agree, e.g. a prompt shorter than
-    one hash block -- when the configurations differ (algo, seed, hash block size, pickle
-    protocol, lookahead) or a hashing input differs (prompt incl. its partial last block, LoRA,
-    salt, multimodal, embeddings).  A different vLLM key format alone is no cause while the
-    keys agree: for a plain prompt every release since 0.10.2 builds the same keys.
-
-    A different hash block size is no cause either: vLLM's NIXL connector pairs engines with
-    different block sizes (``block_size_ratio``), and keys hashed at different granularities
-    cannot be compared one by one.  What decides the keys at any granularity -- algorithm,
-    NONE_HASH, pickle protocol, lookahead and every hashing input -- is still compared, so
-    such a pair matches exactly when D's keys are the ones P would compute at D's block size.
-    """
-    from pdpatch.hashing.fingerprint import fingerprint_diff
-    from pdpatch.hashing.peer_check import keys_digest, request_summary_of
-
-    keys = req.keys
-    keys_equal = (len(keys) == peer.num_blocks and keys_digest(keys) == peer.keys_digest
-                  and (peer.keys is None or tuple(keys) == peer.keys))
-    causes = fingerprint_diff(engine.compact, peer.fingerprint)
-    if keys_equal and "key_format" in causes:
-        causes.remove("key_format")
-    regrouped = "hash_block_size" in causes
-    if regrouped:
-        causes.remove("hash_block_size")
-    formats_differ = engine.compact["kf"] != peer.fingerprint["kf"]
-    mine, theirs = request_summary_of(req.tokens, req.extra), peer.summary
-    if mine["nt"] != theirs["nt"] or mine["td"] != theirs["td"]:
-        causes.append("prompt")
-    for key, cause in (("ld", "lora"), ("sd", "cache_salt"), ("md", "mm"),
-                       ("ed", "prompt_embeds")):
-        if key in ("ld", "sd") and formats_differ:
-            continue                # shaped by the key format: not comparable across eras
-        if mine[key] != theirs[key]:
-            causes.append(cause)
-    if not keys_equal and not causes and not regrouped:
-        causes.append("keys")
-    if not causes:
-        return Verdict("match", detail=(
-            f"P hashes every {peer.fingerprint['hbs']} tokens, D every "
-            f"{engine.hash_block_size}: compared through the configuration and the hashing "
-            "inputs" if regrouped else ""))
-    detail = f"P: {peer.num_blocks} prompt blocks, D: {len(keys)}"
-    first = first_difference(keys, peer.keys)
-    if first is not None:
-        detail += f", first differing block {first}"
-    return Verdict("mismatch", tuple(causes), detail)
-
-
-def first_difference(mine: Sequence[bytes], theirs: Sequence[bytes] | None) -> int | None:
-    if theirs is None:
-        return None
-    for i, (a, b) in enumerate(zip(mine, theirs, strict=False)):
-        if a != b:
-            return i
-    return None if len(mine) == len(theirs) else min(len(mine), len(theirs))
-
-
-def parse_peer(raw: Any) -> PeerBlockKeys:
-    """P's params as they arrived (already JSON-decoded by vLLM's API server); raises
-    ``PeerParamsError`` for malformed ones."""
-    from pdpatch.hashing.peer_check import parse_params
-
-    return parse_params(raw)
 
 
 # ------------------------------------------------------------------ counters and rate limits
@@ -398,6 +235,8 @@ def _embeds_bytes(tensor: Any) -> bytes:
 def _engine_keys_for(holder: Any, version: Version) -> EngineKeys | None:
     """The engine's fingerprint from an object holding ``vllm_config`` and ``kv_cache_config``
     (the connector's scheduler half, or vLLM's Scheduler), cached per live NONE_HASH."""
+    from pdpatch.hashing.verdict import engine_keys
+
     none_hash = vllm_sites.live_none_hash()
     if none_hash is None:
         return None
@@ -418,6 +257,7 @@ def _engine_keys_for(holder: Any, version: Version) -> EngineKeys | None:
 def _request_keys(request: Any, engine: EngineKeys) -> RequestKeys:
     from pdpatch.hashing.extra_keys import ExtraKeys
     from pdpatch.hashing.request_adapter import prompt_tokens, request_inputs
+    from pdpatch.hashing.verdict import RequestKeys, prompt_block_count
 
     hashes = request.block_hashes
     n = prompt_block_count(len(hashes), request.num_prompt_tokens, engine.hash_block_size)
@@ -435,6 +275,8 @@ def make_p_hook(version: Version) -> Callable[..., Any]:
     def p_request_finished(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         result = wrapped(*args, **kwargs)
         try:
+            from pdpatch.hashing.verdict import build_p_params
+
             request = _arg(args, kwargs, 0, "request")
             incoming = request.kv_transfer_params
             if not incoming or not incoming.get("do_remote_decode"):
@@ -448,7 +290,8 @@ def make_p_hook(version: Version) -> Callable[..., Any]:
             engine = _engine_keys_for(sched, version)
             if engine is None:
                 return result
-            params[PARAMS_KEY] = build_p_params(engine, _request_keys(request, engine))
+            params[PARAMS_KEY] = build_p_params(engine, _request_keys(request, engine),
+                                                 MAX_HEX_KEYS)
             _count("sent")
         except Exception as exc:  # never fail a finished request over its proof
             _count("errors")
@@ -484,6 +327,8 @@ def make_d_hook(version: Version) -> Callable[..., Any]:
 def _check(sched: Any, request: Any, params: dict, version: Version) -> str:
     """``"load"`` (vLLM decides as usual) or ``"recompute"`` (no remote KV)."""
     from pdpatch.hashing.errors import PeerParamsError
+    from pdpatch.hashing.peer_check import parse_params
+    from pdpatch.hashing.verdict import Verdict, judge
 
     try:
         if not config.extra_config_allows(NAME, _extra_config(sched)):
@@ -503,7 +348,7 @@ def _check(sched: Any, request: Any, params: dict, version: Version) -> str:
                         "requests are loaded unchecked [block_keys]", peer)
         return "load"
     try:
-        peer_keys = parse_peer(raw)
+        peer_keys = parse_params(raw)
     except PeerParamsError as exc:
         verdict = Verdict("rejected", ("malformed",), str(exc))
         _count("rejected", verdict.causes)

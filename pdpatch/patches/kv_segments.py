@@ -66,7 +66,7 @@ from pdpatch.registry import Patch, Target, Wrapper
 # The descriptor-planning core (pdpatch.kv, ~6 ms) is imported by the functions that use it,
 # when vLLM first registers or pairs KV caches, not by install() inside every `import vllm`.
 if TYPE_CHECKING:
-    from pdpatch.kv import HeadSlice, KVGeometry, PairPlan
+    from pdpatch.kv import KVGeometry, PairPlan
 
 NAME = "kv_segments"
 FIELD = "pdpatch_kv_geometry"
@@ -432,47 +432,6 @@ def _with_heads(geometry: KVGeometry, heads: int | None, head_major: bool | None
     return KVGeometry(layers, geometry.device_id, geometry.label)
 
 
-@dataclass(frozen=True)
-class Slices:
-    """How one local rank's blocks pair with one remote rank's (vLLM's TP mapping in bytes)."""
-
-    local: HeadSlice
-    remote: HeadSlice
-    block_size_ratio: int
-
-
-def slices_for(total_heads: int, local_tp: int, local_rank: int, remote_tp: int,
-               local_block_size: int, remote_block_size: int) -> Slices:
-    """Head slices as vLLM >= 0.21 computes them (``compute_tp_mapping``), in pdpatch terms:
-    D TP > P TP reads slice ``rank_offset_factor`` of ``remote heads / local heads`` parts of
-    the peer's segment; P TP > D TP reads ``local heads / remote heads`` peers into as many
-    parts of the local segment.  Non-divisible sizes raise :class:`GeometryMismatch`."""
-    from pdpatch.kv import GeometryMismatch, HeadSlice
-
-    if remote_block_size <= 0 or local_block_size % remote_block_size:
-        raise GeometryMismatch(
-            f"local block size {local_block_size} is not a multiple of the peer's "
-            f"{remote_block_size} tokens")
-    ratio = local_block_size // remote_block_size
-    h_local = max(1, total_heads // local_tp)
-    h_remote = max(1, total_heads // remote_tp)
-    if local_tp >= remote_tp:
-        if h_remote % h_local:
-            raise GeometryMismatch(
-                f"peer holds {h_remote} KV heads per rank, not a multiple of the local "
-                f"{h_local}")
-        remote_rank = local_rank * remote_tp // local_tp
-        local_start = local_rank * total_heads // local_tp
-        remote_start = remote_rank * total_heads // remote_tp
-        parts = h_remote // h_local
-        index = (local_start - remote_start) // h_local
-        return Slices(HeadSlice(), HeadSlice(parts, index), ratio)
-    if h_local % h_remote:
-        raise GeometryMismatch(
-            f"local rank holds {h_local} KV heads, not a multiple of the peer's {h_remote}")
-    return Slices(HeadSlice(h_local // h_remote, 0), HeadSlice(), ratio)
-
-
 @dataclass
 class LocalView:
     """The local worker as vLLM's own descriptor code sees it, plus its true geometry."""
@@ -652,6 +611,7 @@ def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version) -> 
         UnsupportedLayout,
         as_tuples,
         handshake_kind,
+        slices_for,
     )
 
     if getattr(worker, "use_mla", False) or getattr(worker, "_has_mamba", False):
@@ -873,4 +833,4 @@ PATCH = Patch(
 
 __all__ = ["FIELD", "INTERCHANGEABLE", "NAME", "PATCH", "Conversion", "alternates_for",
            "head_major_of", "local_geometry", "local_view", "metadata_class", "payload_class",
-           "plan_peer", "remote_geometry", "scoped_globals", "slices_for", "stats"]
+           "plan_peer", "remote_geometry", "scoped_globals", "stats"]
