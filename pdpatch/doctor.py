@@ -97,6 +97,7 @@ def diagnose(check_targets: bool = True) -> Report:
 
     _kvcached(r)
     _transport(r)
+    _encoder(r)
     version = versions.vllm_version()
     r.data["patches"] = {}
     for patch in patches:
@@ -134,6 +135,16 @@ def _transport(r: Report) -> None:
     r.say("KV transport, for GPU KV buffers: " + ("no known slow path" if not found else ""))
     for f in found:
         r.say("  " + f.line())
+
+
+def _encoder(r: Report) -> None:
+    """A wheel built where no C compiler was found runs the slower pure-Python encoder."""
+    from pdpatch.hashing.encoders import C_ENCODER
+
+    r.data["c_encoder"] = C_ENCODER
+    r.say("block-key encoder for the *_cbor algorithms: " + (
+        "compiled" if C_ENCODER else "pure Python (pdpatch was built without a C compiler; "
+        "block keys take about twice as long: reinstall with one to get the compiled encoder)"))
 
 
 def run(as_json: bool, check_targets: bool) -> int:

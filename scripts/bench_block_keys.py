@@ -12,6 +12,10 @@ interleaved (vLLM, pdpatch, vLLM, ...); times are this process's CPU time
 ``--wall`` for wall time), the median of ``--repeat`` runs with the minimum in brackets;
 ratio = vLLM / pdpatch.
 
+pdpatch runs with its compiled block encoder (built by the wheel's build hook; the header says
+whether it is present) and, in the last column, with its pure-Python encoders only (what a
+build without a C compiler gets), both in the same interleaved runs.
+
 A second baseline, vLLM's full request path (a real ``Request`` with
 ``get_request_block_hasher``, i.e. with its per-block extra-key calls), is printed alongside.
 """
@@ -49,7 +53,7 @@ def main() -> int:
     from vllm.v1.core import kv_cache_utils as K
     from vllm.v1.request import Request
 
-    from pdpatch.hashing import block_keys
+    from pdpatch.hashing import block_keys, encoders
 
     rng = random.Random(1234)
     tokens = [rng.randrange(args.vocab) for _ in range(args.tokens)]
@@ -58,8 +62,11 @@ def main() -> int:
           f"hash_block_size {bs}, vocab {args.vocab}, median (min) of {args.repeat} runs, "
           f"{'wall' if args.wall else 'CPU'} time; load average {os.getloadavg()[0]:.1f}")
 
+    compiled = encoders._c_block_items
+    print(f"pdpatch's compiled block encoder: {'present' if compiled else 'ABSENT'}; "
+          "last column: pdpatch with its pure-Python encoders only, ratio vs the vLLM chain")
     print(f"{'algorithm':12} {'vLLM chain':>18} {'pdpatch':>18} {'ratio':>14}   "
-          f"{'vLLM Request':>12} {'ratio':>6}")
+          f"{'vLLM Request':>12} {'ratio':>6}   {'pure Python':>11} {'ratio':>6}")
     worst_cbor = None
     for algo in ALGOS:
         fn = get_hash_fn_by_name(algo)
@@ -83,13 +90,22 @@ def main() -> int:
             return block_keys(tokens, algo=algo, hash_block_size=bs,
                               pythonhashseed=args.seed, vllm_version="0.33.0")
 
+        def ours_pure(algo=algo) -> list[bytes]:
+            encoders._c_block_items = None
+            try:
+                return ours(algo)
+            finally:
+                encoders._c_block_items = compiled
+
         expected = vllm_chain()
         assert ours() == expected, f"{algo}: pdpatch keys differ from vLLM's"
+        assert ours_pure() == expected, f"{algo}: pdpatch's pure-Python keys differ"
         assert vllm_request() == expected
-        times: dict[str, list[float]] = {"chain": [], "ours": [], "request": []}
+        times: dict[str, list[float]] = {"chain": [], "ours": [], "request": [], "pure": []}
         clock = time.perf_counter if args.wall else time.process_time
         for _ in range(args.repeat):
-            for name, fn_ in (("chain", vllm_chain), ("ours", ours), ("request", vllm_request)):
+            for name, fn_ in (("chain", vllm_chain), ("ours", ours), ("request", vllm_request),
+                              ("pure", ours_pure)):
                 t = clock()
                 fn_()
                 times[name].append(clock() - t)
@@ -101,7 +117,8 @@ def main() -> int:
         print(f"{algo:12} {med['chain']:5.2f} ({low['chain']:5.2f}) ms "
               f"{med['ours']:5.2f} ({low['ours']:5.2f}) ms {ratio:5.2f}x "
               f"({low['chain'] / low['ours']:4.2f}x)   {med['request']:5.2f} ms "
-              f"{med['request'] / med['ours']:5.2f}x")
+              f"{med['request'] / med['ours']:5.2f}x   {med['pure']:5.2f} ms "
+              f"{med['chain'] / med['pure']:5.2f}x")
     print(f"keys byte-identical for all algorithms; cbor algorithms (median): >= "
           f"{worst_cbor:.2f}x (goal 3x)")
     return 0

@@ -53,7 +53,8 @@ fi
 bash "$here/scripts/fetch_vllm_sources.sh" >/dev/null
 bash "$here/scripts/fetch_test_extras.sh" "$venv/bin/pip"
 
-# pdpatch itself, editable, so the .pth and the entry point come from this checkout.
-"$venv/bin/pip" install -q --no-deps -e "$here"
+# pdpatch itself, editable, so the .pth and the entry point come from this checkout; its C
+# block encoder must build here (the tests check both it and the pure-Python path).
+PDPATCH_REQUIRE_C_ENCODER=1 "$venv/bin/pip" install -q --no-deps -e "$here"
 ln -sfn "$venv" "$here/.venv"
 echo "$venv"

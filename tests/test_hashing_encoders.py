@@ -2,7 +2,8 @@
 
 ``fast_chain`` is only allowed to exist because of these tests: it must equal
 ``reference_chain`` (the real serializers per block, i.e. vLLM's formula) byte for byte, and
-must step aside (return None) for whatever it does not cover.
+must step aside (return None) for whatever it does not cover.  Every test runs twice: with the
+compiled CBOR block encoder (``_cbor_blocks.c``) and with the pure-Python stream alone.
 """
 
 from __future__ import annotations
@@ -45,6 +46,18 @@ extra_key = st.one_of(
     st.binary(max_size=2),  # b"" and 1-byte bytes are CPython singletons (pickle memo)
 )
 extras_value = st.one_of(st.none(), st.lists(extra_key, min_size=1, max_size=4).map(tuple))
+
+
+
+@pytest.fixture(autouse=True, params=["compiled", "pure-python"])
+def encoder(request, monkeypatch) -> str:
+    """The test setup builds the C encoder (PDPATCH_REQUIRE_C_ENCODER=1): both paths run."""
+    if request.param == "pure-python":
+        monkeypatch.setattr(encoders, "_c_block_items", None)
+    else:
+        assert encoders.C_ENCODER, "pdpatch was installed without its compiled CBOR encoder"
+    return request.param
+
 
 SLOW = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -41,6 +41,10 @@ def test_wheel_contains_pth_entry_point_and_scripts(wheel):
     assert "pdpatch_bootstrap/sitecustomize.py" in names
     assert "[vllm.general_plugins]\npdpatch = pdpatch.bootstrap.plugin:load" in eps
     assert "pdpatch = pdpatch.cli:main" in eps and "pdpatch-run = pdpatch.bootstrap.run:main" in eps
+    # the compiled block encoder (hatch_build.py) makes the wheel platform-specific
+    assert any(n.startswith("pdpatch/hashing/_cbor_blocks.") and n.endswith((".so", ".pyd"))
+               for n in names), names
+    assert not wheel.name.endswith("-py3-none-any.whl"), wheel.name
 
 
 def test_installed_wheel_activates_in_a_fresh_interpreter(wheel, tmp_path):
@@ -54,6 +58,11 @@ def test_installed_wheel_activates_in_a_fresh_interpreter(wheel, tmp_path):
     assert result["wrapped"] and f"pid={result['pid']} role=main" in err
     off, _ = probe(venv / "bin" / "python")
     assert not off["wrapped"]
+    code = "import pdpatch.hashing.encoders as e; print(e.C_ENCODER, e.__file__)"
+    encoder = subprocess.run([str(venv / "bin" / "python"), "-c", code],
+                             capture_output=True, text=True, env=clean_env(), timeout=120)
+    assert encoder.stdout.split() == ["True", str(site / "pdpatch/hashing/encoders.py")], \
+        encoder.stdout + encoder.stderr
 
 
 def test_editable_install_of_this_checkout_has_the_pth():
