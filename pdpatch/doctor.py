@@ -142,7 +142,7 @@ def _encoder(r: Report) -> None:
     from pdpatch.hashing.encoders import C_ENCODER
 
     r.data["c_encoder"] = C_ENCODER
-    r.say("block-key encoder for the *_cbor algorithms: " + (
+    r.say("block-key encoder: " + (
         "compiled" if C_ENCODER else "pure Python (pdpatch was built without a C compiler; "
         "block keys take about twice as long: reinstall with one to get the compiled encoder)"))
 

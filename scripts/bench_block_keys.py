@@ -62,7 +62,7 @@ def main() -> int:
           f"hash_block_size {bs}, vocab {args.vocab}, median (min) of {args.repeat} runs, "
           f"{'wall' if args.wall else 'CPU'} time; load average {os.getloadavg()[0]:.1f}")
 
-    compiled = encoders._c_block_items
+    compiled = encoders._compiled
     print(f"pdpatch's compiled block encoder: {'present' if compiled else 'ABSENT'}; "
           "last column: pdpatch with its pure-Python encoders only, ratio vs the vLLM chain")
     print(f"{'algorithm':12} {'vLLM chain':>18} {'pdpatch':>18} {'ratio':>14}   "
@@ -91,11 +91,11 @@ def main() -> int:
                               pythonhashseed=args.seed, vllm_version="0.33.0")
 
         def ours_pure(algo=algo) -> list[bytes]:
-            encoders._c_block_items = None
+            encoders._compiled = None
             try:
                 return ours(algo)
             finally:
-                encoders._c_block_items = compiled
+                encoders._compiled = compiled
 
         expected = vllm_chain()
         assert ours() == expected, f"{algo}: pdpatch keys differ from vLLM's"

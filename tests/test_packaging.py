@@ -42,7 +42,7 @@ def test_wheel_contains_pth_entry_point_and_scripts(wheel):
     assert "[vllm.general_plugins]\npdpatch = pdpatch.bootstrap.plugin:load" in eps
     assert "pdpatch = pdpatch.cli:main" in eps and "pdpatch-run = pdpatch.bootstrap.run:main" in eps
     # the compiled block encoder (hatch_build.py) makes the wheel platform-specific
-    assert any(n.startswith("pdpatch/hashing/_cbor_blocks.") and n.endswith((".so", ".pyd"))
+    assert any(n.startswith("pdpatch/hashing/_block_items.") and n.endswith((".so", ".pyd"))
                for n in names), names
     assert not wheel.name.endswith("-py3-none-any.whl"), wheel.name
 

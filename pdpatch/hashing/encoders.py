@@ -19,10 +19,10 @@ pickle, bools, numpy scalars, a pickle payload near the 64 KiB frame size, an in
 :func:`reference_chain`, which calls the serializers per block exactly as vLLM does.  Tests
 compare the two byte for byte on random inputs of every integer width.
 
-Where pdpatch was installed with its compiled encoder (``_cbor_blocks.c``, built by the wheel's
-build hook), the CBOR token items of every block come from one C call instead of the stream
-(:data:`C_ENCODER`); it answers only for lists/tuples of exact ints in [0, 2**63) and leaves
-everything else to the paths above.
+Where pdpatch was installed with its compiled encoder (``_block_items.c``, built by the wheel's
+build hook), the token items of every block come from one C call instead of the stream
+(:data:`C_ENCODER`); it answers only for lists/tuples of exact ints (CBOR: [0, 2**63), pickle:
+int32) and leaves everything else to the paths above.
 
 Why a stream and not a per-token lookup table: a table of every token's encoding is faster while
 it sits in the CPU cache, but one request's worth of random lookups into ~14 MB is not cached
@@ -45,12 +45,12 @@ from typing import Any
 from pdpatch.hashing.algorithms import Algorithm, cbor_dumps, pickle_dumps
 
 try:
-    from pdpatch.hashing._cbor_blocks import block_items as _c_block_items
+    from pdpatch.hashing import _block_items as _compiled
 except ImportError:  # built without a C compiler: the pure-Python stream below
-    _c_block_items = None
+    _compiled = None
 
-C_ENCODER = _c_block_items is not None
-"""Whether the compiled CBOR block encoder is present (``pdpatch doctor`` reports it)."""
+C_ENCODER = _compiled is not None
+"""Whether the compiled block encoder is present (``pdpatch doctor`` reports it)."""
 
 # pickle opcodes (Lib/pickle.py)
 _PROTO5_FRAME = b"\x80\x05\x95"
@@ -98,8 +98,9 @@ def block_token_encodings(tokens: Sequence[int], count: int, block_size: int, cb
                           ) -> list[bytes] | None:
     """The serialized token ids of each of the first ``count`` blocks (without the array /
     tuple framing), or None where the stream is not plain ints of the fast widths."""
-    if cbor and _c_block_items is not None and type(tokens) in (list, tuple):
-        blocks = _c_block_items(tokens, count, block_size)
+    if _compiled is not None and type(tokens) in (list, tuple):
+        items = _compiled.cbor_items if cbor else _compiled.pickle_items
+        blocks = items(tokens, count, block_size)
         if blocks is not None:
             return blocks
     total = count * block_size
