@@ -106,7 +106,8 @@ def expand_descs(descs: Any) -> list[tuple[int, int]]:
 
 
 class RecordingNixlWrapper:
-    """Stand-in for ``nixl._api.nixl_agent``: records registrations and descriptor lists."""
+    """Stand-in for ``nixl._api.nixl_agent`` in vLLM's FakeNixlWrapper style: records
+    registrations and descriptor lists; every other call is a no-op that succeeds."""
 
     instances: ClassVar[list[RecordingNixlWrapper]] = []
 
@@ -114,7 +115,12 @@ class RecordingNixlWrapper:
         self.registered: list[list[tuple[int, int, int, str]]] = []
         self.dlists: dict[int, tuple[str, list[tuple[int, int]]]] = {}
         self._next = 1
-        RecordingNixlWrapper.instances.append(self)
+        type(self).instances.append(self)
+
+    def _new_handle(self) -> int:
+        handle = self._next
+        self._next += 1
+        return handle
 
     # registration
     def get_reg_descs(self, caches_data, mem_type=None):
@@ -134,8 +140,7 @@ class RecordingNixlWrapper:
         return blocks_data
 
     def prep_xfer_dlist(self, agent, descs, mem_type=None, *args, **kwargs):
-        handle = self._next
-        self._next += 1
+        handle = self._new_handle()
         self.dlists[handle] = (agent, expand_descs(descs))
         return handle
 
@@ -146,11 +151,9 @@ class RecordingNixlWrapper:
         pass
 
     def make_prepped_xfer(self, *args, **kwargs):
-        handle = self._next
-        self._next += 1
-        return handle
+        return self._new_handle()
 
-    def transfer(self, handle):
+    def transfer(self, handle, *args, **kwargs):
         return "PROC"
 
     def check_xfer_state(self, handle):

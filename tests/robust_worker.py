@@ -25,12 +25,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from unittest.mock import MagicMock, patch
 
+import kvc_harness
 import numpy as np
 import torch
-from kvc_harness import expand_descs, kv_cache_tensors
+from kvc_harness import kv_cache_tensors
 from packaging.version import Version
 
 from pdpatch import vllm_sites
@@ -115,71 +116,36 @@ def vllm_config(kind: str, kv_heads: int, role: str, tp_size: int,
 # ---------------------------------------------------------------------------- fake NIXL
 
 
-class RecordingNixlWrapper:
-    """Stand-in for ``nixl._api.nixl_agent`` in vLLM's FakeNixlWrapper style: no-ops that
-    record what the worker asks NIXL to do."""
+class RecordingNixlWrapper(kvc_harness.RecordingNixlWrapper):
+    """The kvcached harness's recording NIXL stand-in, plus what the robustness tests read and
+    drive: the READs posted, the notifications sent, and an inbox of notifications to deliver."""
+
+    instances: ClassVar[list[RecordingNixlWrapper]] = []
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.dlists: dict[int, tuple[str, list[tuple[int, int]]]] = {}
+        super().__init__(*args, **kwargs)
         self.reads: list[dict[str, Any]] = []
         self.notifs_sent: list[tuple[str, str]] = []
         self.inbox: list[tuple[str, bytes]] = []
         self.remote_agents: list[str] = []
-        self._next = 1
-
-    def _handle(self) -> int:
-        self._next += 1
-        return self._next
-
-    def get_reg_descs(self, caches_data, mem_type=None):
-        return [tuple(x) for x in caches_data]
-
-    def register_memory(self, descs, backends=None):
-        pass
-
-    def deregister_memory(self, descs):
-        pass
 
     def get_agent_metadata(self):
         return b"agent:" + str(id(self)).encode()
-
-    def get_xfer_descs(self, blocks_data, mem_type=None):
-        return blocks_data
-
-    def prep_xfer_dlist(self, agent, descs, mem_type=None, *args, **kwargs):
-        h = self._handle()
-        self.dlists[h] = (agent, expand_descs(descs))
-        return h
 
     def add_remote_agent(self, metadata):
         name = metadata.decode() if isinstance(metadata, bytes) else str(metadata)
         self.remote_agents.append(name)
         return name
 
-    def remove_remote_agent(self, agent):
-        pass
-
     def make_prepped_xfer(self, op, local_handle, local_ids, remote_handle, remote_ids,
                           notif_msg=None, *args, **kwargs):
-        h = self._handle()
+        h = self._new_handle()
         self.reads.append({"op": op, "handle": h, "local": int(local_handle),
                            "local_ids": [int(x) for x in np.asarray(local_ids).ravel()],
                            "remote": int(remote_handle),
                            "remote_ids": [int(x) for x in np.asarray(remote_ids).ravel()],
                            "notif": notif_msg.decode() if notif_msg else None})
         return h
-
-    def transfer(self, handle, *args, **kwargs):
-        return "PROC"
-
-    def check_xfer_state(self, handle):
-        return "DONE"
-
-    def release_xfer_handle(self, handle):
-        pass
-
-    def release_dlist_handle(self, handle):
-        pass
 
     def send_notif(self, agent, notif_msg=None, *args, **kwargs):
         msg = notif_msg.decode() if isinstance(notif_msg, bytes) else str(notif_msg)
@@ -194,12 +160,6 @@ class RecordingNixlWrapper:
 
     def check_remote_metadata(self, *args, **kwargs):
         return True
-
-    def get_xfer_telemetry(self, handle):
-        return MagicMock(xferDuration=1.0, postDuration=1.0, totalBytes=1, descCount=1)
-
-    def query_memory(self, *args, **kwargs):
-        return []
 
 
 # ---------------------------------------------------------------------------- the worker
