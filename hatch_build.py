@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -42,7 +43,7 @@ def compile_extension(source: Path, target: Path) -> None:
     os.replace(partial, target)
 
 
-class CBORBlocksBuildHook(BuildHookInterface):
+class BlockItemsBuildHook(BuildHookInterface):
     PLUGIN_NAME = "custom"
 
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
@@ -50,13 +51,16 @@ class CBORBlocksBuildHook(BuildHookInterface):
             return
         source = Path(self.root) / SOURCE
         name = "_block_items" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+        self._scratch: Path | None = None
         if version == "editable":
             target = source.with_name(name)
         else:
-            target = Path(tempfile.mkdtemp(prefix="pdpatch-ext-")) / name
+            self._scratch = Path(tempfile.mkdtemp(prefix="pdpatch-ext-"))
+            target = self._scratch / name
         try:
             compile_extension(source, target)
         except (OSError, subprocess.CalledProcessError) as exc:
+            self.finalize(version, build_data, "")
             detail = getattr(exc, "stderr", "") or str(exc)
             if os.environ.get(REQUIRE_ENV) == "1":
                 raise RuntimeError(f"pdpatch: could not compile {SOURCE} "
@@ -68,3 +72,8 @@ class CBORBlocksBuildHook(BuildHookInterface):
             build_data["force_include"][str(target)] = f"pdpatch/hashing/{name}"
             build_data["pure_python"] = False
             build_data["infer_tag"] = True
+
+    def finalize(self, version: str, build_data: dict[str, Any], artifact_path: str) -> None:
+        if getattr(self, "_scratch", None) is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None

@@ -47,6 +47,29 @@ def test_wheel_contains_pth_entry_point_and_scripts(wheel):
     assert not wheel.name.endswith("-py3-none-any.whl"), wheel.name
 
 
+@pytest.mark.parametrize("required", [False, True], ids=["optional", "required"])
+def test_wheel_without_a_c_compiler(tmp_path, required):
+    """No compiler on PATH: a pure-Python wheel and a warning that says what is lost, or,
+    under PDPATCH_REQUIRE_C_ENCODER=1 (what the test setup uses), a failed build."""
+    env = {k: v for k, v in os.environ.items() if k != "PDPATCH_REQUIRE_C_ENCODER"}
+    env["PATH"] = str(Path(sys.executable).parent)           # python, no gcc / cc
+    if required:
+        env["PDPATCH_REQUIRE_C_ENCODER"] = "1"
+    out = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp_path),
+                          str(ROOT)], env=env, capture_output=True, text=True, timeout=600)
+    said = out.stdout + out.stderr
+    assert "could not compile pdpatch/hashing/_block_items.c" in said, said[-3000:]
+    if required:
+        assert out.returncode != 0 and not list(tmp_path.glob("*.whl"))
+        return
+    assert out.returncode == 0, said[-3000:]
+    assert "pure-Python encoders (about 2x slower)" in said
+    (whl,) = tmp_path.glob("pdpatch-*.whl")
+    assert whl.name.endswith("-py3-none-any.whl")
+    with zipfile.ZipFile(whl) as z:
+        assert not [n for n in z.namelist() if "_block_items" in n]
+
+
 def test_installed_wheel_activates_in_a_fresh_interpreter(wheel, tmp_path):
     venv = bare_venv(tmp_path / "v")
     site = site_packages(venv)
