@@ -33,11 +33,10 @@ REQUIRE_ENV = "PDPATCH_REQUIRE_C_ENCODER"
 def compile_extension(source: Path, target: Path) -> None:
     """One ``cc -shared`` call with this interpreter's own compiler flags."""
     cfg = sysconfig.get_config_var
+    partial = target.with_name(target.name + ".partial")
     cmd = [*shlex.split(cfg("LDSHARED") or "cc -shared"), *shlex.split(cfg("CCSHARED") or ""),
            "-O2", "-fno-strict-aliasing", f"-I{sysconfig.get_paths()['include']}",
-           str(source), "-o", str(target)]
-    partial = target.with_name(target.name + ".partial")
-    cmd[-1] = str(partial)
+           str(source), "-o", str(partial)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     # replaced, not overwritten: a process may have the previous build loaded
     os.replace(partial, target)

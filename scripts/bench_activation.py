@@ -187,20 +187,18 @@ def main() -> int:
               "(median of 5)")
         runs = {name: [import_self_times(*v) for _ in range(5)] for name, v in variants.items()}
         stock = set().union(*runs["not installed"])
-        added_s = {}
         for name in ("installed, disabled", "installed, enabled"):
             added = set().union(*runs[name]) - stock
-            added_s[name] = statistics.median(sum(t.get(m, 0.0) for m in added)
-                                              for t in runs[name])
-            print(f"  {name:22s} {len(added):4d} modules  {added_s[name] * 1000:7.1f} ms")
+            added_s = statistics.median(sum(t.get(m, 0.0) for m in added) for t in runs[name])
+            print(f"  {name:22s} {len(added):4d} modules  {added_s * 1000:7.1f} ms")
         print(f"pdpatch's hook on vllm, timed inside the child (median of {args.runs})")
         hook = {name: statistics.median(hook_seconds(*variants[name]) for _ in range(args.runs))
                 for name in ("installed, disabled", "installed, enabled")}
         for name, med in hook.items():
             print(f"  {name:22s} {med * 1000:7.2f} ms")
-        stock_modules = modules_after(*variants["not installed"], "import vllm")
+        # `stock`: every module stock `import vllm` loads (from the importtime runs above)
         wrapt_needs = modules_after(*variants["not installed"], "import wrapt.importer")
-        preload = sorted(wrapt_needs & stock_modules)
+        preload = sorted(wrapt_needs & stock)
         lookup = statistics.median(lookup_seconds(*variants["installed, enabled"], preload)
                                    for _ in range(args.runs))
         print(f"first vllm lookup (wrapt import + hook registration; {len(preload)} modules "
