@@ -56,6 +56,7 @@ from pdpatch.kv import (
 )
 from pdpatch.kv.stage import (
     CopyPlan,
+    TransportCost,
     nixl_merged_count,
     split_staged,
     stage,
@@ -257,6 +258,8 @@ class CupyCopier:
 
         self.cp = cupy
         self.kernel = cupy.RawKernel(_KERNEL, "pd_copy")
+        # not the legacy default stream, which would wait for UCX's copies in flight
+        self.stream = cupy.cuda.Stream(non_blocking=True)
         self.chunk, self.threads = CHUNK, 256
         self.tuning: dict[str, float] = {}
 
@@ -301,10 +304,15 @@ class CupyCopier:
         ch = plan.chunks(self.chunk)
         n = len(ch)
         if n:
-            arr = self.cp.asarray(np.concatenate([ch.src, ch.dst, ch.length]).astype(np.uint64))
-            self.kernel((n,), (self.threads,), (arr, np.int32(n)))
+            with self.stream:
+                arr = self.cp.asarray(np.concatenate([ch.src, ch.dst, ch.length])
+                                      .astype(np.uint64))
+                self.kernel((n,), (self.threads,), (arr, np.int32(n)))
         if sync:
-            self.cp.cuda.runtime.deviceSynchronize()
+            self.sync()
+
+    def sync(self) -> None:
+        self.stream.synchronize()
 
 
 class TorchCopier:
@@ -644,7 +652,7 @@ class Bench:
                                   lpools[lay].mem))
         slots = 2 * L * n_req
         # room for the request, and for gap reads (at most the whole remote pool)
-        st_bytes = max(slots * seg, L * N * block_bytes if a.gap_kib > 0 else 0)
+        st_bytes = max(slots * seg, L * N * block_bytes if a.gap_kib != 0 else 0)
         staging = torch.empty(st_bytes + 512, dtype=torch.uint8, device=_dev(self.device))
         st_off = (-staging.data_ptr()) % 512
         staging = staging[st_off: st_off + st_bytes]
@@ -675,6 +683,7 @@ class Bench:
         self.results.append({"pool": tag, "pool_kind": pool_kind, "block_kib": block_bytes // 1024,
                              "case": "device copy", "mode": "torch copy_", "gbs": d2d,
                              "bytes": nbytes, "ok": True})
+        gap = self.gap_for(lpools, rgeo, rpeer)
         rng = np.random.default_rng(block_bytes)
         for pattern in patterns:
             k = 1 if pattern in ("scattered", "sparse") else int(pattern.removeprefix("runs"))
@@ -687,7 +696,7 @@ class Bench:
                     self.run_case(op, pattern, tag, pool_kind, remote_kind, block_bytes,
                                   lpools[lay_l], rgeo[lay_r], rpeer[lay_r], f"remote-{lay_r}",
                                   mirror[lay_r], lids, rids, st_base, slots, sth, arenas, d2d,
-                                  base_gbs, st_bytes)
+                                  base_gbs, st_bytes, gap)
         self.agent.release_dlist_handle(sth)
         for r in lregs:
             self.agent.deregister_memory(r)
@@ -697,9 +706,45 @@ class Bench:
         if self.device == "cuda":
             torch.cuda.empty_cache()
 
+    def gap_for(self, lpools: dict[str, Pool], rgeo: dict[str, KVGeometry],
+                rpeer: dict[str, Peer]) -> int:
+        """The max gap of staged+gap READs: ``--gap-kib`` when given, else the budget of this
+        transport measured now (two fused READs: one descriptor per isolated block, then one
+        descriptor per layer over the same bytes' worth of pool)."""
+        a = self.args
+        if a.gap_kib is not None:
+            return a.gap_kib * 1024
+        if "fused" not in lpools or "fused" not in rgeo:
+            return 0
+        lp, rg, peer = lpools["fused"], rgeo["fused"], rpeer["fused"]
+        wp = PairPlan(whole_blocks(lp.geometry), whole_blocks(rg))
+        half = max(lp.num_blocks // 2, 1)
+        spaced = np.arange(0, 2 * half, 2)
+        many = wp.descs(spaced, spaced)
+        one = coalesce(wp.descs(np.arange(half), np.arange(half)))
+        timings = []
+        for plan in (many, one):
+            lists = (plan.local_nx3(), plan.remote_nx3())
+            times, _, _, err = self.timed_lists("READ", lp.mem, peer.name, lists, None, None,
+                                                lambda: None, lambda: None)
+            if err:
+                raise RuntimeError(f"gap calibration READ failed: {err}")
+            timings.append((len(plan), int(plan.length.sum()), min(times)))
+        try:
+            cost = TransportCost.from_timings(*timings)
+        except ValueError as e:  # noise can defeat the model: then no gap reads, and say so
+            self.notes.append(f"{lp.geometry.label}: gap calibration failed ({e}); no gap reads")
+            return 0
+        gap = cost.gap_budget()
+        print(f"   transport calibration: {cost.desc_cost_s * 1e6:.2f} us per descriptor, "
+              f"{cost.bandwidth_bps / 1e9:.1f} GB/s -> gap budget {gap / 1024:.0f} KiB",
+              flush=True)
+        self.notes.append(f"{lp.geometry.label}: {cost} gap budget {gap} B")
+        return gap
+
     def run_case(self, op, pattern, tag, pool_kind, remote_kind, block_bytes, lp: Pool,
                  rg: KVGeometry, peer: Peer, rname, mirror, lids, rids, st_base, slots, sth,
-                 arenas, d2d, base_gbs, st_bytes) -> None:
+                 arenas, d2d, base_gbs, st_bytes, gap_bytes: int) -> None:
         """All modes of one (local layout <- remote layout) case for one request."""
         a = self.args
         L, N, seg = len(lp.tensors), lp.num_blocks, lp.seg
@@ -718,7 +763,7 @@ class Bench:
                 modes.append((f"staged-ids/{a.executors[0]}", a.executors[0]))
         if pair.converts and a.pipe > 1:
             modes.append((f"staged-pipe/{a.executors[0]}", a.executors[0]))
-        if op == "READ" and a.gap_kib > 0 and (pair.converts or fused_pair):
+        if op == "READ" and gap_bytes > 0 and (pair.converts or fused_pair):
             modes.append((f"staged+gap/{a.executors[0]}", a.executors[0]))
             if a.pipe > 1:
                 modes.append((f"staged-pipe+gap/{a.executors[0]}", a.executors[0]))
@@ -744,7 +789,7 @@ class Bench:
                 sid = stage_ids(pair.local_table(), rt, li0, ri0, st_base, seg, slots, op=op)
                 li, ri, copies = sid.staging_ids, sid.remote_ids, sid.copies
             else:
-                gap = a.gap_kib * 1024 if "+gap" in mode else 0
+                gap = gap_bytes if "+gap" in mode else 0
                 sp = stage(pair.descs(lids, rids), st_base, op=op, staging_bytes=st_bytes,
                            max_gap=gap, remote_ranges=rg.registration_ranges() if gap else None)
                 per_request = (sp.transfer.local_nx3(), sp.transfer.remote_nx3())
@@ -787,6 +832,7 @@ class Bench:
                 "gbs_median": xbytes / statistics.median(times) / 1e9,
                 "copy_ms": min(ctimes) * 1e3 if copies is not None else 0.0,
                 "plan_us": t_plan * 1e6, "bytes": xbytes, "wire_bytes": wire, "d2d_gbs": d2d,
+                "max_gap": gap_bytes if "+gap" in mode else 0,
                 "ok": err is None, "error": err, "reps": len(times),
             }
             row["ratio"] = gbs / base_gbs[op] if op in base_gbs else None
@@ -1085,6 +1131,31 @@ def summary(results: list[dict]) -> None:
         print(f"   {key[0]:>14s} {key[2]:9s} | " + " | ".join(parts))
 
 
+
+def summary_gap(results: list[dict]) -> None:
+    """The calibrated gap policy: every path may read gaps, the fused one too, so the fair
+    baseline is the fused path with the same policy; bytes read are shown beside it."""
+    rows = [r for r in results if r.get("op") == "READ" and "+gap" in r["mode"]
+            and "pipe" not in r["mode"]]
+    if not rows:
+        return
+    print("\n== summary: READ with the calibrated gap budget: GB/s, ratio to the fused path "
+          "(whole-blocks) / to the fused path with the same gap policy, bytes read per byte "
+          "requested")
+    base = {(r["pool"], r["pattern"]): r for r in results
+            if r.get("op") == "READ" and r["mode"] == "whole-blocks"}
+    fgap = {(r["pool"], r["pattern"]): r for r in rows if r["case"] == "fused<-fused"}
+    for r in sorted(rows, key=lambda r: (r["pool"].split()[0], r["block_kib"], r["pattern"],
+                                         r["case"])):
+        b, f = base.get((r["pool"], r["pattern"])), fgap.get((r["pool"], r["pattern"]))
+        if b is None:
+            continue
+        vs_gap = f"{r['gbs'] / f['gbs']:.2f}" if f else "-"
+        print(f"   {r['pool']:>14s} {r['pattern']:9s} {r['case']:13s} {r['gbs']:8.1f} GB/s  "
+              f"x{r['gbs'] / b['gbs']:.2f} of fused  x{vs_gap} of fused+gap  "
+              f"read x{r['wire_bytes'] / r['bytes']:.1f}  gap {r['max_gap'] >> 10} KiB"
+              f"{'' if r['ok'] else '  FAIL'}")
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -1103,7 +1174,8 @@ def main() -> int:
     ap.add_argument("--request-frac", type=float, default=0.5)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--gap-kib", type=int, default=None,
-                    help="READ gap reads for staged+gap (default: 1024 on cuda, 64 on cpu)")
+                    help="max gap of staged+gap READs (default: the calibrated transport's "
+                         "TransportCost.gap_budget(); 0: no gap reads)")
     ap.add_argument("--pipe", type=int, default=1,
                     help="pieces of staged-pipe modes (1: off; measured slower on H200)")
     ap.add_argument("--reps-large", type=int, default=9, help="reps for blocks >= 256 KiB")
@@ -1123,8 +1195,6 @@ def main() -> int:
     a = ap.parse_args()
     if a.device == "cuda" and os.environ.get("PDPATCH_BENCH_NO_IPC_DEFAULT") != "1":
         os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
-    if a.gap_kib is None:
-        a.gap_kib = 1024 if a.device == "cuda" else 64
     if a.quick:
         a.layers, a.pool_mib, a.reps = 2, 4, 2
         a.block_kib = a.block_kib if a.block_kib != "16,64,256" else "16,64"
@@ -1236,6 +1306,7 @@ def main() -> int:
     report["notes"] = bench.notes
     report["copy_tuning"] = bench.copy_tuning
     summary(bench.results)
+    summary_gap(bench.results)
     failures += sum(1 for r in bench.results if not r["ok"])
     pol = report.get("policy") or []
     for p in pol:

@@ -13,6 +13,7 @@ from kv_helpers import LayoutSpec, build_side, expected_copy, simulate
 from pdpatch.kv import HeadSlice, KVPlanError, PairPlan, coalesce, infer_geometry
 from pdpatch.kv.stage import (
     CopyPlan,
+    TransportCost,
     merge_copies,
     nixl_merged_count,
     split_staged,
@@ -238,6 +239,35 @@ def test_gap_limits() -> None:
     for a, n in zip(by_block.transfer.remote_addr.tolist(), by_block.transfer.length.tolist(),
                     strict=True):
         assert any(s <= a and a + n <= e for s, e in cut)
+
+
+@given(cost_us=st.floats(0.05, 50), gbps=st.floats(0.1, 2000),
+       many=st.integers(100, 100_000), seg=st.integers(512, 1 << 20))
+def test_transport_cost_recovers_the_model(cost_us: float, gbps: float, many: int,
+                                           seg: int) -> None:
+    """Two READs timed by the model itself give the model back, and its gap budget is the
+    gap whose wire time equals one descriptor's cost."""
+    truth = TransportCost(cost_us * 1e-6, gbps * 1e9)
+    small = (many, many * seg, truth.seconds(many, many * seg))
+    big = (4, many * seg, truth.seconds(4, many * seg))
+    got = TransportCost.from_timings(small, big)
+    assert got.desc_cost_s == pytest.approx(truth.desc_cost_s, rel=1e-6)
+    assert got.bandwidth_bps == pytest.approx(truth.bandwidth_bps, rel=1e-6)
+    budget = got.gap_budget()
+    assert truth.seconds(0, budget) <= truth.desc_cost_s * (1 + 1e-9)
+    assert truth.seconds(0, budget + 2) > truth.desc_cost_s
+
+
+def test_transport_cost_refuses_what_it_cannot_solve() -> None:
+    with pytest.raises(ValueError, match="independent"):
+        TransportCost.from_timings((10, 100, 1.0), (20, 200, 2.0))
+    with pytest.raises(ValueError, match="positive"):
+        TransportCost.from_timings((10, 100, 0.0), (1, 1000, 1.0))
+    # the big READ slower per byte than the small one's whole time allows: no bandwidth fits
+    with pytest.raises(ValueError, match="no positive bandwidth"):
+        TransportCost.from_timings((1000, 1000, 1.0), (1, 10**6, 1e-6))
+    # a per-descriptor cost below zero (noise) is clipped, not returned negative
+    assert TransportCost.from_timings((100, 100, 1e-8), (1, 10**6, 1e-3)).desc_cost_s == 0.0
 
 
 @pytest.mark.parametrize("op", ["READ", "WRITE"])

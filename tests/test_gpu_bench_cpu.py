@@ -25,7 +25,7 @@ def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("bench") / "cpu.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "gpu_kv_bench.py"), "--device", "cpu",
            "--quick", "--block-kib", "16", "--write-kib", "16", "--pool-mib", "2",
-           "--json", str(out)]
+           "--gap-kib", "64", "--json", str(out)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
@@ -75,6 +75,29 @@ def test_nixl_posts_the_predicted_descriptors(report) -> None:
     # gap reads merge scattered blocks too
     assert (row("fused<-split", "scattered", "staged+gap")["nixl_descs"]
             < row("fused<-split", "scattered", "staged/")["nixl_descs"])
+
+
+def test_gap_budget_is_calibrated_on_the_transport(tmp_path) -> None:
+    """Without --gap-kib the bench measures this transport (UCX over host memory here) and
+    reads gaps up to TransportCost.gap_budget(); a calibration the noise defeats means no gap
+    reads, said in the notes, never a guessed budget."""
+    out = tmp_path / "cal.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_kv_bench.py"), "--device", "cpu",
+           "--quick", "--block-kib", "16", "--write-kib", "0", "--pool-mib", "2", "--cases",
+           "ff", "--patterns", "scattered", "--no-policy", "--no-detect", "--no-warmup",
+           "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    rep = json.loads(out.read_text())
+    (note,) = [n for n in rep["notes"] if "gap" in n]
+    gap_rows = [r for r in rep["results"] if "+gap" in r.get("mode", "")]
+    if "calibration failed" in note:
+        assert not gap_rows
+        return
+    budget = int(note.rsplit("gap budget ", 1)[1].split()[0])
+    assert "TransportCost(desc_cost_s=" in note
+    assert all(r["max_gap"] == budget and r["ok"] for r in gap_rows)
+    assert bool(gap_rows) == (budget > 0)
 
 
 def test_registration_policy_on_host_memory(report) -> None:
