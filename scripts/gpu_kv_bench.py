@@ -579,7 +579,6 @@ class Bench:
         self.known: dict[str, bool] = {}
         self.copiers: dict[str, Any] = {}
         self.notes: list[str] = []
-        self._last_count = 0
         self.copy_tuning: dict = {}
 
     def sync(self) -> None:
@@ -612,8 +611,11 @@ class Bench:
         return TorchCopier(arenas)
 
     # ---------------------------------------------------------------- one transfer, timed
-    def timed(self, op: str, lh, rh, lidx, ridx, copies: CopyPlan | None, copier,
+    def timed(self, op: str, dlists, lidx, ridx, copies: CopyPlan | None, copier,
               before, after) -> tuple[list[float], int, list[float], str | None]:
+        """Repetitions of one transfer.  ``dlists()`` gives the local and remote dlist handles
+        of a repetition and a function that releases them: tables prepared once (vLLM's form)
+        or per-request lists, whose preparation is then inside the timing."""
         times, copy_times, count, err = [], [], 0, None
         for _ in range(self.args.reps):
             before()
@@ -622,18 +624,21 @@ class Bench:
             if copies is not None and op == "WRITE":
                 copier.run(copies)
             tc = time.perf_counter()
+            lh, rh, release = dlists()
             h = self.agent.make_prepped_xfer(op, lh, lidx, rh, ridx)
             state, pending = self._read_then_copy(h, op, copies, copier)
             tx = time.perf_counter()
             if pending is not None:
                 copier.launch(pending)
+            tcopy = time.perf_counter()
+            count = int(self.agent.get_xfer_telemetry(h).descCount)
+            self.agent.release_xfer_handle(h)
+            release()
             t1 = time.perf_counter()
             if state != "DONE":
                 err = f"transfer state {state}"
-            count = int(self.agent.get_xfer_telemetry(h).descCount)
-            self.agent.release_xfer_handle(h)
             times.append(t1 - t0)
-            copy_times.append((tc - t0) + (t1 - tx))
+            copy_times.append((tc - t0) + (tcopy - tx))
             err = err or after()
             if err:
                 break
@@ -847,8 +852,9 @@ class Bench:
                 lh = (sth if lt is st_table else
                       self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", lt, lp.mem))
                 rh = self.agent.prep_xfer_dlist(peer.name, rt, lp.mem)
-                times, count, ctimes, err = self.timed(op, lh, rh, li, ri, copies, copier,
-                                                       before, after)
+                once = (lh, rh, lambda: None)  # tables prepared once, as vLLM does
+                times, count, ctimes, err = self.timed(op, lambda t=once: t, li, ri, copies,
+                                                       copier, before, after)
                 if lh is not sth:
                     self.agent.release_dlist_handle(lh)
                 self.agent.release_dlist_handle(rh)
@@ -931,38 +937,16 @@ class Bench:
     def timed_lists(self, op: str, mem: str, peer_name: str, lists, copies, copier, before,
                     after):
         """Per-request descriptor lists: prep_xfer_dlist + release are inside the timing."""
-        times, copy_times, count, err = [], [], 0, None
         llist, rlist = lists
         idx = np.arange(len(llist))
-        for _ in range(self.args.reps):
-            before()
-            self.sync()
-            t0 = time.perf_counter()
-            if copies is not None and op == "WRITE":
-                copier.run(copies)
-            tc = time.perf_counter()
+
+        def dlists():
             lh = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", llist, mem)
             rh = self.agent.prep_xfer_dlist(peer_name, rlist, mem)
-            h = self.agent.make_prepped_xfer(op, lh, idx, rh, idx)
-            state, pending = self._read_then_copy(h, op, copies, copier)
-            tx = time.perf_counter()
-            if pending is not None:
-                copier.launch(pending)
-            tcopy = time.perf_counter()
-            self._last_count = int(self.agent.get_xfer_telemetry(h).descCount)
-            self.agent.release_xfer_handle(h)
-            self.agent.release_dlist_handle(lh)
-            self.agent.release_dlist_handle(rh)
-            t1 = time.perf_counter()
-            if state != "DONE":
-                err = f"transfer state {state}"
-            times.append(t1 - t0)
-            copy_times.append((tc - t0) + (tcopy - tx))
-            count = self._last_count
-            err = err or after()
-            if err:
-                break
-        return times, count, copy_times, err
+            return lh, rh, lambda: (self.agent.release_dlist_handle(lh),
+                                    self.agent.release_dlist_handle(rh))
+
+        return self.timed(op, dlists, idx, idx, copies, copier, before, after)
 
     def _hooks(self, op, lp: Pool, peer: Peer, rname: str, lids, rids, mirror, L, N, seg):
         torch = _torch()
