@@ -248,14 +248,18 @@ def test_transport_cost_recovers_the_model(cost_us: float, gbps: float, many: in
     """Two READs timed by the model itself give the model back, and its gap budget is the
     gap whose wire time equals one descriptor's cost."""
     truth = TransportCost(cost_us * 1e-6, gbps * 1e9)
-    small = (many, many * seg, truth.seconds(many, many * seg))
-    big = (4, many * seg, truth.seconds(4, many * seg))
+
+    def seconds(descs: int, nbytes: int) -> float:
+        return descs * truth.desc_cost_s + nbytes / truth.bandwidth_bps
+
+    small = (many, many * seg, seconds(many, many * seg))
+    big = (4, many * seg, seconds(4, many * seg))
     got = TransportCost.from_timings(small, big)
     assert got.desc_cost_s == pytest.approx(truth.desc_cost_s, rel=1e-6)
     assert got.bandwidth_bps == pytest.approx(truth.bandwidth_bps, rel=1e-6)
     budget = got.gap_budget()
-    assert truth.seconds(0, budget) <= truth.desc_cost_s * (1 + 1e-9)
-    assert truth.seconds(0, budget + 2) > truth.desc_cost_s
+    assert seconds(0, budget) <= truth.desc_cost_s * (1 + 1e-9)
+    assert seconds(0, budget + 2) > truth.desc_cost_s
 
 
 def test_transport_cost_refuses_what_it_cannot_solve() -> None:

@@ -140,7 +140,7 @@ def stage(plan: DescPlan, staging_base: int, *, op: str = "READ",
     ``max_gap`` (READ only, needs the peer's registered ``remote_ranges``): also read across
     gaps of up to ``max_gap`` unrequested bytes inside one registered range, so nearby blocks
     share a descriptor.  Worth it while a gap costs less wire time than a descriptor:
-    :meth:`TransportCost.gap_budget` of the measured transport (about 1 MB between two
+    :meth:`TransportCost.gap_budget` of the measured transport (3-7 MiB between two
     processes on one H100/H200 over cuda_ipc); the gap bytes land in staging only
     and are never copied out.  Never for WRITE, which would overwrite other blocks.  When
     ``staging_bytes`` is too small for the gaps, the allowed gap is halved until it fits.
@@ -195,9 +195,9 @@ def stage(plan: DescPlan, staging_base: int, *, op: str = "READ",
 class TransportCost(NamedTuple):
     """What one READ costs on a transport: a fixed price per descriptor plus wire time.
 
-    Measured, not assumed: the same transport moves KV at ~2.8 µs per descriptor and
-    hundreds of GB/s between two processes on one GPU (cuda_ipc), and at very different
-    figures over TCP or an RDMA NIC, so the gap worth reading differs by orders of magnitude.
+    Measured, not assumed: between two processes on one H100/H200 (cuda_ipc) a descriptor
+    costs about 3 µs and one large descriptor moves over 1 TB/s; over TCP or an RDMA NIC both
+    figures differ by orders of magnitude, and so does the gap worth reading.
     """
 
     desc_cost_s: float
@@ -222,10 +222,6 @@ class TransportCost(NamedTuple):
         it costs one more descriptor, reading it costs its wire time.  This is the
         ``max_gap`` for :func:`stage`."""
         return max(int(self.desc_cost_s * self.bandwidth_bps), 0)
-
-    def seconds(self, descs: int, nbytes: int) -> float:
-        """Predicted time of a READ of ``descs`` descriptors moving ``nbytes``."""
-        return descs * self.desc_cost_s + nbytes / self.bandwidth_bps
 
 
 def split_staged(staged: StagedPlan, parts: int) -> list[StagedPlan]:
