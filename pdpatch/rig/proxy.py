@@ -241,19 +241,26 @@ def pd_request(
     return PDResult(prefill=pre, decode=dec, ttft_s=ttft, transfer=stats)
 
 
+WARM_UP_BACKOFF_S = 3.0
+
+
 def warm_up(
-    p: Engine, d: Engine, attempts: int = 3, log: list[str] | None = None
+    p: Engine, d: Engine, attempts: int = 5, log: list[str] | None = None
 ) -> PDResult:
     """First P/D request of a pair: NIXL handshake, UCX connection, first forward passes.
 
     vLLM 0.33 gives the first side-channel handshake a hard-coded 5 s ZMQ receive timeout
     (``base_worker._nixl_handshake``); on a heavily loaded 2-core machine P's listener thread can
     miss it, which fails that one request ("handshake_setup_failed") and the next request
-    handshakes again.  So the warm-up retries; each failed attempt is recorded in ``log``.
+    handshakes again.  Such stalls come in bursts (one CI run saw three handshakes in a row
+    time out within 12 s), so the warm-up retries with a growing pause (3, 6, 9, 12 s); each
+    failed attempt is recorded in ``log``.
     """
     prompt = list(range(3, 19))
     last: PDResult | None = None
     for i in range(attempts):
+        if i:
+            time.sleep(WARM_UP_BACKOFF_S * i)
         last = pd_request(p, d, prompt, 2)
         if last.decode.error is None and last.decode.token_ids:
             return last
