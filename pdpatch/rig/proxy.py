@@ -252,18 +252,24 @@ def warm_up(
     vLLM 0.33 gives the first side-channel handshake a hard-coded 5 s ZMQ receive timeout
     (``base_worker._nixl_handshake``); on a heavily loaded 2-core machine P's listener thread can
     miss it, which fails that one request ("handshake_setup_failed") and the next request
-    handshakes again.  Such stalls come in bursts (one CI run saw three handshakes in a row
-    time out within 12 s), so the warm-up retries with a growing pause (3, 6, 9, 12 s); each
-    failed attempt is recorded in ``log``.
+    handshakes again.  Such stalls come in bursts: one CI run saw three handshakes in a row time
+    out within 12 s, another saw stock D's ``/metrics`` give no answer for 10 s right after the
+    failed first request.  So the warm-up retries, with a growing pause (3, 6, 9, 12 s), both a
+    failed request and an HTTP error or timeout; each failed attempt is recorded in ``log``.
     """
     prompt = list(range(3, 19))
-    last: PDResult | None = None
+    last: PDResult | str | None = None
     for i in range(attempts):
         if i:
             time.sleep(WARM_UP_BACKOFF_S * i)
-        last = pd_request(p, d, prompt, 2)
-        if last.decode.error is None and last.decode.token_ids:
-            return last
+        try:
+            last = pd_request(p, d, prompt, 2)
+        except OSError as exc:  # urllib's HTTP and connection errors, socket timeouts
+            last = f"{type(exc).__name__}: {exc}"
+        else:
+            if last.decode.error is None and last.decode.token_ids:
+                return last
         if log is not None:
-            log.append(f"warm-up attempt {i + 1} failed: {last.decode.error or 'no tokens'}")
+            why = last if isinstance(last, str) else (last.decode.error or "no tokens")
+            log.append(f"warm-up attempt {i + 1} failed: {why}")
     raise RuntimeError(f"P/D warm-up failed {attempts} times; last: {last}")
