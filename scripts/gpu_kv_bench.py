@@ -410,12 +410,13 @@ def register(agent, ranges, mem: str):
     return agent.register_memory([(int(s), int(e - s), 0, "") for s, e in ranges], mem)
 
 
-def wait(agent, handle, timeout: float = 120.0, while_moving=None) -> str:
-    """Post ``handle`` and poll it to the end; ``while_moving`` runs right after posting (host
-    work that does not need the bytes yet, such as building the copy table of a READ)."""
-    state = agent.transfer(handle)
-    if while_moving is not None:
-        while_moving()
+def wait(agent, handle, timeout: float = 120.0) -> str:
+    """Post ``handle`` and poll it to the end."""
+    return poll(agent, handle, agent.transfer(handle), timeout)
+
+
+def poll(agent, handle, state: str, timeout: float = 120.0) -> str:
+    """Poll a posted transfer from its ``state`` at posting to the end."""
     deadline = time.monotonic() + timeout
     while state == "PROC":
         state = agent.check_xfer_state(handle)
@@ -885,9 +886,9 @@ class Bench:
         bytes and return it for launching once they have landed."""
         if copies is None or op != "READ":
             return wait(self.agent, h), None
-        box: list = []
-        state = wait(self.agent, h, while_moving=lambda: box.append(copier.prepare(copies)))
-        return state, box[0]
+        posted = self.agent.transfer(h)
+        pending = copier.prepare(copies)  # host work that needs no bytes yet
+        return poll(self.agent, h, posted), pending
 
     def timed_pipe(self, op: str, mem: str, peer_name: str, lists, pieces, copier, before,
                    after):

@@ -20,16 +20,20 @@ pytest.importorskip("nixl._api")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("bench") / "cpu.json"
+def run_bench(out: Path, *args: str) -> dict:
+    """The bench's small CPU run (16 KiB blocks, 2 MiB pools) with ``args``; its JSON report."""
     cmd = [sys.executable, str(ROOT / "scripts" / "gpu_kv_bench.py"), "--device", "cpu",
-           "--quick", "--block-kib", "16", "--write-kib", "16", "--pool-mib", "2",
-           "--gap-kib", "64", "--json", str(out)]
+           "--quick", "--block-kib", "16", "--pool-mib", "2", *args, "--json", str(out)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("bench") / "cpu.json"
+    return run_bench(out, "--write-kib", "16", "--gap-kib", "64")
 
 
 def test_every_case_is_byte_exact(report) -> None:
@@ -81,14 +85,8 @@ def test_gap_budget_is_calibrated_on_the_transport(tmp_path) -> None:
     """Without --gap-kib the bench measures this transport (UCX over host memory here) and
     reads gaps up to TransportCost.gap_budget(); a calibration the noise defeats means no gap
     reads, said in the notes, never a guessed budget."""
-    out = tmp_path / "cal.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_kv_bench.py"), "--device", "cpu",
-           "--quick", "--block-kib", "16", "--write-kib", "0", "--pool-mib", "2", "--cases",
-           "ff", "--patterns", "scattered", "--no-policy", "--no-detect", "--no-warmup",
-           "--json", str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    rep = json.loads(out.read_text())
+    rep = run_bench(tmp_path / "cal.json", "--write-kib", "0", "--cases", "ff", "--patterns",
+                    "scattered", "--no-policy", "--no-detect", "--no-warmup")
     (note,) = [n for n in rep["notes"] if "gap" in n]
     gap_rows = [r for r in rep["results"] if "+gap" in r.get("mode", "")]
     if "calibration failed" in note:
