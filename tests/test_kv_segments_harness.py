@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import importlib
 import inspect
+import os
 import threading
 import traceback
 from collections.abc import Iterator
@@ -307,7 +308,11 @@ def pull(d: Side, p_ranks: dict[int, Side], local_ids: list[int], remote_ids: li
                       for b in range(t.shape[_block_dim(t)])
                       if not torch.equal(_block(t.view(torch.int16), b),
                                          _block(before[n], b))})
+    staging = getattr(nixl, "stats", None)
     return {"results": acc, "crash": crash or crash2, "handshake_errors": errors,
+            "staging": None if staging is None else {
+                **vars(staging), "not_staged": dict(staging.not_staged),
+                "free": nixl.staging_free},
             "copied_bytes": getattr(nixl, "copied_bytes", 0),
             "nixl_errors": list(getattr(nixl, "errors", [])), "changed_blocks": changed}
 
@@ -404,6 +409,12 @@ def scenario_pair(p_backend: str = P_BACKEND, d_backend: str = D_BACKEND,
     out["d_shape"] = list(next(iter(d.caches.values())).shape)
     out["stats"] = _stats()
     return out
+
+
+def scenario_pair_unstaged() -> dict[str, Any]:
+    """``pair`` with staging off (``PDPATCH_KV_STAGING_MIB=0``): per-segment READs."""
+    with patch.dict(os.environ, {"PDPATCH_KV_STAGING_MIB": "0"}):
+        return scenario_pair()
 
 
 def scenario_tp_up() -> dict[str, Any]:
@@ -562,6 +573,7 @@ SCENARIOS = {
     "pair": scenario_pair,
     "pair_reverse": lambda: scenario_pair(D_BACKEND, P_BACKEND),
     "pair_same": lambda: scenario_pair(P_BACKEND, P_BACKEND),
+    "pair_unstaged": scenario_pair_unstaged,
     "pair_no_enforce": lambda: scenario_pair(
         d_extra={"enforce_handshake_compat": False}),
     # CPU attention wants blocks of a multiple of 32 tokens from 0.23

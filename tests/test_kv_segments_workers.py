@@ -42,8 +42,8 @@ def patched_scenarios(version: Version) -> list[str]:
     if version < TRITON_HND:
         # Run token-major (NHD), the order 0.19's Triton really uses; head splits (TP) and the
         # block-size receive post-processing need HND there, so those run from 0.20.
-        names = ["pair", "pair_reverse", "pair_same", "span_advertised", "span_stock_fields",
-                 "advert_ignored"]
+        names = ["pair", "pair_reverse", "pair_same", "pair_unstaged", "span_advertised",
+                 "span_stock_fields", "advert_ignored"]
         return [*names, "globals"]
     names = ["pair", "pair_reverse", "pair_same", "tp_up", "tp_down", "span_advertised",
              "span_stock_fields", "advert_ignored"]
@@ -52,7 +52,7 @@ def patched_scenarios(version: Version) -> list[str]:
         # reproduce P's tokens after vLLM's receive post-processing on CPU; nothing to compare.
         names += ["block_ratio"]
     if version < SPLIT_ERA:
-        names += ["block_ratio_reverse", "pair_cpu"]
+        names += ["block_ratio_reverse", "pair_cpu", "pair_unstaged"]
     if version >= PACKED_ERA:
         names += ["pair_cpu"]
     if version >= Version("0.33"):
@@ -179,9 +179,32 @@ def test_mixed_pair_transfers_the_right_bytes(ver: str, name: str) -> None:
     if v(ver) < SPLIT_ERA:
         assert {out["p_regions"], out["d_regions"]} == {2, 4}    # split vs fused
         assert stats["conversions"] == 1 and stats["mixed_accepted"] == 0
+        staged_once(out["staging"])
     else:
         assert out["p_regions"] == out["d_regions"] == 2
         assert stats["conversions"] == 0 and stats["mixed_accepted"] == 1
+        if v(ver) < PACKED_ERA:     # kvcached's split-half pools may still convert: an agent
+            assert out["staging"]["staged_reads"] == 0 and out["staging"]["not_staged"] == {}
+        else:                       # nothing converts from 0.26: no agent
+            assert out["staging"] is None
+
+
+def staged_once(staging: dict[str, Any] | None) -> None:
+    """One READ went through staging, with fewer NIXL descriptors than vLLM's list needs:
+    blocks 4, 5, 6 are a run, contiguous in P's memory."""
+    assert staging is not None
+    assert staging["staged_reads"] == 1 and staging["not_staged"] == {}
+    assert staging["descriptors_staged"] < staging["descriptors_stock"]
+    assert staging["gather_failures"] == 0
+    assert staging["free"] == 128 << 20               # the slots came back
+
+
+@pytest.mark.parametrize("ver", [x for x in VERSIONS if v(x) < SPLIT_ERA])
+def test_conversion_without_staging_goes_per_segment(ver: str) -> None:
+    out = scenario(ver, "patched", "pair_unstaged")
+    ok_pull(out, [1, 2, 3])
+    assert out["stats"]["conversions"] == 1
+    assert out["staging"] is None
 
 
 @pytest.mark.parametrize("ver", VERSIONS)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import torch
 from kv_helpers import LayoutSpec, Side, build_side, expected_copy, peer_main, side_nbytes
 
 from pdpatch.kv import (
@@ -26,6 +27,7 @@ from pdpatch.kv import (
     infer_geometry,
     strided_pair_rows,
 )
+from pdpatch.kv.staging import StagingAgent, StagingStats
 
 pytestmark = pytest.mark.nixl
 nixl_api = pytest.importorskip("nixl._api")
@@ -145,8 +147,18 @@ CASES = {
 L, N_LOCAL, N_REMOTE, BS, D, ES = 2, 12, 16, 4, 8, 2
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_converted_transfer_is_byte_exact(pair: NixlPair, name: str) -> None:
+@dataclass
+class Setup:
+    """Both sides of one case, registered: the local buffer, its mirror of the peer, the plan."""
+
+    case: Case
+    remote: Side
+    local: Side
+    lbuf: np.ndarray
+    plan: PairPlan
+
+
+def set_up(pair: NixlPair, name: str) -> Setup:
     case = CASES[name]
     remote = pair.remote_side(case.remote, L, N_REMOTE, BS, case.remote_heads, D, ES,
                               seed=zlib.crc32(name.encode()))
@@ -162,13 +174,37 @@ def test_converted_transfer_is_byte_exact(pair: NixlPair, name: str) -> None:
     plan_pair = PairPlan(lgeo, rgeo, local_slice=case.local_slice,
                          remote_slice=case.remote_slice, block_size_ratio=case.ratio)
     assert plan_pair.converts == (case.local.kind != case.remote.kind)
+    return Setup(case, remote, local, lbuf, plan_pair)
 
-    lids = [9, 3, 4, 5, 0]  # a run of three plus scattered blocks
-    rids = ([2, 10, 11, 12, 15] if case.ratio == 1
-            else [0, 1, 6, 7, 8, 9, 10, 11, 14])  # 9 remote blocks for 5 local at ratio 2
+
+def expected_read(s: Setup, lids: list[int], rids: list[int]) -> np.ndarray:
+    case = s.case
+    exp = np.zeros_like(s.lbuf)
+    el = build_side(case.local, L, N_LOCAL, BS * case.ratio, case.local_heads, D, ES,
+                    buf=exp, base=s.local.base)
+    expected_copy(el, s.remote, lids, rids, ratio=case.ratio,
+                  dst_slice=(case.local_slice.parts, case.local_slice.index),
+                  src_slice=(case.remote_slice.parts, case.remote_slice.index))
+    assert exp.any()
+    return exp
+
+
+LIDS = [9, 3, 4, 5, 0]  # a run of three plus scattered blocks
+
+
+def remote_ids(case: Case) -> list[int]:
+    # 9 remote blocks for 5 local at block-size ratio 2
+    return [2, 10, 11, 12, 15] if case.ratio == 1 else [0, 1, 6, 7, 8, 9, 10, 11, 14]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_converted_transfer_is_byte_exact(pair: NixlPair, name: str) -> None:
+    s = set_up(pair, name)
+    case, lbuf, plan_pair = s.case, s.lbuf, s.plan
+    lids, rids = LIDS, remote_ids(case)
     if case.op == "WRITE":
         lbuf[:] = np.random.default_rng(7).integers(1, 256, lbuf.size, dtype=np.uint8)
-        remote_start = remote.buf.copy()
+        remote_start = s.remote.buf.copy()
 
     plan = plan_pair.descs(lids, rids)
     lid, rid = plan_pair.desc_ids(lids, rids)
@@ -189,19 +225,13 @@ def test_converted_transfer_is_byte_exact(pair: NixlPair, name: str) -> None:
             pair.call("set", remote_start.tobytes())
         pair.xfer(case.op, llist, rlist, li, ri)
         if case.op == "READ":
-            exp = np.zeros_like(lbuf)
-            el = build_side(case.local, L, N_LOCAL, BS * case.ratio, case.local_heads, D, ES,
-                            buf=exp, base=local.base)
-            expected_copy(el, remote, lids, rids, ratio=case.ratio,
-                          dst_slice=(case.local_slice.parts, case.local_slice.index),
-                          src_slice=(case.remote_slice.parts, case.remote_slice.index))
-            assert exp.any()
-            assert np.array_equal(lbuf, exp), f"{name} / {mode}: local bytes differ"
+            assert np.array_equal(lbuf, expected_read(s, lids, rids)), \
+                f"{name} / {mode}: local bytes differ"
         else:
             exp = remote_start.copy()
             er = build_side(case.remote, L, N_REMOTE, BS, case.remote_heads, D, ES, buf=exp,
-                            base=remote.base)
-            expected_copy(er, local, rids, lids, ratio=case.ratio,
+                            base=s.remote.base)
+            expected_copy(er, s.local, rids, lids, ratio=case.ratio,
                           dst_slice=(case.remote_slice.parts, case.remote_slice.index),
                           src_slice=(case.local_slice.parts, case.local_slice.index),
                           dst_is_local=False)
@@ -253,3 +283,81 @@ def test_blocks_past_the_plan_fail_cleanly(pair: NixlPair) -> None:
     plan = pp.descs([1], [N_REMOTE - 1])
     pair.xfer("READ", plan.local_nx3(), plan.remote_nx3())
     assert lbuf.any()
+
+
+# ------------------------------------------------------------------ staged READs (the agent)
+READS = [n for n, c in CASES.items() if c.op == "READ"]
+STAGING = 1 << 20
+
+
+@dataclass
+class StagedRun:
+    state: str
+    desc_count: int | None
+    stats: StagingStats
+    free_after: int
+
+
+def staged_read(pair: NixlPair, s: Setup, lids: list[int], rids: list[int], *,
+                capacity: int = STAGING, memory: list | None = None) -> StagedRun:
+    """One READ the way vLLM posts it (tables prepared once, ids per request), through a
+    :class:`StagingAgent` around the real agent with the remote list marked converted."""
+    lid, rid = s.plan.desc_ids(lids, rids)
+    tensors = memory if memory is not None else [torch.from_numpy(s.lbuf)]
+    agent = StagingAgent(pair.agent, mem_type="DRAM", capacity=capacity, memory=lambda: tensors)
+    lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", s.plan.local_table(), "DRAM")
+    rh = agent.prep_xfer_dlist(PEER, s.plan.remote_table(), "DRAM")
+    try:
+        assert agent.mark_converted(rh, PEER)
+        h = agent.make_prepped_xfer("READ", lh, lid, rh, rid, notif_msg=b"staged")
+        state = agent.transfer(h)
+        assert state in ("PROC", "ERR")   # never DONE before the copy has been polled
+        deadline = time.monotonic() + 30
+        while state == "PROC" and time.monotonic() < deadline:
+            state = agent.check_xfer_state(h)
+        count = agent.get_xfer_telemetry(h).descCount if state == "DONE" else None
+        agent.release_xfer_handle(h)
+        return StagedRun(state, count, agent.stats, agent.staging_free)
+    finally:
+        agent.release_dlist_handle(lh)
+        agent.release_dlist_handle(rh)
+        agent.close()
+
+
+@pytest.mark.parametrize("name", READS)
+def test_staged_read_is_byte_exact_with_the_predicted_descriptors(pair: NixlPair,
+                                                                 name: str) -> None:
+    s = set_up(pair, name)
+    lids, rids = LIDS, remote_ids(s.case)
+    lid, rid = s.plan.desc_ids(lids, rids)
+    stock = pair.xfer("READ", s.plan.local_table(), s.plan.remote_table(), lid, rid)
+    s.lbuf[:] = 0
+    run = staged_read(pair, s, lids, rids)
+    assert run.state == "DONE"
+    assert np.array_equal(s.lbuf, expected_read(s, lids, rids)), name
+    assert run.stats.staged_reads == 1 and not run.stats.not_staged
+    assert run.stats.descriptors_stock == stock
+    assert run.desc_count == run.stats.descriptors_staged <= stock
+    if s.case.local_slice.parts == s.case.remote_slice.parts == 1:
+        # whole segments: a remote-contiguous run of blocks is one descriptor per layer/pool
+        assert run.desc_count < stock
+    assert run.free_after == STAGING
+
+
+def test_request_larger_than_staging_goes_per_segment(pair: NixlPair) -> None:
+    s = set_up(pair, "fused->split")
+    run = staged_read(pair, s, LIDS, remote_ids(s.case), capacity=256)
+    assert run.state == "DONE"
+    assert np.array_equal(s.lbuf, expected_read(s, LIDS, remote_ids(s.case)))
+    assert run.stats.staged_reads == 0
+    assert [r for r in run.stats.not_staged if "exceeds the staging buffer" in r]
+
+
+def test_failed_gather_fails_the_request_and_frees_staging(pair: NixlPair) -> None:
+    s = set_up(pair, "split->fused")
+    elsewhere = torch.zeros(64, dtype=torch.uint8)    # not the memory the local list points at
+    run = staged_read(pair, s, LIDS, remote_ids(s.case), memory=[elsewhere])
+    assert run.state == "ERR"
+    assert run.stats.gather_failures == 1
+    assert run.free_after == STAGING
+    assert not s.lbuf.any()                            # nothing half-copied

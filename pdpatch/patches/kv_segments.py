@@ -71,6 +71,8 @@ if TYPE_CHECKING:
 NAME = "kv_segments"
 FIELD = "pdpatch_kv_geometry"
 BACKENDS_KEY = "kv_segments_backends"
+STAGING_ENV = "PDPATCH_KV_STAGING_MIB"
+STAGING_DEFAULT_MIB = 128
 
 # Backends whose K and V are plain [block, token, head, dim] arrays (split or fused), so that a
 # byte-level conversion is meaningful.  Not CPU_ATTN (from 0.23 vLLM re-packs its cache after a
@@ -377,13 +379,64 @@ def _set_advertised(worker: Any, geometry: KVGeometry) -> None:
     payload.agent_metadata_bytes = msgspec.msgpack.encode(meta)
 
 
-def _register_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+def staging_mib(env: Mapping[str, str] | None = None) -> int:
+    """``PDPATCH_KV_STAGING_MIB``: MiB of staging per decode worker for converted READs."""
+    import os
+
+    raw = (os.environ if env is None else env).get(STAGING_ENV, "").strip()
+    if not raw:
+        return STAGING_DEFAULT_MIB
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise config.ConfigError(f"{STAGING_ENV}={raw!r} is not a number of MiB >= 0 "
+                                 f"(0 turns staging off; default {STAGING_DEFAULT_MIB})")
+    return value
+
+
+def _kv_memory(worker: Any, kv_caches: Any) -> list:
+    """The tensors the worker's local descriptor lists point into."""
+    if getattr(worker, "use_host_buffer", False):
+        return list((getattr(worker, "host_xfer_buffers", None) or {}).values())
+    return list(kv_caches.values()) if isinstance(kv_caches, Mapping) else []
+
+
+def _install_staging(worker: Any, kv_caches: Any) -> None:
+    """Put a :class:`~pdpatch.kv.staging.StagingAgent` in front of the worker's NIXL agent,
+    before vLLM prepares its local lists (the agent must see them being prepared).  It acts
+    only on peers :func:`_make_add_remote_wrapper` marks converted."""
+    from pdpatch.kv.staging import StagingAgent
+
+    mib = staging_mib()
+    agent = getattr(worker, "nixl_wrapper", None)
+    if mib == 0 or agent is None or isinstance(agent, StagingAgent) or \
+            getattr(worker, "use_mla", False):
+        return
+    worker.nixl_wrapper = StagingAgent(
+        agent, mem_type=getattr(worker, "nixl_memory_type", "VRAM"), capacity=mib << 20,
+        memory=lambda: _kv_memory(worker, kv_caches))
+
+
+def _make_register_wrapper(version: Version) -> Wrapper:
+    converts = version in vllm_sites.KV_SPLIT_DESCRIPTORS
+
+    def register_kv_caches(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        kv_caches = args[0] if args else kwargs.get("kv_caches")
+        if converts and _allowed(instance):
+            _install_staging(instance, kv_caches)
+        result = wrapped(*args, **kwargs)
+        if _allowed(instance):
+            _advertise(instance, kv_caches)
+        return result
+
+    return register_kv_caches
+
+
+def _advertise(instance: Any, kv_caches: Any) -> None:
     from pdpatch.kv import KVPlanError
 
-    result = wrapped(*args, **kwargs)
-    if not _allowed(instance):
-        return result
-    kv_caches = args[0] if args else kwargs.get("kv_caches")
     geometry = None
     try:
         geometry = local_geometry(instance, kv_caches)
@@ -400,7 +453,6 @@ def _register_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     if geometry is not None:
         _count("advertised")
         logger.debug("pdpatch kv_segments: advertising %s", geometry.describe())
-    return result
 
 
 def _restore_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -776,12 +828,24 @@ def _make_add_remote_wrapper(version: Version) -> Wrapper:
                 "vLLM built no remote descriptor list pdpatch could replace",
                 conversion.plan.local, conversion.plan.remote)
         _count("conversions")
-        logger.info("pdpatch kv_segments: peer %s rank %s converted (%s -> %s, %d descriptors)",
+        staged = _stage_peer(instance, meta.engine_id, rank)
+        logger.info("pdpatch kv_segments: peer %s rank %s converted (%s -> %s, %d descriptors%s)",
                     meta.engine_id, rank, conversion.plan.remote.kind, conversion.plan.local.kind,
-                    len(conversion.descs))
+                    len(conversion.descs), ", READs staged" if staged else "")
         return result
 
     return add_remote_agent
+
+
+def _stage_peer(worker: Any, engine_id: str, rank: int) -> bool:
+    """Route the converted peer's READs through the staging agent, when there is one."""
+    from pdpatch.kv.staging import StagingAgent
+
+    agent = getattr(worker, "nixl_wrapper", None)
+    handle = (getattr(worker, "dst_xfer_side_handles", None) or {}).get(engine_id, {}).get(rank)
+    if not isinstance(agent, StagingAgent) or handle is None:
+        return False
+    return agent.mark_converted(handle, f"{engine_id} rank {rank}")
 
 
 def _build_fa_remote_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -813,7 +877,7 @@ def _targets(version: Version) -> list[Target]:
     add(vllm_sites.COMPAT_HASH, _hash_wrapper)
     out.append(Target(handshake.module, handshake.qualname,
                       _make_handshake_wrapper(handshake.module)))
-    add(vllm_sites.REGISTER_KV_CACHES, _register_wrapper)
+    add(vllm_sites.REGISTER_KV_CACHES, _make_register_wrapper(version))
     add(vllm_sites.RESTORE_KV_CACHES, _restore_wrapper)
     add(vllm_sites.ADD_REMOTE_AGENT, _make_add_remote_wrapper(version))
     if version in vllm_sites.KV_SPLIT_DESCRIPTORS:
@@ -829,6 +893,7 @@ PATCH = Patch(
     versions=">=0.19,<0.34",
     why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
     targets=_targets,
+    options=(STAGING_ENV,),
 )
 
 __all__ = ["FIELD", "INTERCHANGEABLE", "NAME", "PATCH", "Conversion", "alternates_for",
