@@ -64,6 +64,7 @@ from pdpatch.kv.stage import (
     staging_table,
     whole_blocks,
 )
+from pdpatch.kv.staging import ByteCopier, StagingAgent
 from pdpatch.transport import check_transport, cuda_context_current, probe_memory
 
 POISON = 0x5A
@@ -327,77 +328,6 @@ class CupyCopier:
         self.stream.synchronize()
 
 
-class TorchCopier:
-    """Index copies over known arenas (flat uint8 tensors): granule rows + index_copy_ /
-    index_select -- runs on CPU and GPU alike (what a vLLM patch without custom kernels does)."""
-
-    name = "torch-index"
-
-    def __init__(self, arenas: list) -> None:
-        self.arenas = sorted(arenas, key=lambda a: a[0])
-        self.bases = np.array([a[0] for a in self.arenas], dtype=np.uint64)
-
-    def _arena(self, addr: np.ndarray) -> np.ndarray:
-        i = np.searchsorted(self.bases, addr, side="right") - 1
-        if (i < 0).any():
-            raise ValueError("copy address below every arena")
-        return i
-
-    def prepare(self, plan: CopyPlan) -> list[tuple]:
-        """Index tensors per (source arena, destination arena): the host work, done while NIXL
-        still moves the bytes of a READ."""
-        torch = _torch()
-        if len(plan) == 0:
-            return []
-        sa, da = self._arena(plan.src), self._arena(plan.dst)
-        s_off = plan.src - self.bases[sa]
-        d_off = plan.dst - self.bases[da]
-        g = int(np.gcd.reduce(np.concatenate([s_off, d_off, plan.length]).astype(np.int64)))
-        g = math.gcd(g, 1 << 16)
-        dtype, esz = (torch.int64, 8) if g % 8 == 0 else (torch.uint8, 1)
-        rows = (plan.length // g).astype(np.int64)
-        first = np.cumsum(rows) - rows
-        within = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(first, rows)
-        keys = sa.astype(np.int64) * 4096 + da.astype(np.int64)
-        ops = []
-        for key in np.unique(keys):
-            sel = keys == key
-            rsel = np.repeat(sel, rows)
-            src_rows = (np.repeat((s_off // g).astype(np.int64), rows) + within)[rsel]
-            dst_rows = (np.repeat((d_off // g).astype(np.int64), rows) + within)[rsel]
-            s_t = self.arenas[int(key) // 4096][1]
-            d_t = self.arenas[int(key) % 4096][1]
-            s2 = s_t[: s_t.numel() // g * g].view(dtype).view(-1, g // esz)
-            d2 = d_t[: d_t.numel() // g * g].view(dtype).view(-1, g // esz)
-            dev = s2.device
-            if np.array_equal(src_rows, np.arange(src_rows[0], src_rows[0] + src_rows.size)):
-                didx = torch.from_numpy(dst_rows).to(dev, non_blocking=True)
-                ops.append(("scatter", s2[src_rows[0]: src_rows[0] + src_rows.size], d2, didx))
-            elif np.array_equal(dst_rows, np.arange(dst_rows[0], dst_rows[0] + dst_rows.size)):
-                sidx = torch.from_numpy(src_rows).to(dev, non_blocking=True)
-                ops.append(("gather", s2, d2[dst_rows[0]: dst_rows[0] + dst_rows.size], sidx))
-            else:
-                sidx = torch.from_numpy(src_rows).to(dev, non_blocking=True)
-                didx = torch.from_numpy(dst_rows).to(dev, non_blocking=True)
-                ops.append(("both", s2, d2, (sidx, didx)))
-        return ops
-
-    def launch(self, ops: list[tuple], sync: bool = True) -> None:
-        torch = _torch()
-        for kind, src, dst, idx in ops:
-            if kind == "scatter":
-                dst.index_copy_(0, idx, src)
-            elif kind == "gather":
-                torch.index_select(src, 0, idx, out=dst)
-            else:
-                dst.index_copy_(0, idx[1], src.index_select(0, idx[0]))
-        if sync and ops and ops[0][1].device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def run(self, plan: CopyPlan, sync: bool = True) -> None:
-        self.launch(self.prepare(plan), sync)
-
-
 # ============================================================================ NIXL
 def new_agent(name: str):
     from nixl._api import nixl_agent, nixl_agent_config
@@ -609,7 +539,7 @@ class Bench:
                     self.copiers["cupy"] = None
             if self.copiers["cupy"] is not None:
                 return self.copiers["cupy"]
-        return TorchCopier(arenas)
+        return ByteCopier(arenas)
 
     # ---------------------------------------------------------------- one transfer, timed
     def timed(self, op: str, dlists, lidx, ridx, copies: CopyPlan | None, copier,
@@ -796,6 +726,8 @@ class Bench:
         modes.append(("vllm-ids", None))
         if fused_pair:
             modes.append(("coalesced", None))
+        if pair.converts and op == "READ":
+            modes.append(("vllm-agent", None))  # what the kv_segments patch runs inside vLLM
         if pair.converts:
             modes += [(f"staged/{c}", c) for c in a.executors]
             if rg.kind == "split":
@@ -819,6 +751,8 @@ class Bench:
             elif mode == "vllm-ids":
                 lt, rt = pair.local_table(), pair.remote_table()
                 li, ri = pair.desc_ids(lids, rids)
+            elif mode == "vllm-agent":
+                pass  # the agent plans each request itself (timed)
             elif mode == "coalesced":
                 c = coalesce(pair.descs(lids, rids))
                 per_request = (c.local_nx3(), c.remote_nx3())
@@ -840,7 +774,12 @@ class Bench:
                 expect = nixl_merged_count(per_request[0], per_request[1],
                                            np.arange(len(per_request[0])),
                                            np.arange(len(per_request[0])))
-            if "pipe" in mode:
+            if mode == "vllm-agent":
+                li, ri = pair.desc_ids(lids, rids)
+                times, count, ctimes, err, expect = self.timed_agent(
+                    lp, peer.name, pair, li, ri, before, after)
+                wire = len(lids) * L * 2 * seg
+            elif "pipe" in mode:
                 pieces = split_staged(sp, a.pipe)
                 times, count, ctimes, err = self.timed_pipe(op, lp.mem, peer.name, per_request,
                                                             pieces, copier, before, after)
@@ -866,7 +805,9 @@ class Bench:
             row = {
                 "pool": tag, "pool_kind": pool_kind, "remote_kind": remote_kind,
                 "local_kind": lp.kind, "block_kib": block_bytes // 1024, "pattern": pattern,
-                "op": op, "case": case, "mode": mode, "executor": getattr(copier, "name", None),
+                "op": op, "case": case, "mode": mode,
+                "executor": ByteCopier.name if mode == "vllm-agent" else getattr(copier, "name",
+                                                                                 None),
                 "descs": len(lids) * L * (1 if mode == "whole-blocks" else 2),
                 "nixl_descs": count, "expected_nixl_descs": expect, "gbs": gbs,
                 "gbs_median": xbytes / statistics.median(times) / 1e9,
@@ -880,6 +821,46 @@ class Bench:
             self._print(row)
         if op == "WRITE":  # leave the remote as the READ oracle expects it
             peer.call("refill", rname)
+
+    def timed_agent(self, lp: Pool, peer_name: str, pair: PairPlan, li, ri, before, after):
+        """Repetitions of one READ posted the way vLLM's worker posts it (tables prepared once,
+        ``make_prepped_xfer`` with its desc ids, ``transfer``, then ``check_xfer_state`` until
+        DONE) through :class:`pdpatch.kv.staging.StagingAgent` -- the object the kv_segments
+        patch puts in front of the worker's agent -- with the peer marked converted.  The
+        timing includes the agent's planning and its gather into the local pool."""
+        wire = len(li) * int(pair.local_table()[0, 1])
+        agent = StagingAgent(self.agent, mem_type=lp.mem, capacity=wire + (1 << 20),
+                             memory=lambda: lp.tensors)
+        lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", pair.local_table(), lp.mem)
+        rh = agent.prep_xfer_dlist(peer_name, pair.remote_table(), lp.mem)
+        times, copy_times, count, err = [], [], 0, None
+        try:
+            if not agent.mark_converted(rh, peer_name):
+                return [float("inf")], 0, [0.0], "staging agent refused the peer", 0
+            for _ in range(self.args.reps):
+                before()
+                self.sync()
+                t0 = time.perf_counter()
+                h = agent.make_prepped_xfer("READ", lh, li, rh, ri)
+                state = poll(agent, h, agent.transfer(h))
+                t1 = time.perf_counter()
+                count = int(agent.get_xfer_telemetry(h).descCount)
+                agent.release_xfer_handle(h)
+                if state != "DONE":
+                    err = f"transfer state {state}"
+                times.append(t1 - t0)
+                copy_times.append(0.0)
+                err = err or after()
+                if err:
+                    break
+            if agent.stats.not_staged:
+                err = err or f"not staged: {dict(agent.stats.not_staged)}"
+            expect = agent.stats.descriptors_staged // max(agent.stats.staged_reads, 1)
+            return times, count, copy_times, err, expect
+        finally:
+            agent.release_dlist_handle(lh)
+            agent.release_dlist_handle(rh)
+            agent.close()
 
     def _read_then_copy(self, h, op: str, copies: CopyPlan | None, copier):
         """Run transfer ``h``; for a staged READ, build the copy table while NIXL moves the

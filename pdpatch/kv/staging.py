@@ -29,9 +29,11 @@ with NIXL on the first converted peer only.  Needs torch (not vLLM).
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,87 +82,139 @@ class ByteAllocator:
         self._free.insert(i, (start, end))
 
 
+def arenas_of(tensors: Iterable[Any]) -> list[tuple[int, Any]]:
+    """``(base address, flat uint8 tensor)`` over the storage of each tensor (once each): the
+    memory a :class:`ByteCopier` may read and write, whatever the tensors' shapes."""
+    import torch
+
+    arenas: dict[int, Any] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        base = int(storage.data_ptr())
+        if base not in arenas:
+            arenas[base] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+    return list(arenas.items())
+
+
 class ByteCopier:
-    """Runs a :class:`CopyPlan` between the storages of torch tensors, as row gathers.
+    """Runs a :class:`CopyPlan` inside known arenas with torch index kernels, on CPU and GPU.
 
     Why rows: the copies of a staged READ are thousands of equal segments; one
-    ``index_copy_`` per destination storage moves them all (two kernels per KV layer) where a
-    loop would launch one copy each.  The row length is the largest one that divides every
-    length and every offset inside its storage, so no byte outside a copy is written.
+    ``index_copy_`` per (source, destination) arena moves them all where a loop would launch
+    one copy each.  The row is the largest granule (up to 64 KiB) dividing every length and
+    offset, so no byte outside a copy is written; rows of 8-byte words when it allows.  When
+    one side's rows are consecutive (the staging side of a READ usually is) that side is a
+    plain slice and no temporary is made.  On CUDA the copies run on the copier's own
+    non-blocking stream: not behind the model's kernels, and not on the legacy stream that
+    waits for NIXL's copies in flight.
     """
 
-    def __init__(self, tensors: Iterable[Any]) -> None:
+    name = "torch-index"
+
+    def __init__(self, arenas: Sequence[tuple[int, Any]]) -> None:
         import torch
 
-        regions: dict[int, tuple[int, Any]] = {}
-        for t in tensors:
-            storage = t.untyped_storage()
-            base = int(storage.data_ptr())
-            if base not in regions:
-                flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-                regions[base] = (int(storage.nbytes()), flat)
-        self._bases = sorted(regions)
-        self._regions = [regions[b] for b in self._bases]
-        devices = {flat.device for _, flat in self._regions}
-        if len(devices) > 1:
-            raise ValueError(f"tensors on several devices: {sorted(map(str, devices))}")
-        self.device = devices.pop() if devices else torch.device("cpu")
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.arenas = sorted(((int(b), t) for b, t in arenas), key=lambda a: a[0])
+        self.bases = np.array([a[0] for a in self.arenas], dtype=np.int64)
+        self.ends = self.bases + np.array([t.numel() for _, t in self.arenas], dtype=np.int64)
+        devices = {t.device for _, t in self.arenas}
+        if len(devices) != 1:
+            raise ValueError(f"arenas must share one device, got {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        self._stream = (torch.cuda.Stream(self.device, priority=0)
+                        if self.device.type == "cuda" else None)
 
-    def _region_of(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
-        bases = np.asarray(self._bases, dtype=np.int64)
-        ri = np.searchsorted(bases, addr, side="right") - 1
-        ends = bases + np.asarray([n for n, _ in self._regions], dtype=np.int64)
-        ok = (ri >= 0) & (addr + length <= ends[np.maximum(ri, 0)])
+    def _arena(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
+        i = np.searchsorted(self.bases, addr, side="right") - 1
+        ok = (i >= 0) & (addr + length <= self.ends[np.maximum(i, 0)])
         if not bool(np.all(ok)):
             bad = int(np.flatnonzero(~ok)[0])
-            raise ValueError(f"copy of {int(length[bad])} B at {int(addr[bad]):#x} is outside "
-                             "the tensors this copier was given")
-        return ri
+            raise ValueError(f"copy of {int(length[bad])} B at {int(addr[bad]):#x} lies outside "
+                             "the memory this copier was given")
+        return i
 
-    def launch(self, plan: CopyPlan) -> Any:
-        """Start the copies; returns a CUDA event to poll, or None when they are done."""
+    def prepare(self, plan: CopyPlan) -> list[tuple]:
+        """Index tensors per (source arena, destination arena): host work that needs no bytes
+        yet, so a READ can do it while NIXL still moves them."""
         import torch
 
         if len(plan) == 0:
-            return None
-        src = plan.src.astype(np.int64)
-        dst = plan.dst.astype(np.int64)
+            return []
+        src, dst = plan.src.astype(np.int64), plan.dst.astype(np.int64)
         ln = plan.length.astype(np.int64)
-        rs, rd = self._region_of(src, ln), self._region_of(dst, ln)
-        bases = np.asarray(self._bases, dtype=np.int64)
-        so, do = src - bases[rs], dst - bases[rd]
-        row = int(np.gcd.reduce(np.concatenate((ln, so, do))))
-        counts = ln // row
-        rep = np.repeat(np.arange(ln.size), counts)
-        within = np.arange(rep.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts,
-                                                                 counts)
-        src_rows, dst_rows = so[rep] // row + within, do[rep] // row + within
-        pair = rs[rep] * len(self._bases) + rd[rep]
-        stream = torch.cuda.stream(self._stream) if self._stream is not None else None
-        if stream is not None:
-            stream.__enter__()
-        try:
-            for key in np.unique(pair).tolist():
-                sel = pair == key
-                s_reg, d_reg = divmod(key, len(self._bases))
-                s_view = self._rows(s_reg, row)
-                d_view = self._rows(d_reg, row)
-                s_idx = torch.from_numpy(src_rows[sel]).to(self.device)
-                d_idx = torch.from_numpy(dst_rows[sel]).to(self.device)
-                d_view.index_copy_(0, d_idx, s_view.index_select(0, s_idx))
+        sa, da = self._arena(src, ln), self._arena(dst, ln)
+        s_off, d_off = src - self.bases[sa], dst - self.bases[da]
+        g = math.gcd(int(np.gcd.reduce(np.concatenate([s_off, d_off, ln]))), 1 << 16)
+        dtype, esz = (torch.int64, 8) if g % 8 == 0 else (torch.uint8, 1)
+        rows = ln // g
+        within = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(np.cumsum(rows) - rows,
+                                                                        rows)
+        src_rows = np.repeat(s_off // g, rows) + within
+        dst_rows = np.repeat(d_off // g, rows) + within
+        keys = np.repeat(sa * len(self.arenas) + da, rows)
+        ops = []
+        for key in np.unique(keys).tolist():
+            sel = keys == key
+            s_r, d_r = src_rows[sel], dst_rows[sel]
+            s2 = self._rows(key // len(self.arenas), g, dtype, esz)
+            d2 = self._rows(key % len(self.arenas), g, dtype, esz)
+            if _consecutive(s_r):
+                ops.append(("scatter", s2[s_r[0]: s_r[0] + s_r.size], d2, self._index(d_r)))
+            elif _consecutive(d_r):
+                ops.append(("gather", s2, d2[d_r[0]: d_r[0] + d_r.size], self._index(s_r)))
+            else:
+                ops.append(("both", s2, d2, (self._index(s_r), self._index(d_r))))
+        return ops
+
+    def _rows(self, arena: int, g: int, dtype: Any, esz: int) -> Any:
+        flat = self.arenas[arena][1]
+        return flat[: flat.numel() // g * g].view(dtype).view(-1, g // esz)
+
+    def _index(self, rows: np.ndarray) -> Any:
+        import torch
+
+        return torch.from_numpy(rows).to(self.device, non_blocking=True)
+
+    def launch(self, ops: list[tuple], sync: bool = True) -> Any:
+        """Run prepared copies.  ``sync=False`` on CUDA returns an event to poll; the caller
+        keeps ``ops`` alive until it has completed (their index tensors are in use)."""
+        import torch
+
+        if not ops:
+            return None
+        with torch.cuda.stream(self._stream) if self._stream is not None else _nothing():
+            for kind, src, dst, idx in ops:
+                if kind == "scatter":
+                    dst.index_copy_(0, idx, src)
+                elif kind == "gather":
+                    torch.index_select(src, 0, idx, out=dst)
+                else:
+                    dst.index_copy_(0, idx[1], src.index_select(0, idx[0]))
             if self._stream is None:
                 return None
             event = torch.cuda.Event()
             event.record(self._stream)
-            return event
-        finally:
-            if stream is not None:
-                stream.__exit__(None, None, None)
+        if sync:
+            event.synchronize()
+            return None
+        return event
 
-    def _rows(self, region: int, row: int) -> Any:
-        nbytes, flat = self._regions[region]
-        return flat[: nbytes // row * row].view(-1, row)
+    def run(self, plan: CopyPlan, sync: bool = True) -> Any:
+        return self.launch(self.prepare(plan), sync)
+
+    def sync(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+
+def _consecutive(rows: np.ndarray) -> bool:
+    return bool(rows.size) and int(rows[-1]) - int(rows[0]) + 1 == rows.size and \
+        bool(np.all(np.diff(rows) == 1))
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
 @dataclass
@@ -171,6 +225,7 @@ class _Job:
     nbytes: int
     copies: CopyPlan
     peer: str
+    ops: list = field(default_factory=list)      # prepared gather, alive until it has run
     event: Any = None
     landed: bool = False
 
@@ -307,9 +362,9 @@ class StagingAgent:
         import torch
 
         memory = list(self._memory())
-        device = ByteCopier(memory).device
+        device = ByteCopier(arenas_of(memory)).device
         buffer = torch.empty(self._capacity, dtype=torch.uint8, device=device)
-        self._copier = ByteCopier([*memory, buffer])
+        self._copier = ByteCopier(arenas_of([*memory, buffer]))
         self._buffer, self._base = buffer, int(buffer.data_ptr())
         logger.info("pdpatch kv_segments: %d MiB staging buffer on %s for converted READs "
                     "(PDPATCH_KV_STAGING_MIB)", self._capacity >> 20, device)
@@ -373,12 +428,17 @@ class StagingAgent:
             raise _NotStaged("the staging buffer is full with other requests' READs")
         staged = stage_ids(lrows, rrows, np.arange(lid.size), np.arange(rid.size),
                            self._base + start, slot, lid.size)
+        try:
+            ops = self._copier.prepare(staged.copies)
+        except ValueError as exc:
+            self._release_range(start, need)
+            raise _NotStaged(f"the gather cannot be planned: {exc}") from None
         slot_ids = start // slot + staged.staging_ids
         r_order = staged.remote_ids
         stock = merged_count(lid, rid, lrows[:, 0], rrows[:, 0], lrows[:, 1])
         count = merged_count(slot_ids, twin.position[rid[r_order]],
                              self._base + slot * slot_ids, rrows[r_order, 0], rrows[r_order, 1])
-        job = _Job(start, need, staged.copies, twin.peer)
+        job = _Job(start, need, staged.copies, twin.peer, ops)
         return job, slot_handle, slot_ids, twin.position[rid[r_order]], stock, count
 
     def _slot_handle(self, slot: int, dev: int) -> Any:
@@ -422,7 +482,7 @@ class StagingAgent:
                 return state
             job.landed = True
             try:
-                job.event = self._copier.launch(job.copies)
+                job.event = self._copier.launch(job.ops, sync=False)
             except Exception as exc:
                 return self._gather_failed(handle, exc)
         if job.event is not None and not job.event.query():
@@ -450,8 +510,11 @@ class StagingAgent:
             self._release(job)
 
     def _release(self, job: _Job) -> None:
+        self._release_range(job.start, job.nbytes)
+
+    def _release_range(self, start: int, nbytes: int) -> None:
         with self._lock:
-            self._alloc.free(job.start, job.nbytes)
+            self._alloc.free(start, nbytes)
 
     def close(self) -> None:
         """Release the staging lists and registration (the worker's shutdown, or a test's)."""

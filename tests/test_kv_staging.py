@@ -1,0 +1,113 @@
+"""The staging agent's parts on their own: the staging allocator and the torch gather.
+
+The agent itself runs against real NIXL in ``test_nixl_transfer.py`` and inside real vLLM
+workers in ``test_kv_segments_workers.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdpatch.kv.stage import CopyPlan
+from pdpatch.kv.staging import ByteAllocator, ByteCopier, arenas_of
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40), st.sampled_from([1, 4, 16])),
+                max_size=60))
+def test_allocator_never_overlaps_and_returns_everything(steps) -> None:
+    size = 256
+    alloc = ByteAllocator(size)
+    held: list[tuple[int, int]] = []
+    for do_alloc, n, align in steps:
+        if do_alloc or not held:
+            start = alloc.alloc(n, align)
+            if start is None:
+                # first fit found no aligned room: really none, in any free gap
+                used = np.zeros(size, bool)
+                for s, m in held:
+                    used[s:s + m] = True
+                assert not any(not used[a:a + n].any() and a + n <= size
+                               for a in range(0, size, align))
+                continue
+            assert start % align == 0 and start + n <= size
+            assert all(start + n <= s or s + m <= start for s, m in held)
+            held.append((start, n))
+        else:
+            s, m = held.pop(len(held) // 2)
+            alloc.free(s, m)
+        assert alloc.free_bytes == size - sum(m for _, m in held)
+    for s, m in held:
+        alloc.free(s, m)
+    assert alloc.alloc(size, 1) == 0          # freed ranges merged back into one
+
+
+def test_allocator_refuses_a_double_free() -> None:
+    alloc = ByteAllocator(64)
+    start = alloc.alloc(16, 16)
+    alloc.free(start, 16)
+    with pytest.raises(ValueError, match="already free"):
+        alloc.free(start, 16)
+
+
+def _arena(n: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8))
+
+
+@settings(max_examples=100, deadline=None)
+@given(seg=st.sampled_from([1, 3, 8, 24, 64]), n=st.integers(1, 20),
+       shape=st.sampled_from(["scatter", "gather", "both"]), seed=st.integers(0, 2**16))
+def test_copier_moves_exactly_the_planned_bytes(seg: int, n: int, shape: str,
+                                                seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    src, dst = _arena(64 * 64, seed), torch.zeros(64 * 64 + 8, dtype=torch.uint8)
+    copier = ByteCopier(arenas_of([src, dst]))
+    slots = 64 * 64 // seg
+    picks = rng.choice(slots, size=(2, min(n, slots)), replace=True)
+    d_slots = rng.permutation(slots)[:picks.shape[1]]       # destinations never collide
+    s_slots = np.arange(picks.shape[1]) if shape == "scatter" else picks[0]
+    if shape == "gather":
+        d_slots = np.arange(picks.shape[1])
+    s_addr = src.data_ptr() + s_slots * seg
+    d_addr = dst.data_ptr() + d_slots * seg
+    plan = CopyPlan(s_addr.astype(np.uint64), d_addr.astype(np.uint64),
+                    np.full(s_slots.size, seg, dtype=np.uint64))
+    ops = copier.prepare(plan)
+    if seg % 8 == 0 and s_slots.size > 1:
+        assert {op[0] for op in ops} <= {shape, "both"}
+    assert copier.launch(ops) is None
+    expected = np.zeros(dst.numel(), dtype=np.uint8)
+    s_np = src.numpy()
+    for s_i, d_i in zip(s_slots.tolist(), d_slots.tolist(), strict=True):
+        expected[d_i * seg:(d_i + 1) * seg] = s_np[s_i * seg:(s_i + 1) * seg]
+    assert np.array_equal(dst.numpy(), expected)
+
+
+def test_copier_sees_a_tensors_whole_storage() -> None:
+    """KV tensors are strided views; the copier addresses their storage, not their shape."""
+    store = torch.zeros(2, 8, 4, dtype=torch.float16)
+    k_only = store[0]                                     # a view starting at the storage
+    v_only = store[1]                                     # a view 64 B into the same storage
+    src = _arena(64, 1)
+    copier = ByteCopier(arenas_of([k_only, v_only, src]))
+    assert len(copier.arenas) == 2                        # one storage, counted once
+    plan = CopyPlan(np.array([src.data_ptr()], np.uint64),
+                    np.array([v_only.data_ptr()], np.uint64), np.array([64], np.uint64))
+    copier.run(plan)
+    assert torch.equal(v_only.view(torch.uint8).flatten(), src)
+    assert not k_only.any()
+
+
+def test_copier_refuses_memory_it_was_not_given() -> None:
+    src, dst = _arena(64, 2), torch.zeros(64, dtype=torch.uint8)
+    copier = ByteCopier(arenas_of([src, dst]))
+    past_the_end = CopyPlan(np.array([src.data_ptr()], np.uint64),
+                            np.array([dst.data_ptr() + 32], np.uint64),
+                            np.array([64], np.uint64))
+    with pytest.raises(ValueError, match="lies outside the memory"):
+        copier.prepare(past_the_end)
+    assert not dst.any()
