@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdpatch.kv.stage import CopyPlan
-from pdpatch.kv.staging import ByteAllocator, ByteCopier, arenas_of
+from pdpatch.kv.staging import ByteAllocator, ByteCopier, address_order, arenas_of
 
 
 @settings(max_examples=200, deadline=None)
@@ -111,3 +111,21 @@ def test_copier_refuses_memory_it_was_not_given() -> None:
     with pytest.raises(ValueError, match="lies outside the memory"):
         copier.prepare(past_the_end)
     assert not dst.any()
+
+
+@settings(max_examples=200, deadline=None)
+@given(regions=st.integers(1, 6), blocks=st.lists(st.integers(0, 40), min_size=1, max_size=20,
+                                                  unique=True),
+       interleave=st.booleans(), noise=st.booleans(), seed=st.integers(0, 2**16))
+def test_address_order_is_the_stable_argsort(regions: int, blocks: list[int], interleave: bool,
+                                             noise: bool, seed: int) -> None:
+    """vLLM-shaped requests (every region asks for the same blocks), with regions laid out
+    apart or interleaved block by block (a fused peer's K and V), and arbitrary ones."""
+    n_table = 41
+    ids = np.concatenate([r * n_table + np.asarray(blocks) for r in range(regions)])
+    if noise:
+        ids = np.random.default_rng(seed).permutation(regions * n_table)[:ids.size]
+    region, block = np.divmod(np.arange(regions * n_table), n_table)
+    address = block * regions + region if interleave else region * n_table + block
+    position = np.argsort(np.argsort(address))[ids]
+    assert np.array_equal(address_order(position, ids), np.argsort(position, kind="stable"))

@@ -360,7 +360,7 @@ def test_gather_outside_known_memory_goes_per_segment(pair: NixlPair) -> None:
     assert run.state == "DONE"
     assert np.array_equal(s.lbuf, expected_read(s, LIDS, remote_ids(s.case)))
     assert run.stats.staged_reads == 0
-    assert [r for r in run.stats.not_staged if "lies outside the memory" in r]
+    assert [r for r in run.stats.not_staged if "points outside the KV memory" in r]
     assert run.free_after == STAGING
 
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from pdpatch.kv.stage import CopyPlan, merged_count, stage_ids, staging_table
+from pdpatch.kv.stage import CopyPlan, merge_copies, staging_table
 from pdpatch.log import logger
 
 DONE, PROC, ERR = "DONE", "PROC", "ERR"
@@ -124,7 +124,8 @@ class ByteCopier:
         self._stream = (torch.cuda.Stream(self.device, priority=0)
                         if self.device.type == "cuda" else None)
 
-    def _arena(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
+    def locate(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """The arena of each range; ValueError names the first one no arena holds."""
         i = np.searchsorted(self.bases, addr, side="right") - 1
         ok = (i >= 0) & (addr + length <= self.ends[np.maximum(i, 0)])
         if not bool(np.all(ok)):
@@ -142,7 +143,7 @@ class ByteCopier:
             return []
         src, dst = plan.src.astype(np.int64), plan.dst.astype(np.int64)
         ln = plan.length.astype(np.int64)
-        sa, da = self._arena(src, ln), self._arena(dst, ln)
+        sa, da = self.locate(src, ln), self.locate(dst, ln)
         s_off, d_off = src - self.bases[sa], dst - self.bases[da]
         g = math.gcd(int(np.gcd.reduce(np.concatenate([s_off, d_off, ln]))), 1 << 16)
         dtype, esz = (torch.int64, 8) if g % 8 == 0 else (torch.uint8, 1)
@@ -223,11 +224,31 @@ class _Job:
 
     start: int
     nbytes: int
-    copies: CopyPlan
+    local_addr: np.ndarray     # destination of staging slot i (the peer's address order)
+    slot: int
     peer: str
+    stock: int                 # descriptors vLLM's own READ would have posted
+    staged: int                # descriptors the staged READ posts
     ops: list = field(default_factory=list)      # prepared gather, alive until it has run
     event: Any = None
     landed: bool = False
+
+
+class _Table:
+    """A prepared list's rows as arrays, built once on first use (vLLM keeps lists of
+    tuples; turning 10^5 of them into addresses per request would cost more than NIXL)."""
+
+    __slots__ = ("addr", "contiguous_next", "dev", "length")
+
+    def __init__(self, rows: Any) -> None:
+        arr = _as_rows(rows)
+        self.addr = arr[:, 0].astype(np.int64)
+        lens = arr[:, 1].astype(np.int64)
+        # one length per list, or None (then no staging: slots are of one size)
+        self.length = int(lens[0]) if lens.size and bool(np.all(lens == lens[0])) else None
+        self.dev = int(arr[0, 2]) if arr.size else 0
+        # row i ends where row i + 1 starts: NIXL can merge them when both are requested
+        self.contiguous_next = np.append(self.addr[1:] == self.addr[:-1] + lens[:-1], False)
 
 
 @dataclass(frozen=True)
@@ -237,6 +258,7 @@ class _Sorted:
     peer: str
     handle: Any
     position: np.ndarray       # row id in vLLM's list -> row id in the sorted twin
+    table: _Table              # the twin's rows
 
 
 class _NotStaged(Exception):
@@ -269,11 +291,13 @@ class StagingAgent:
         self._memory = memory
         self._lock = threading.Lock()
         self._tables: dict[Any, tuple[Any, Any]] = {}   # dlist handle -> (agent, its rows)
+        self._arrays: dict[Any, _Table] = {}            # the same rows as arrays, on first use
         self._unprepped: dict[int, tuple[Any, Any]] = {}   # id(xfer dlist) -> (dlist, rows)
         self._converted: dict[Any, _Sorted] = {}      # remote dlist handle -> sorted twin
         self._jobs: dict[Any, _Job] = {}              # xfer handle -> staged READ
         self._slot_handles: dict[tuple[int, int], Any] = {}   # (slot len, dev) -> dlist
         self._registered: dict[int, Any] = {}         # dev -> NIXL registration
+        self._covers: dict[Any, bool] = {}            # local dlist handle -> inside memory
         self._alloc = ByteAllocator(capacity)
         self._buffer: Any = None
         self._base = 0
@@ -314,6 +338,7 @@ class StagingAgent:
     def release_dlist_handle(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             self._tables.pop(handle, None)
+            self._arrays.pop(handle, None)
             twin = self._converted.pop(handle, None)
         if twin is not None:
             self._agent.release_dlist_handle(twin.handle)
@@ -350,13 +375,24 @@ class StagingAgent:
         return True
 
     def _sorted_twin(self, peer: str, agent_name: Any, rows: Any) -> _Sorted:
-        table = _rows(rows, np.arange(len(rows)))
-        order = np.argsort(table[:, 0], kind="stable")
+        arr = _as_rows(rows)
+        order = np.argsort(arr[:, 0], kind="stable")
         position = np.empty_like(order)
         position[order] = np.arange(order.size)
-        descs = self._agent.get_xfer_descs(table[order].astype(np.uint64), self._mem_type)
-        handle = self._agent.prep_xfer_dlist(agent_name, descs)
-        return _Sorted(peer, handle, position)
+        sorted_rows = arr[order, :3].astype(np.uint64)
+        handle = self._agent.prep_xfer_dlist(
+            agent_name, self._agent.get_xfer_descs(sorted_rows, self._mem_type))
+        return _Sorted(peer, handle, position, _Table(sorted_rows))
+
+    def _table(self, handle: Any) -> _Table | None:
+        with self._lock:
+            table = self._arrays.get(handle)
+            entry = self._tables.get(handle) if table is None else None
+        if table is None and entry is not None:
+            table = _Table(entry[1])
+            with self._lock:
+                self._arrays[handle] = table
+        return table
 
     def _setup_buffer(self) -> None:
         import torch
@@ -378,8 +414,8 @@ class StagingAgent:
             return self._agent.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
                                                  remote_ids, *args, **kwargs)
         try:
-            job, slot_handle, slot_ids, r_ids, stock, staged = self._plan(
-                local_handle, local_ids, remote_handle, remote_ids, twin)
+            job, slot_handle, slot_ids, r_ids = self._plan(local_handle, local_ids, twin,
+                                                           remote_handle, remote_ids)
         except _NotStaged as why:
             self._not_staged(str(why))
             return self._agent.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
@@ -395,51 +431,66 @@ class StagingAgent:
             first = self.stats.staged_reads == 0
             self.stats.staged_reads += 1
             self.stats.staged_bytes += job.nbytes
-            self.stats.descriptors_stock += stock
-            self.stats.descriptors_staged += staged
+            self.stats.descriptors_stock += job.stock
+            self.stats.descriptors_staged += job.staged
         (logger.info if first else logger.debug)(
             "pdpatch kv_segments: staged READ from %s: %d KiB in %d descriptors instead of %d",
-            job.peer, job.nbytes >> 10, staged, stock)
+            job.peer, job.nbytes >> 10, job.staged, job.stock)
         return handle
 
-    def _plan(self, lh: Any, local_ids: Any, rh: Any, remote_ids: Any, twin: _Sorted
-              ) -> tuple[_Job, Any, np.ndarray, np.ndarray, int, int]:
-        with self._lock:
-            ltab, rtab = self._tables.get(lh), self._tables.get(rh)
+    def _plan(self, lh: Any, local_ids: Any, twin: _Sorted, rh: Any, remote_ids: Any
+              ) -> tuple[_Job, Any, np.ndarray, np.ndarray]:
+        """Staging slots and the peer's rows in address order: all NIXL needs to start."""
+        ltab, rtab = self._table(lh), self._table(rh)
         if ltab is None or rtab is None:
             raise _NotStaged("the local descriptor list was prepared before staging was set up")
         lid = np.asarray(local_ids, dtype=np.int64).reshape(-1)
         rid = np.asarray(remote_ids, dtype=np.int64).reshape(-1)
         if lid.size == 0 or lid.size != rid.size:
             raise _NotStaged(f"{lid.size} local vs {rid.size} remote descriptors")
-        lrows, rrows = _rows(ltab[1], lid), _rows(rtab[1], rid)
-        lens = np.unique(np.concatenate((lrows[:, 1], rrows[:, 1])))
-        if lens.size != 1:
+        slot = ltab.length
+        if slot is None or slot != rtab.length:
             raise _NotStaged("descriptors of unequal lengths")
-        slot = int(lens[0])
         need = slot * lid.size
         if need > self._capacity:
             raise _NotStaged(f"a request of {need >> 20} MiB exceeds the staging buffer "
                              f"({self._capacity >> 20} MiB; PDPATCH_KV_STAGING_MIB)")
-        slot_handle = self._slot_handle(slot, int(lrows[0, 2]))
+        if not self._covered(lh, ltab):
+            raise _NotStaged("the local list points outside the KV memory staging copies into")
+        slot_handle = self._slot_handle(slot, ltab.dev)
         with self._lock:
             start = self._alloc.alloc(need, slot)
         if start is None:
             raise _NotStaged("the staging buffer is full with other requests' READs")
-        staged = stage_ids(lrows, rrows, np.arange(lid.size), np.arange(rid.size),
-                           self._base + start, slot, lid.size)
-        try:
-            ops = self._copier.prepare(staged.copies)
-        except ValueError as exc:
-            self._release_range(start, need)
-            raise _NotStaged(f"the gather cannot be planned: {exc}") from None
-        slot_ids = start // slot + staged.staging_ids
-        r_order = staged.remote_ids
-        stock = merged_count(lid, rid, lrows[:, 0], rrows[:, 0], lrows[:, 1])
-        count = merged_count(slot_ids, twin.position[rid[r_order]],
-                             self._base + slot * slot_ids, rrows[r_order, 0], rrows[r_order, 1])
-        job = _Job(start, need, staged.copies, twin.peer, ops)
-        return job, slot_handle, slot_ids, twin.position[rid[r_order]], stock, count
+        position = twin.position[rid]
+        order = address_order(position, rid)
+        r_ids = position[order]
+        slot_ids = start // slot + np.arange(lid.size, dtype=np.int64)
+        stock = _posted(lid, rid, ltab, rtab)
+        staged = lid.size - int(np.count_nonzero(
+            (r_ids[1:] == r_ids[:-1] + 1) & twin.table.contiguous_next[r_ids[:-1]]))
+        job = _Job(start, need, ltab.addr[lid[order]], slot, twin.peer, stock, staged)
+        return job, slot_handle, slot_ids, r_ids
+
+    def _covered(self, handle: Any, table: _Table) -> bool:
+        """Every row of a local list lies in memory the copier can write (checked once)."""
+        with self._lock:
+            known = self._covers.get(handle)
+        if known is None:
+            try:
+                self._copier.locate(table.addr, np.full(table.addr.size, table.length or 0))
+                known = True
+            except ValueError:
+                known = False
+            with self._lock:
+                self._covers[handle] = known
+        return known
+
+    def _plan_gather(self, job: _Job) -> None:
+        n = job.local_addr.size
+        staging = self._base + job.start + np.arange(n, dtype=np.int64) * job.slot
+        job.ops = self._copier.prepare(merge_copies(staging, job.local_addr,
+                                                    np.full(n, job.slot, dtype=np.int64)))
 
     def _slot_handle(self, slot: int, dev: int) -> Any:
         """The staging buffer as a prepared list of ``slot``-byte entries, registered with the
@@ -465,9 +516,13 @@ class StagingAgent:
     def transfer(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
         state = self._agent.transfer(handle, *args, **kwargs)
         with self._lock:
-            staged = handle in self._jobs
+            job = self._jobs.get(handle)
+        if job is None:
+            return state
+        if not job.ops:
+            self._plan_gather(job)   # host work while NIXL moves the bytes
         # Landed in staging is not landed in the KV cache: the caller must poll, which copies.
-        return PROC if staged and state == DONE else state
+        return PROC if state == DONE else state
 
     def check_xfer_state(self, handle: Any) -> Any:
         with self._lock:
@@ -482,6 +537,8 @@ class StagingAgent:
                 return state
             job.landed = True
             try:
+                if not job.ops:
+                    self._plan_gather(job)
                 job.event = self._copier.launch(job.ops, sync=False)
             except Exception as exc:
                 return self._gather_failed(handle, exc)
@@ -540,9 +597,54 @@ class StagingAgent:
             "pdpatch kv_segments: READ posted per segment: %s", reason)
 
 
-def _rows(table: Any, ids: np.ndarray) -> np.ndarray:
-    """``(addr, len, dev)`` of ``ids`` in a prepared list (vLLM's list of tuples or Nx3)."""
-    if isinstance(table, np.ndarray):
-        return table[ids, :3].astype(np.int64)
-    return np.asarray([table[i][:3] for i in ids.tolist()], dtype=np.int64).reshape(-1, 3)
+def address_order(position: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``np.argsort(position, kind="stable")``, cheaper for the requests vLLM builds.
 
+    Why: sorting a request's 10^4-10^5 rows costs more host time than NIXL spends on the
+    descriptors staging saves (6 ms for 65 536 rows on an H200 host).  vLLM's ids are
+    region-major -- every layer's K (and V) region asks for the same blocks -- so the rows
+    come in chunks that are translates of the first one.  Sorting the first chunk once and
+    applying that order to every chunk leaves sorted runs, which a stable sort (timsort)
+    merges in O(n log chunks).  The chunking is only a hint: the final sort is exact for any
+    input."""
+    n = ids.size
+    chunk = _period(ids)
+    if chunk >= n:
+        return np.argsort(position, kind="stable")
+    first = np.argsort(position[:chunk], kind="stable")
+    hint = (np.arange(0, n, chunk, dtype=np.int64)[:, None] + first[None, :]).reshape(-1)
+    return hint[np.argsort(position[hint], kind="stable")]
+
+
+def _period(ids: np.ndarray) -> int:
+    """The shortest chunk length whose chunks are the first chunk shifted by a constant
+    (``ids.size`` when there is none)."""
+    n = ids.size
+    for chunk in _divisors(n):
+        if chunk == n:
+            break
+        step = ids[chunk] - ids[0]
+        if ids[n - 1] - ids[n - 1 - chunk] != step:       # cheap test before the full one
+            continue
+        if bool(np.all(ids[chunk:] - ids[:-chunk] == step)):
+            return chunk
+    return n
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def _as_rows(rows: Any) -> np.ndarray:
+    """vLLM's list of ``(addr, len, dev)`` tuples, or an Nx3 array, as an Nx3+ int64 array."""
+    arr = np.asarray(rows if isinstance(rows, np.ndarray) else list(rows), dtype=np.int64)
+    return arr.reshape(-1, arr.shape[-1]) if arr.size else np.zeros((0, 3), np.int64)
+
+
+def _posted(lid: np.ndarray, rid: np.ndarray, ltab: _Table, rtab: _Table) -> int:
+    """NIXL's ``descCount`` for ids into two lists: a pair joins the previous one when both
+    ids follow the previous ones and both rows continue them in memory."""
+    joins = ((lid[1:] == lid[:-1] + 1) & (rid[1:] == rid[:-1] + 1)
+             & ltab.contiguous_next[lid[:-1]] & rtab.contiguous_next[rid[:-1]])
+    return int(lid.size - np.count_nonzero(joins))
