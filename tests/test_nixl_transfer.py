@@ -311,7 +311,8 @@ def staged_read(pair: NixlPair, s: Setup, lids: list[int], rids: list[int], *,
         assert agent.mark_converted(rh, PEER)
         h = agent.make_prepped_xfer("READ", lh, lid, rh, rid, notif_msg=b"staged")
         state = agent.transfer(h)
-        assert state in ("PROC", "ERR")   # never DONE before the copy has been polled
+        if agent.stats.staged_reads:
+            assert state in ("PROC", "ERR")   # never DONE before the copy has been polled
         deadline = time.monotonic() + 30
         while state == "PROC" and time.monotonic() < deadline:
             state = agent.check_xfer_state(h)
@@ -335,12 +336,16 @@ def test_staged_read_is_byte_exact_with_the_predicted_descriptors(pair: NixlPair
     run = staged_read(pair, s, lids, rids)
     assert run.state == "DONE"
     assert np.array_equal(s.lbuf, expected_read(s, lids, rids)), name
-    assert run.stats.staged_reads == 1 and not run.stats.not_staged
-    assert run.stats.descriptors_stock == stock
-    assert run.desc_count == run.stats.descriptors_staged <= stock
-    if s.case.local_slice.parts == s.case.remote_slice.parts == 1:
-        # whole segments: a remote-contiguous run of blocks is one descriptor per layer/pool
-        assert run.desc_count < stock
+    if s.case.remote_slice.parts == 1:
+        # the peer's whole segments: a run of its blocks is one descriptor per layer/pool
+        assert run.stats.staged_reads == 1 and not run.stats.not_staged
+        assert run.stats.descriptors_stock == stock
+        assert run.desc_count == run.stats.descriptors_staged < stock
+    else:
+        # head slices of the peer's K and V are apart: nothing to merge, no staging
+        assert run.stats.staged_reads == 0
+        assert [r for r in run.stats.not_staged if "under a quarter" in r]
+        assert run.desc_count == stock
     assert run.free_after == STAGING
 
 
@@ -350,7 +355,7 @@ def test_request_larger_than_staging_goes_per_segment(pair: NixlPair) -> None:
     assert run.state == "DONE"
     assert np.array_equal(s.lbuf, expected_read(s, LIDS, remote_ids(s.case)))
     assert run.stats.staged_reads == 0
-    assert [r for r in run.stats.not_staged if "exceeds the staging buffer" in r]
+    assert [r for r in run.stats.not_staged if "larger than the 0 MiB staging buffer" in r]
 
 
 def test_gather_outside_known_memory_goes_per_segment(pair: NixlPair) -> None:
