@@ -6,7 +6,7 @@ set -euo pipefail
 root="${PDPATCH_VLLM_SOURCES:-$HOME/.cache/pdpatch/vllm-src}"
 py="${PDPATCH_PYTHON:-python3}"
 versions=("$@")
-[ ${#versions[@]} -gt 0 ] || versions=(0.19.0 0.20.2 0.22.1 0.23.0 0.25.1 0.28.0 0.30.0 0.32.0)
+[ ${#versions[@]} -gt 0 ] || versions=(0.19.0 0.20.2 0.21.0 0.22.1 0.23.0 0.25.1 0.28.0 0.30.0 0.32.0)
 mkdir -p "$root"
 for v in "${versions[@]}"; do
   [ -f "$root/$v/.complete" ] && continue

@@ -255,3 +255,18 @@ def test_patch_targets_per_release() -> None:
     assert names("0.25.1") == [*common, "add_remote_agent", "_build_fa_remote"]
     assert names("0.28.0") == [*common, "add_remote_agent"]          # no split path left
     assert names("0.33.0") == [*common, "restore_kv_caches", "add_remote_agent"]
+
+
+def test_staging_size_setting() -> None:
+    assert ks.staging_mib({}) == ks.STAGING_DEFAULT_MIB
+    assert ks.staging_mib({ks.STAGING_ENV: "0"}) == 0
+    assert ks.staging_mib({ks.STAGING_ENV: " 512 "}) == 512
+    for bad in ("-1", "lots", "1.5"):
+        with pytest.raises(config.ConfigError,
+                           match=r"PDPATCH_KV_STAGING_MIB=.* \(0 turns staging off"):
+            ks.staging_mib({ks.STAGING_ENV: bad})
+    # declared by the patch, so the settings parser does not take it for a typo
+    assert ks.STAGING_ENV in ks.PATCH.options
+    settings = config.read_settings(["kv_segments"], {ks.STAGING_ENV: "64"},
+                                    option_vars=ks.PATCH.options)
+    assert settings.overrides == {}

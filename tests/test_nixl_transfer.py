@@ -369,14 +369,17 @@ def test_gather_outside_known_memory_goes_per_segment(pair: NixlPair) -> None:
     assert run.free_after == STAGING
 
 
-def test_failed_gather_fails_the_request_and_frees_staging(pair: NixlPair,
-                                                          monkeypatch) -> None:
+@pytest.mark.parametrize("step", ["prepare", "launch"])
+def test_failed_gather_fails_the_request_and_frees_staging(pair: NixlPair, monkeypatch,
+                                                          step: str) -> None:
+    """Planning the gather (while NIXL moves the bytes) or launching it fails: the request
+    ends ERR once NIXL is done with the staging slots, and the slots come back."""
     s = set_up(pair, "fused->split")
 
-    def broken(ops, sync=True):
+    def broken(*args, **kwargs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(ByteCopier, "launch", lambda self, ops, sync=True: broken(ops, sync))
+    monkeypatch.setattr(ByteCopier, step, broken)
     run = staged_read(pair, s, LIDS, remote_ids(s.case))
     assert run.state == "ERR"                          # vLLM fails this request only
     assert run.stats.staged_reads == 1 and run.stats.gather_failures == 1

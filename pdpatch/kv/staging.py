@@ -233,6 +233,7 @@ class _Job:
     stock: int                 # descriptors vLLM's own READ would have posted
     staged: int                # descriptors the staged READ posts
     ops: list = field(default_factory=list)      # prepared gather, alive until it has run
+    failure: Exception | None = None             # planning the gather failed
     event: Any = None
     landed: bool = False
 
@@ -527,8 +528,10 @@ class StagingAgent:
             job = self._jobs.get(handle)
         if job is None:
             return state
-        if not job.ops:
+        try:
             self._plan_gather(job)   # host work while NIXL moves the bytes
+        except Exception as exc:     # fail the request once NIXL is done with the staging slots
+            job.failure = exc
         # Landed in staging is not landed in the KV cache: the caller must poll, which copies.
         return PROC if state == DONE else state
 
@@ -545,7 +548,9 @@ class StagingAgent:
                 return state
             job.landed = True
             try:
-                if not job.ops:
+                if job.failure is not None:
+                    raise job.failure
+                if not job.ops:      # posted without our transfer(): plan the gather now
                     self._plan_gather(job)
                 job.event = self._copier.launch(job.ops, sync=False)
             except Exception as exc:
@@ -565,14 +570,20 @@ class StagingAgent:
         return ERR
 
     def release_xfer_handle(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
+        # NIXL first: should it refuse to let go of a READ in flight, the staging slots stay
+        # reserved rather than be handed to another READ while this one still writes them.
+        result = self._agent.release_xfer_handle(handle, *args, **kwargs)
         self._finish(handle)
-        return self._agent.release_xfer_handle(handle, *args, **kwargs)
+        return result
 
     def _finish(self, handle: Any) -> None:
         with self._lock:
             job = self._jobs.pop(handle, None)
-        if job is not None:
-            self._release(job)
+        if job is None:
+            return
+        if job.event is not None:
+            job.event.synchronize()   # a gather still reading the slots (request aborted)
+        self._release(job)
 
     def _release(self, job: _Job) -> None:
         self._release_range(job.start, job.nbytes)

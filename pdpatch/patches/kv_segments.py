@@ -37,6 +37,15 @@ What this does (research notes §4.1-4.4; the geometry maths is :mod:`pdpatch.kv
   only addresses differ): in ``_build_fa_remote`` on 0.21-0.25, at the
   ``get_xfer_descs``/``prep_xfer_dlist`` pair inside ``add_remote_agent`` on 0.19/0.20 (the
   builder is a closure there);
+* **stage (0.19-0.25)** -- a converted peer's READs cost one NIXL descriptor per block segment
+  (nothing merges across layouts).  ``register_kv_caches`` puts a
+  :class:`pdpatch.kv.staging.StagingAgent` in front of the worker's NIXL agent (before vLLM
+  prepares its lists, so it sees them), and ``add_remote_agent`` marks each converted peer's
+  list: its READs land in a staging buffer in the peer's address order (runs merge), and are
+  gathered into the KV cache before ``check_xfer_state`` answers ``DONE``.  Requests it cannot
+  stage, or where staging saves under a quarter of the descriptors, run vLLM's own READ.
+  ``PDPATCH_KV_STAGING_MIB`` (default 128 per decode worker, allocated at the first converted
+  peer; 0 = off);
 * **mixed names (all releases)** -- a peer whose backend name differs is accepted only when
   its geometry pairs with the local one exactly (same roles, head order, spans after TP and
   block-size scaling); a real difference raises :class:`GeometryMismatch`.
@@ -71,7 +80,7 @@ if TYPE_CHECKING:
 NAME = "kv_segments"
 FIELD = "pdpatch_kv_geometry"
 BACKENDS_KEY = "kv_segments_backends"
-STAGING_ENV = "PDPATCH_KV_STAGING_MIB"
+STAGING_ENV = "PDPATCH_KV_STAGING_MIB"    # also named in pdpatch.kv.staging's messages
 STAGING_DEFAULT_MIB = 128
 
 # Backends whose K and V are plain [block, token, head, dim] arrays (split or fused), so that a
