@@ -105,6 +105,10 @@ def diagnose(check_targets: bool = True) -> Report:
         verdict = "would apply" if ps.status == "active" else "skipped"
         r.say(f"patch {patch.name}: {verdict} ({ps.reason}) - {patch.summary}")
         r.data["patches"][patch.name] = {"status": verdict, "reason": ps.reason}
+        for var in patch.options:
+            value = os.environ.get(var)
+            r.say(f"  option {var}: {value!r}" if value is not None else
+                  f"  option {var}: not set (the patch's default)")
         if ps.status == "active" and check_targets:
             for ts in ps.targets:
                 try:

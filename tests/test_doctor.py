@@ -37,6 +37,14 @@ def test_json_output_and_toggle_reason():
     assert data["c_encoder"] is True
 
 
+def test_patch_options_are_reported_with_their_values():
+    out = doctor(sys.executable, "--no-import", ENABLE_PDPATCH="1",
+                 PDPATCH_KV_STAGING_MIB="64")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "  option PDPATCH_KV_STAGING_MIB: '64'" in out.stdout
+    assert "  option PDPATCH_BLOCK_KEYS_ON_MISMATCH: not set (the patch's default)" in out.stdout
+
+
 def test_invalid_setting_is_a_problem():
     out = doctor(sys.executable, "--no-import", ENABLE_PDPATCH="maybe")
     assert out.returncode == 1

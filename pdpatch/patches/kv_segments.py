@@ -897,7 +897,8 @@ def _targets(version: Version) -> list[Target]:
 PATCH = Patch(
     name=NAME,
     summary="P/D with different K/V segment layouts (FlashAttention split vs FlashInfer fused, "
-            "kvcached split-half) convert descriptors byte-exactly; mixed backend names with "
+            "kvcached split-half) convert descriptors byte-exactly, their READs staged so runs "
+            "of blocks merge (0.19-0.25, PDPATCH_KV_STAGING_MIB); mixed backend names with "
             "identical geometry are accepted, real differences fail that peer clearly",
     versions=">=0.19,<0.34",
     why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
