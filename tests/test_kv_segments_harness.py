@@ -312,7 +312,7 @@ def pull(d: Side, p_ranks: dict[int, Side], local_ids: list[int], remote_ids: li
     return {"results": acc, "crash": crash or crash2, "handshake_errors": errors,
             "staging": None if staging is None else {
                 **vars(staging), "not_staged": dict(staging.not_staged),
-                "free": nixl.staging_free},
+                "free": nixl.staging_free, "allocated": nixl.staging_allocated},
             "copied_bytes": getattr(nixl, "copied_bytes", 0),
             "nixl_errors": list(getattr(nixl, "errors", [])), "changed_blocks": changed}
 

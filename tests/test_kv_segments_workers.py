@@ -185,6 +185,7 @@ def test_mixed_pair_transfers_the_right_bytes(ver: str, name: str) -> None:
         assert stats["conversions"] == 0 and stats["mixed_accepted"] == 1
         if v(ver) < PACKED_ERA:     # kvcached's split-half pools may still convert: an agent
             assert out["staging"]["staged_reads"] == 0 and out["staging"]["not_staged"] == {}
+            assert out["staging"]["allocated"] == 0     # no buffer until a READ is staged
         else:                       # nothing converts from 0.26: no agent
             assert out["staging"] is None
 
@@ -196,7 +197,7 @@ def staged_once(staging: dict[str, Any] | None) -> None:
     assert staging["staged_reads"] == 1 and staging["not_staged"] == {}
     assert staging["descriptors_staged"] < staging["descriptors_stock"]
     assert staging["gather_failures"] == 0
-    assert staging["free"] == 128 << 20               # the slots came back
+    assert staging["free"] == staging["allocated"] == 128 << 20   # the slots came back
 
 
 @pytest.mark.parametrize("ver", [x for x in VERSIONS if v(x) < SPLIT_ERA])

@@ -385,3 +385,18 @@ def test_failed_gather_fails_the_request_and_frees_staging(pair: NixlPair, monke
     assert run.stats.staged_reads == 1 and run.stats.gather_failures == 1
     assert run.free_after == STAGING
     assert not s.lbuf.any()                            # nothing half-copied
+
+
+def test_no_buffer_until_a_read_is_staged(pair: NixlPair) -> None:
+    """A worker that marks a converted peer but never READs from it (a push-mode prefill)
+    allocates no staging."""
+    s = set_up(pair, "split->fused")
+    agent = StagingAgent(pair.agent, mem_type="DRAM", capacity=STAGING,
+                         memory=lambda: [torch.from_numpy(s.lbuf)])
+    rh = agent.prep_xfer_dlist(PEER, s.plan.remote_table(), "DRAM")
+    try:
+        assert agent.mark_converted(rh, PEER)
+        assert agent.staging_allocated == 0
+    finally:
+        agent.release_dlist_handle(rh)
+        agent.close()

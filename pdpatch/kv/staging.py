@@ -22,8 +22,8 @@ Everything else goes to the real agent unchanged.  A request that cannot be stag
 full or too small, descriptors of unequal lengths, a local list not seen being prepared) is
 posted exactly as vLLM built it, and the reason is counted and logged once.
 
-The staging buffer (``capacity`` bytes on the KV cache's device) is allocated and registered
-with NIXL on the first converted peer only.  Needs torch (not vLLM).
+The staging buffer (``capacity`` bytes on the KV cache's device) is allocated at the first
+READ to stage and registered with NIXL per slot length.  Needs torch (not vLLM).
 """
 
 from __future__ import annotations
@@ -282,7 +282,7 @@ class StagingStats:
 class StagingAgent:
     """A worker's NIXL agent with staged READs for converted peers (see the module doc).
 
-    ``memory`` gives, when the first converted peer is marked, the tensors whose memory the
+    ``memory`` gives, at the first READ to stage, the tensors whose memory the
     local descriptor lists point into (the KV caches, or vLLM's host buffers); the staging
     buffer is allocated on their device.  ``capacity`` bytes: 0 turns staging off.
     """
@@ -314,6 +314,11 @@ class StagingAgent:
     @property
     def agent(self) -> Any:
         return self._agent
+
+    @property
+    def staging_allocated(self) -> int:
+        """Bytes of staging memory this agent holds (0 until the first READ it stages)."""
+        return 0 if self._buffer is None else int(self._buffer.numel())
 
     @property
     def staging_free(self) -> int:
@@ -366,8 +371,6 @@ class StagingAgent:
                            "before staging was set up; its READs go per segment", peer)
             return False
         try:
-            if self._buffer is None:
-                self._setup_buffer()
             twin = self._sorted_twin(peer, *entry)
         except Exception as exc:
             logger.warning("pdpatch kv_segments: no staging for peer %s (%s: %s); converted "
@@ -397,6 +400,20 @@ class StagingAgent:
             with self._lock:
                 self._arrays[handle] = table
         return table
+
+    def _ensure_buffer(self) -> None:
+        """The staging buffer, made at the first READ to stage: a worker that only writes to
+        a converted peer (a push-mode prefill) never pays for it."""
+        if self._buffer is not None:
+            return
+        try:
+            self._setup_buffer()
+        except Exception as exc:
+            self._capacity = 0
+            logger.warning("pdpatch kv_segments: no staging buffer (%s: %s); converted READs "
+                           "go per segment (PDPATCH_KV_STAGING_MIB=0 silences this)",
+                           type(exc).__name__, exc)
+            raise _NotStaged("no staging buffer could be made") from None
 
     def _setup_buffer(self) -> None:
         import torch
@@ -445,6 +462,8 @@ class StagingAgent:
     def _plan(self, lh: Any, local_ids: Any, twin: _Sorted, rh: Any, remote_ids: Any
               ) -> tuple[_Job, Any, np.ndarray, np.ndarray]:
         """Staging slots and the peer's rows in address order: all NIXL needs to start."""
+        if self._capacity <= 0:
+            raise _NotStaged("no staging buffer could be made")
         ltab, rtab = self._table(lh), self._table(rh)
         if ltab is None or rtab is None:
             raise _NotStaged("the local descriptor list was prepared before staging was set up")
@@ -459,6 +478,7 @@ class StagingAgent:
         if need > self._capacity:
             raise _NotStaged(f"a request is larger than the {self._capacity >> 20} MiB staging "
                              f"buffer (raise {STAGING_VAR})")
+        self._ensure_buffer()
         if not self._covered(lh, ltab):
             raise _NotStaged("the local list points outside the KV memory staging copies into")
         position = twin.position[rid]

@@ -44,8 +44,8 @@ What this does (research notes §4.1-4.4; the geometry maths is :mod:`pdpatch.kv
   list: its READs land in a staging buffer in the peer's address order (runs merge), and are
   gathered into the KV cache before ``check_xfer_state`` answers ``DONE``.  Requests it cannot
   stage, or where staging saves under a quarter of the descriptors, run vLLM's own READ.
-  ``PDPATCH_KV_STAGING_MIB`` (default 128 per decode worker, allocated at the first converted
-  peer; 0 = off);
+  ``PDPATCH_KV_STAGING_MIB`` (default 128 per decode worker, allocated at the first READ it
+  stages; 0 = off);
 * **mixed names (all releases)** -- a peer whose backend name differs is accepted only when
   its geometry pairs with the local one exactly (same roles, head order, spans after TP and
   block-size scaling); a real difference raises :class:`GeometryMismatch`.
