@@ -274,6 +274,38 @@ def test_transport_cost_refuses_what_it_cannot_solve() -> None:
     assert TransportCost.from_timings((100, 100, 1e-8), (1, 10**6, 1e-3)).desc_cost_s == 0.0
 
 
+@given(cost_us=st.floats(0.05, 50), gbps=st.floats(0.1, 2000), fixed_us=st.floats(0, 500),
+       rows=st.integers(8, 4096), seg=st.integers(512, 1 << 20))
+def test_transport_cost_fit_separates_the_cost_of_a_read(cost_us: float, gbps: float,
+                                                         fixed_us: float, rows: int,
+                                                         seg: int) -> None:
+    """The three READs the staging agent calibrates with (one descriptor of a run, one of
+    twice the run, ``rows`` spaced descriptors), timed by a model with a fixed cost per READ:
+    the fit gives the per-descriptor cost and the bandwidth back; the fixed cost, which
+    :meth:`TransportCost.from_timings` would fold into them, does not leak in."""
+    truth = TransportCost(cost_us * 1e-6, gbps * 1e9)
+
+    def read(descs: int, nbytes: int) -> tuple[int, int, float]:
+        return descs, nbytes, fixed_us * 1e-6 + descs * truth.desc_cost_s \
+            + nbytes / truth.bandwidth_bps
+
+    got = TransportCost.fit([read(1, rows * seg), read(1, 2 * rows * seg),
+                             read(rows, rows * seg)])
+    assert got.desc_cost_s == pytest.approx(truth.desc_cost_s, rel=1e-5)
+    assert got.bandwidth_bps == pytest.approx(truth.bandwidth_bps, rel=1e-5)
+
+
+def test_transport_cost_fit_refuses_what_it_cannot_solve() -> None:
+    with pytest.raises(ValueError, match="three"):
+        TransportCost.fit([(1, 100, 1.0), (2, 200, 1.0)])
+    with pytest.raises(ValueError, match="differ"):   # bytes move with descriptors
+        TransportCost.fit([(1, 100, 1.0), (2, 200, 2.0), (4, 400, 3.0)])
+    with pytest.raises(ValueError, match="positive"):
+        TransportCost.fit([(1, 100, 0.0), (1, 200, 1.0), (8, 100, 2.0)])
+    with pytest.raises(ValueError, match="no positive bandwidth"):   # more bytes, less time
+        TransportCost.fit([(1, 100, 2.0), (1, 200, 1.0), (8, 100, 3.0)])
+
+
 @pytest.mark.parametrize("op", ["READ", "WRITE"])
 @pytest.mark.parametrize("parts", [1, 2, 3, 7, 100])
 def test_split_staged_pieces_cover_the_plan(op: str, parts: int) -> None:

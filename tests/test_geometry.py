@@ -96,6 +96,24 @@ def test_registration_ranges_cover_only_planned_blocks() -> None:
     assert len(g.registration_ranges()) == 1
 
 
+def test_read_ranges_never_cross_a_registration() -> None:
+    """A fused layer is one range; a split layer's K and V pools stay two even when adjacent
+    (vLLM registers them apart), and so do adjacent layers; layers interleaved per block
+    share one range."""
+    _, g = _infer(LayoutSpec("fa_split"))       # K pool directly followed by the V pool
+    la = g.layers[0]
+    assert la.extents()[0][1] == la.extents()[1][0]
+    assert g.read_ranges() == sorted(r for layer in g.layers for r in layer.extents())
+    _, g = _infer(LayoutSpec("fused"))          # layers back to back
+    assert len(g.registration_ranges()) == 1
+    assert g.read_ranges() == [(la.base + la.segments[0].offset,
+                                la.base + (la.num_blocks - 1) * la.block_stride
+                                + la.segments[1].offset + la.segments[1].length)
+                               for la in g.layers]
+    _, g = _infer(LayoutSpec("fused", cross_layer=True))
+    assert g.read_ranges() == g.registration_ranges() and len(g.read_ranges()) == 1
+
+
 def test_ambiguous_leading_dims_need_kv_dim() -> None:
     side = build_side(LayoutSpec("fused"), 1, 2, BS, H, D, ES)  # shape (2, 2, ...)
     shape, stride, es, ptr = side.infos[0]

@@ -8,6 +8,7 @@ initiator.  Bytes are compared as uint8 against the oracle in kv_helpers (logica
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import time
 import zlib
@@ -158,12 +159,16 @@ class Setup:
     plan: PairPlan
 
 
-def set_up(pair: NixlPair, name: str) -> Setup:
-    case = CASES[name]
+def set_up(pair: NixlPair, name: str, case: Case | None = None,
+           separate_registrations: bool = False) -> Setup:
+    """``separate_registrations``: the peer registers each read range on its own, as vLLM
+    < 0.26 registers a split layer's adjacent K and V pools."""
+    case = case or CASES[name]
     remote = pair.remote_side(case.remote, L, N_REMOTE, BS, case.remote_heads, D, ES,
                               seed=zlib.crc32(name.encode()))
     rgeo = infer_geometry(remote.infos, num_blocks=N_REMOTE, kv_dim=remote.kv_dim)
-    pair.register_remote(rgeo.registration_ranges())
+    pair.register_remote(rgeo.read_ranges() if separate_registrations
+                         else rgeo.registration_ranges())
 
     lbuf = np.zeros(side_nbytes(case.local, L, N_LOCAL, BS * case.ratio, case.local_heads, D,
                                 ES), dtype=np.uint8)
@@ -299,16 +304,19 @@ class StagedRun:
 
 
 def staged_read(pair: NixlPair, s: Setup, lids: list[int], rids: list[int], *,
-                capacity: int = STAGING, memory: list | None = None) -> StagedRun:
+                capacity: int = STAGING, memory: list | None = None, gap: int | None = 0,
+                read_ranges: list | None = None) -> StagedRun:
     """One READ the way vLLM posts it (tables prepared once, ids per request), through a
-    :class:`StagingAgent` around the real agent with the remote list marked converted."""
+    :class:`StagingAgent` around the real agent with the remote list marked converted
+    (with the peer's ``read_ranges``, gap reads of up to ``gap`` bytes; None measures it)."""
     lid, rid = s.plan.desc_ids(lids, rids)
     tensors = memory if memory is not None else [torch.from_numpy(s.lbuf)]
-    agent = StagingAgent(pair.agent, mem_type="DRAM", capacity=capacity, memory=lambda: tensors)
+    agent = StagingAgent(pair.agent, mem_type="DRAM", capacity=capacity, memory=lambda: tensors,
+                         gap=gap)
     lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", s.plan.local_table(), "DRAM")
     rh = agent.prep_xfer_dlist(PEER, s.plan.remote_table(), "DRAM")
     try:
-        assert agent.mark_converted(rh, PEER)
+        assert agent.mark_converted(rh, PEER, read_ranges)
         h = agent.make_prepped_xfer("READ", lh, lid, rh, rid, notif_msg=b"staged")
         state = agent.transfer(h)
         if agent.stats.staged_reads:
@@ -400,3 +408,104 @@ def test_no_buffer_until_a_read_is_staged(pair: NixlPair) -> None:
     finally:
         agent.release_dlist_handle(rh)
         agent.close()
+
+
+def spans_expected(s: Setup, rids: list[int], lids: list[int], ranges: list) -> int:
+    """A gap READ with an unbounded gap: one descriptor per read range it touches."""
+    _, rid = s.plan.desc_ids(lids, rids)
+    addr = s.plan.remote_table()[rid, 0].astype(np.int64)
+    inside = [next(i for i, (a, b) in enumerate(ranges) if a <= x < b) for x in addr.tolist()]
+    return len(set(inside))
+
+
+@pytest.mark.parametrize("name", READS)
+def test_gap_read_is_byte_exact_in_one_descriptor_per_range(pair: NixlPair, name: str) -> None:
+    """With the peer's read ranges and a gap of 1 MiB, every requested row of one range is
+    one span: the unrequested bytes between them land in staging only (the local blocks not
+    asked for keep their zeros), head slices included."""
+    s = set_up(pair, name)
+    lids, rids = LIDS, remote_ids(s.case)
+    ranges = s.plan.remote.read_ranges()
+    run = staged_read(pair, s, lids, rids, gap=1 << 20, read_ranges=ranges)
+    assert run.state == "DONE"
+    assert np.array_equal(s.lbuf, expected_read(s, lids, rids)), name
+    expect = spans_expected(s, rids, lids, ranges)
+    assert run.stats.staged_reads == run.stats.gap_reads == 1, run.stats
+    assert run.desc_count == run.stats.descriptors_staged == expect
+    assert run.stats.gap_bytes > 0
+    assert run.free_after == STAGING
+
+
+def test_gap_reads_never_cross_a_registration(pair: NixlPair, caplog) -> None:
+    """A split peer whose K and V pools touch and are registered apart (vLLM < 0.26): a gap
+    READ stops at the pool's end.  Spanning both pools -- what the merged
+    ``registration_ranges`` would allow -- NIXL refuses; the agent then drops gap reads for
+    that peer and stages the READ without them, loudly."""
+    case = Case(FUSED, LayoutSpec("fa_split"))
+    s = set_up(pair, "split->fused adjacent pools", case, separate_registrations=True)
+    lids, rids = LIDS, remote_ids(case)
+    ranges = s.plan.remote.read_ranges()
+    assert len(s.plan.remote.registration_ranges()) < len(ranges)   # the pools touch
+    run = staged_read(pair, s, lids, rids, gap=1 << 20, read_ranges=ranges)
+    assert run.state == "DONE"
+    assert np.array_equal(s.lbuf, expected_read(s, lids, rids))
+    assert run.desc_count == spans_expected(s, rids, lids, ranges) == 2 * L
+    s.lbuf[:] = 0
+    with caplog.at_level(logging.WARNING, logger="pdpatch"):
+        run = staged_read(pair, s, lids, rids, gap=1 << 20,
+                          read_ranges=s.plan.remote.registration_ranges())
+    assert "NIXL refused a span" in caplog.text and "NotFound" in caplog.text
+    assert run.state == "DONE"
+    assert np.array_equal(s.lbuf, expected_read(s, lids, rids))
+    assert run.stats.staged_reads == 1 and run.stats.gap_reads == 0
+    assert run.free_after == STAGING
+
+
+def test_gap_shrinks_to_fit_staging(pair: NixlPair) -> None:
+    """Staging too small for the gaps: the gap is halved until the READ fits, or left out."""
+    s = set_up(pair, "fused->split")
+    lids, rids = LIDS, remote_ids(s.case)
+    ranges = s.plan.remote.read_ranges()
+    lid, _ = s.plan.desc_ids(lids, rids)
+    need = len(lid) * int(s.plan.local_table()[0, 1])
+    run = staged_read(pair, s, lids, rids, capacity=need + 64, gap=1 << 20,
+                      read_ranges=ranges)
+    assert run.state == "DONE"
+    assert np.array_equal(s.lbuf, expected_read(s, lids, rids))
+    assert run.stats.staged_reads == 1
+    assert run.stats.gap_bytes <= 64
+    assert run.free_after == need + 64
+
+
+def test_gap_budget_is_measured_on_the_peer(pair: NixlPair, caplog) -> None:
+    """``gap=None`` (what vLLM gets unless PDPATCH_KV_GAP_KIB is set): the first staged READ
+    from a peer first times three READs of its memory and fits the transport's cost; the
+    budget is recorded and logged, the calibration's staging comes back, and the READ that
+    follows is byte-exact.  Pools of 1024 blocks of 8 KiB segments, large enough to time."""
+    layers, blocks, bs, heads, hd, es = 1, 1024, 16, 4, 64, 2
+    spec_r, spec_l = LayoutSpec("fused"), LayoutSpec("fa_split")
+    remote = pair.remote_side(spec_r, layers, blocks, bs, heads, hd, es, seed=11)
+    rgeo = infer_geometry(remote.infos, num_blocks=blocks, kv_dim=remote.kv_dim)
+    pair.register_remote(rgeo.registration_ranges())
+    lbuf = np.zeros(side_nbytes(spec_l, layers, blocks, bs, heads, hd, es), dtype=np.uint8)
+    local = build_side(spec_l, layers, blocks, bs, heads, hd, es, buf=lbuf,
+                       base=int(lbuf.ctypes.data))
+    lgeo = infer_geometry(local.infos, num_blocks=blocks, kv_dim=local.kv_dim)
+    pair.register_local(lgeo.registration_ranges())
+    s = Setup(Case(spec_l, spec_r), remote, local, lbuf, PairPlan(lgeo, rgeo))
+    rids = list(range(0, blocks, 4))            # every 4th block: gaps of 48 KiB
+    lids = list(range(len(rids)))
+    capacity = 32 << 20
+    with caplog.at_level(logging.INFO, logger="pdpatch"):
+        run = staged_read(pair, s, lids, rids, capacity=capacity, gap=None,
+                          read_ranges=rgeo.read_ranges())
+    assert run.state == "DONE"
+    assert PEER in run.stats.gap_budgets, caplog.text
+    assert "us per descriptor" in caplog.text
+    assert run.stats.staged_reads == 1
+    assert run.stats.gap_reads == (run.stats.gap_budgets[PEER] >= 48 << 10)
+    exp = np.zeros_like(lbuf)
+    expected_copy(build_side(spec_l, layers, blocks, bs, heads, hd, es, buf=exp,
+                             base=local.base), remote, lids, rids)
+    assert np.array_equal(lbuf, exp)
+    assert run.free_after == capacity

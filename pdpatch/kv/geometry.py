@@ -260,6 +260,23 @@ class KVGeometry:
                 merged.append((start, end))
         return merged
 
+    def read_ranges(self) -> list[tuple[int, int]]:
+        """``[start, end)`` ranges a READ may cross whole, unrequested bytes included.
+
+        Each must lie inside one NIXL registration of the peer, whoever registered it: a
+        descriptor that crosses two registrations is refused even where they touch.  So
+        extents that overlap (a fused layer's K and V, layers interleaved per block) are one
+        range, but extents that merely touch stay apart: vLLM < 0.26 registers a split
+        layer's adjacent K and V pools separately, and each layer's tensor on its own.
+        """
+        merged: list[tuple[int, int]] = []
+        for start, end in sorted(span for layer in self.layers for span in layer.extents()):
+            if merged and start < merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        return merged
+
     # -- wire form: an optional extra handshake field (stock peers ignore unknown fields) --
     def to_wire(self) -> dict[str, Any]:
         """Plain ints/strings/lists only, so msgpack, msgspec and JSON all carry it."""

@@ -161,25 +161,15 @@ def stage(plan: DescPlan, staging_base: int, *, op: str = "READ",
     need = int(ln_o.sum(dtype=_U64))
     if staging_bytes is not None and need > staging_bytes:
         raise KVPlanError(f"request needs {need} B of staging, only {staging_bytes} B exist")
-    gap = (ra_o[1:] - ends[:-1]).astype(np.int64) if n > 1 else np.empty(0, np.int64)
-    same_range = np.zeros(gap.shape, dtype=bool)
+    start_i, end_i = ra_o.astype(np.int64), ends.astype(np.int64)
+    joinable = start_i[1:] == end_i[:-1]
     if max_gap and n > 1:
-        starts_r = np.asarray(sorted(int(s) for s, _ in remote_ranges), dtype=np.int64)
-        ends_r = np.asarray([e for _, e in sorted((int(s), int(e)) for s, e in remote_ranges)],
-                            dtype=np.int64)
-        ri = np.searchsorted(starts_r, ra_o.astype(np.int64), side="right") - 1
-        inside = (ri >= 0) & (ends.astype(np.int64) <= ends_r[np.maximum(ri, 0)])
-        same_range = inside[1:] & inside[:-1] & (ri[1:] == ri[:-1])
-    while True:
-        join = (gap == 0) | ((gap <= max_gap) & same_range)
-        first = np.flatnonzero(np.concatenate(([True], ~join)))
-        last = np.concatenate((first[1:], [n])) - 1
-        span_start = ra_o[first]
-        span_len = (ends[last] - span_start).astype(_U64) if n else ln_o
-        total = int(span_len.sum(dtype=_U64))
-        if staging_bytes is None or total <= staging_bytes or max_gap == 0:
-            break
-        max_gap //= 2
+        rid = range_ids(start_i, end_i, remote_ranges)
+        joinable |= (rid[1:] == rid[:-1]) & (rid[1:] >= 0)
+    first, last, _ = read_spans(start_i, end_i, joinable, max_gap, staging_bytes)
+    span_start = ra_o[first]
+    span_len = (ends[last] - span_start).astype(_U64) if n else ln_o
+    total = int(span_len.sum(dtype=_U64))
     span_off = np.concatenate(([0], np.cumsum(span_len[:-1], dtype=_U64))).astype(_U64) \
         if n else span_len
     group = np.repeat(np.arange(first.size), last - first + 1)
@@ -190,6 +180,37 @@ def stage(plan: DescPlan, staging_base: int, *, op: str = "READ",
     la_o = plan.local_addr.astype(_U64)[order]
     copies = merge_copies(st, la_o, ln_o) if op == "READ" else merge_copies(la_o, st, ln_o)
     return StagedPlan(transfer, copies, total, op)
+
+
+def range_ids(start: np.ndarray, end: np.ndarray, ranges: Sequence[tuple[int, int]]
+              ) -> np.ndarray:
+    """Which of ``ranges`` (disjoint ``[start, end)``) holds each ``[start[i], end[i])``; -1
+    for one that no range holds whole."""
+    bounds = sorted((int(s), int(e)) for s, e in ranges)
+    starts_r = np.asarray([s for s, _ in bounds], dtype=np.int64)
+    ends_r = np.asarray([e for _, e in bounds], dtype=np.int64)
+    ri = np.searchsorted(starts_r, start, side="right") - 1
+    inside = (ri >= 0) & (end <= (ends_r[np.maximum(ri, 0)] if ends_r.size else 0))
+    return np.where(inside, ri, -1)
+
+
+def read_spans(start: np.ndarray, end: np.ndarray, joinable: np.ndarray, max_gap: int,
+               limit: int | None) -> tuple[np.ndarray, np.ndarray, int]:
+    """Group address-sorted ranges ``[start[i], end[i])`` into READs: range ``i + 1`` joins
+    range ``i``'s READ when ``joinable[i]`` and at most ``max_gap`` bytes lie between them.
+    While the READs' bytes exceed ``limit``, the gap is halved (a gap of 0 adds no bytes).
+
+    Returns the index of each READ's first and last range, and the gap used."""
+    n = start.size
+    gap = start[1:] - end[:-1]
+    while True:
+        join = joinable & (gap >= 0) & (gap <= max_gap)
+        first = np.flatnonzero(np.concatenate(([True], ~join))) if n else np.empty(0, np.int64)
+        last = np.concatenate((first[1:], [n])) - 1 if n else first
+        total = int((end[last] - start[first]).sum())
+        if limit is None or total <= limit or max_gap == 0:
+            return first, last, max_gap
+        max_gap //= 2
 
 
 class TransportCost(NamedTuple):
@@ -216,6 +237,27 @@ class TransportCost(NamedTuple):
         if inv_bw <= 0:
             raise ValueError(f"timings {a}, {b} imply no positive bandwidth")
         return cls(max((t1 * b2 - t2 * b1) / det, 0.0), 1.0 / inv_bw)
+
+    @classmethod
+    def fit(cls, reads: Sequence[tuple[int, int, float]]) -> TransportCost:
+        """Least squares over READs given as ``(descs, bytes, seconds)``, with a fixed cost
+        per READ (posting it, polling it) beside the per-descriptor and per-byte ones, which
+        :meth:`from_timings` cannot separate.  Needs three READs or more that differ in both
+        descriptors and bytes."""
+        if len(reads) < 3:
+            raise ValueError(f"at least three READs needed, got {len(reads)}")
+        a = np.array([[1.0, float(d), float(b)] for d, b, _ in reads])
+        t = np.array([float(s) for _, _, s in reads])
+        if float(t.min()) <= 0:
+            raise ValueError(f"READ times must be positive, got {t.tolist()}")
+        scale = np.abs(a).max(axis=0)
+        if np.linalg.matrix_rank(a / scale) < 3:
+            raise ValueError("READs must differ in descriptors and in bytes")
+        (_, cost, inv_bw), *_ = np.linalg.lstsq(a / scale, t, rcond=None)
+        cost, inv_bw = cost / scale[1], inv_bw / scale[2]
+        if inv_bw <= 0:
+            raise ValueError(f"READs {list(reads)} imply no positive bandwidth")
+        return cls(max(float(cost), 0.0), 1.0 / float(inv_bw))
 
     def gap_budget(self) -> int:
         """The largest gap of unrequested bytes that is cheaper to read than to skip: skipping

@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -39,14 +40,28 @@ from typing import Any
 
 import numpy as np
 
-from pdpatch.kv.stage import CopyPlan, merge_copies, staging_table
+from pdpatch.kv.stage import (
+    CopyPlan,
+    TransportCost,
+    merge_copies,
+    range_ids,
+    read_spans,
+    staging_table,
+)
 from pdpatch.log import logger
 
 DONE, PROC, ERR = "DONE", "PROC", "ERR"
 INIT_AGENT = "NIXL_INIT_AGENT"
 STAGING_VAR = "PDPATCH_KV_STAGING_MIB"
+GAP_VAR = "PDPATCH_KV_GAP_KIB"
 # Stage a READ only when it posts at most this fraction of vLLM's descriptors.
 MAX_STAGED_FRACTION = 0.75
+# Calibration READs: descriptors of the many-descriptor READ, the most bytes of one READ, and
+# the time a one-descriptor READ should take for its bytes to outweigh posting and polling.
+CALIBRATION_DESCS = 256
+CALIBRATION_MAX_BYTES = 64 << 20
+CALIBRATION_TARGET_S = 1e-3
+CALIBRATION_REPS = 3
 
 
 class ByteAllocator:
@@ -221,6 +236,19 @@ def _nothing() -> Iterator[None]:
     yield
 
 
+@dataclass(frozen=True)
+class _Spans:
+    """A gap READ: its spans of the peer's memory, and where each requested row lands."""
+
+    start: np.ndarray          # remote address of each span
+    length: np.ndarray
+    offset: np.ndarray         # each row's offset in staging (rows in address order)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+
 @dataclass
 class _Job:
     """One staged READ: its staging range and the gather that follows it."""
@@ -232,6 +260,9 @@ class _Job:
     peer: str
     stock: int                 # descriptors vLLM's own READ would have posted
     staged: int                # descriptors the staged READ posts
+    dev: int                   # the device id of the local lists (and of staging)
+    spans: _Spans | None = None                  # a gap READ: its spans of the peer
+    dlists: tuple = ()                           # a gap READ's own lists, freed with it
     ops: list = field(default_factory=list)      # prepared gather, alive until it has run
     failure: Exception | None = None             # planning the gather failed
     event: Any = None
@@ -255,14 +286,17 @@ class _Table:
         self.contiguous_next = np.append(self.addr[1:] == self.addr[:-1] + lens[:-1], False)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Sorted:
     """A converted peer's rows prepared once more in address order."""
 
     peer: str
+    agent_name: Any
     handle: Any
     position: np.ndarray       # row id in vLLM's list -> row id in the sorted twin
     table: _Table              # the twin's rows
+    range_id: np.ndarray | None = None   # the peer's read range holding each row (-1: none)
+    gap: int | None = None     # bytes a READ may read between requested rows (None: unknown)
 
 
 class _NotStaged(Exception):
@@ -273,6 +307,9 @@ class _NotStaged(Exception):
 class StagingStats:
     staged_reads: int = 0
     staged_bytes: int = 0
+    gap_reads: int = 0              # staged READs that also read unrequested bytes
+    gap_bytes: int = 0              # those unrequested bytes (they stay in staging)
+    gap_budgets: dict = field(default_factory=dict)   # peer -> bytes, once calibrated
     descriptors_stock: int = 0      # what the same READs would have posted unstaged
     descriptors_staged: int = 0
     gather_failures: int = 0
@@ -285,14 +322,20 @@ class StagingAgent:
     ``memory`` gives, at the first READ to stage, the tensors whose memory the
     local descriptor lists point into (the KV caches, or vLLM's host buffers); the staging
     buffer is allocated on their device.  ``capacity`` bytes: 0 turns staging off.
+
+    ``gap``: how many unrequested bytes a READ may read between two requested rows of a peer
+    marked with its read ranges, so that nearby blocks share one descriptor (the bytes
+    between them stay in staging).  ``None`` measures it per peer at its first staged READ
+    (:meth:`_calibrate`); 0 turns gap reads off.
     """
 
     def __init__(self, agent: Any, *, mem_type: str, capacity: int,
-                 memory: Callable[[], Sequence[Any]]) -> None:
+                 memory: Callable[[], Sequence[Any]], gap: int | None = None) -> None:
         self._agent = agent
         self._mem_type = mem_type
         self._capacity = capacity
         self._memory = memory
+        self._gap = gap
         self._lock = threading.Lock()
         self._tables: dict[Any, tuple[Any, Any]] = {}   # dlist handle -> (agent, its rows)
         self._arrays: dict[Any, _Table] = {}            # the same rows as arrays, on first use
@@ -353,9 +396,14 @@ class StagingAgent:
             self._agent.release_dlist_handle(twin.handle)
         return self._agent.release_dlist_handle(handle, *args, **kwargs)
 
-    def mark_converted(self, remote_handle: Any, peer: str) -> bool:
+    def mark_converted(self, remote_handle: Any, peer: str,
+                       read_ranges: Sequence[tuple[int, int]] | None = None) -> bool:
         """READs against ``remote_handle`` (a converted peer's prepared list) are staged from
         now on.  False (and a log line) when staging is off or cannot be set up.
+
+        ``read_ranges``: the peer's memory a READ may cross whole, unrequested bytes
+        included (:meth:`pdpatch.kv.geometry.KVGeometry.read_ranges`); without them, no gap
+        reads from this peer.
 
         NIXL merges two pairs only when their ids are consecutive on both sides, and vLLM's
         lists order a peer's rows by layer, then K or V, then block: a fused peer's K and V
@@ -372,6 +420,9 @@ class StagingAgent:
             return False
         try:
             twin = self._sorted_twin(peer, *entry)
+            if read_ranges:
+                end = twin.table.addr + (twin.table.length or 0)
+                twin.range_id = range_ids(twin.table.addr, end, read_ranges)
         except Exception as exc:
             logger.warning("pdpatch kv_segments: no staging for peer %s (%s: %s); converted "
                            "READs go per segment (PDPATCH_KV_STAGING_MIB=0 silences this)",
@@ -389,7 +440,7 @@ class StagingAgent:
         sorted_rows = arr[order, :3].astype(np.uint64)
         handle = self._agent.prep_xfer_dlist(
             agent_name, self._agent.get_xfer_descs(sorted_rows, self._mem_type))
-        return _Sorted(peer, handle, position, _Table(sorted_rows))
+        return _Sorted(peer, agent_name, handle, position, _Table(sorted_rows))
 
     def _table(self, handle: Any) -> _Table | None:
         with self._lock:
@@ -441,27 +492,51 @@ class StagingAgent:
             self._not_staged(str(why))
             return self._agent.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
                                                  remote_ids, *args, **kwargs)
+        if job.spans is not None:
+            try:
+                job.dlists = self._span_lists(twin, job)
+            except Exception as exc:     # NIXL refused a span: this peer gets no gap reads
+                self._release(job)
+                twin.gap = 0
+                logger.warning("pdpatch kv_segments: no gap reads from %s: NIXL refused a "
+                               "span of its memory (%s: %s); its READs are staged without "
+                               "them", twin.peer, type(exc).__name__, exc)
+                return self.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
+                                              remote_ids, *args, **kwargs)
         try:
-            handle = self._agent.make_prepped_xfer("READ", slot_handle, slot_ids, twin.handle,
-                                                   r_ids, *args, **kwargs)
+            if job.spans is None:
+                handle = self._agent.make_prepped_xfer("READ", slot_handle, slot_ids,
+                                                       twin.handle, r_ids, *args, **kwargs)
+            else:
+                local, remote = job.dlists
+                ids = np.arange(job.staged, dtype=np.int64)
+                handle = self._agent.make_prepped_xfer("READ", local, ids, remote, ids,
+                                                       *args, **kwargs)
         except BaseException:
             self._release(job)
             raise
+        requested = job.slot * job.local_addr.size
         with self._lock:
             self._jobs[handle] = job
             first = self.stats.staged_reads == 0
             self.stats.staged_reads += 1
-            self.stats.staged_bytes += job.nbytes
+            self.stats.staged_bytes += requested
             self.stats.descriptors_stock += job.stock
             self.stats.descriptors_staged += job.staged
+            if job.spans is not None:
+                self.stats.gap_reads += 1
+                self.stats.gap_bytes += job.nbytes - requested
         (logger.info if first else logger.debug)(
-            "pdpatch kv_segments: staged READ from %s: %d KiB in %d descriptors instead of %d",
-            job.peer, job.nbytes >> 10, job.staged, job.stock)
+            "pdpatch kv_segments: staged READ from %s: %d KiB in %d descriptors instead of "
+            "%d%s", job.peer, requested >> 10, job.staged, job.stock,
+            "" if job.spans is None else
+            f", reading {(job.nbytes - requested) >> 10} KiB between requested blocks")
         return handle
 
     def _plan(self, lh: Any, local_ids: Any, twin: _Sorted, rh: Any, remote_ids: Any
               ) -> tuple[_Job, Any, np.ndarray, np.ndarray]:
-        """Staging slots and the peer's rows in address order: all NIXL needs to start."""
+        """Staging slots and the peer's rows in address order: all NIXL needs to start.
+        For a gap READ the job carries its spans, and the slot list and ids are unused."""
         if self._capacity <= 0:
             raise _NotStaged("no staging buffer could be made")
         ltab, rtab = self._table(lh), self._table(rh)
@@ -485,21 +560,52 @@ class StagingAgent:
         order = address_order(position, rid)
         r_ids = position[order]
         stock = _posted(lid, rid, ltab, rtab)
-        staged = lid.size - int(np.count_nonzero(
+        runs = lid.size - int(np.count_nonzero(
             (r_ids[1:] == r_ids[:-1] + 1) & twin.table.contiguous_next[r_ids[:-1]]))
+        slot_handle = self._slot_handle(slot, ltab.dev)     # registers staging, too
+        spans = self._spans(twin, r_ids, slot, runs, ltab.dev)
+        start = None
+        if spans is not None:
+            with self._lock:
+                start = self._alloc.alloc(spans.nbytes, slot)
+            if start is None:       # other READs hold the room the gaps need: no gaps
+                spans = None
+        staged = runs if spans is None else spans.length.size
         if staged > MAX_STAGED_FRACTION * stock:
             # the gather would cost more than the few descriptors it saves (measured: 256 KiB
             # isolated blocks from a split peer, 881 of 1024 descriptors, ran at 0.6x)
             raise _NotStaged("staging saves under a quarter of the descriptors (blocks far "
                              "apart, or head slices of K and V)")
-        slot_handle = self._slot_handle(slot, ltab.dev)
-        with self._lock:
-            start = self._alloc.alloc(need, slot)
-        if start is None:
-            raise _NotStaged("the staging buffer is full with other requests' READs")
+        if spans is None:
+            with self._lock:
+                start = self._alloc.alloc(need, slot)
+            if start is None:
+                raise _NotStaged("the staging buffer is full with other requests' READs")
         slot_ids = start // slot + np.arange(lid.size, dtype=np.int64)
-        job = _Job(start, need, ltab.addr[lid[order]], slot, twin.peer, stock, staged)
+        job = _Job(start, need if spans is None else spans.nbytes, ltab.addr[lid[order]],
+                   slot, twin.peer, stock, staged, ltab.dev, spans)
         return job, slot_handle, slot_ids, r_ids
+
+    def _spans(self, twin: _Sorted, r_ids: np.ndarray, slot: int, runs: int, dev: int
+               ) -> _Spans | None:
+        """The gap READ for rows ``r_ids`` of the twin (address order), when it posts fewer
+        descriptors than the twin's runs and fits the staging buffer; else None."""
+        gap = self._gap_for(twin, slot, dev)
+        if gap <= 0 or twin.range_id is None:
+            return None
+        start = twin.table.addr[r_ids]
+        end = start + slot
+        rng = twin.range_id[r_ids]
+        joinable = (rng[1:] == rng[:-1]) & (rng[1:] >= 0)
+        first, last, _ = read_spans(start, end, joinable, gap, self._capacity)
+        if first.size >= runs:
+            return None
+        length = end[last] - start[first]
+        if int(length.sum()) > self._capacity:
+            return None
+        span_off = np.cumsum(length) - length
+        group = np.repeat(np.arange(first.size), last - first + 1)
+        return _Spans(start[first], length, span_off[group] + (start - start[first][group]))
 
     def _covered(self, handle: Any, table: _Table) -> bool:
         """Every row of a local list lies in memory the copier can write (checked once)."""
@@ -515,9 +621,100 @@ class StagingAgent:
                 self._covers[handle] = known
         return known
 
+    def _gap_for(self, twin: _Sorted, slot: int, dev: int) -> int:
+        """The twin's gap budget: the agent's setting, else measured at the peer's first
+        staged READ (0 until it could be)."""
+        if twin.range_id is None:
+            return 0
+        if twin.gap is None and self._gap is not None:
+            twin.gap = self._gap
+        if twin.gap is None:
+            twin.gap = self._calibrate(twin, slot, dev)
+        return twin.gap or 0
+
+    def _calibrate(self, twin: _Sorted, slot: int, dev: int) -> int | None:
+        """The most bytes worth reading to save one descriptor, measured on this peer: three
+        READs of its memory into staging -- one descriptor of a run of rows, one of twice
+        that run, and :data:`CALIBRATION_DESCS` rows one apart -- best of
+        :data:`CALIBRATION_REPS`, fitted to ``fixed + descs x cost + bytes / bandwidth``.
+
+        Why measure: the budget is ``cost x bandwidth``, a few MiB over cuda_ipc on one node,
+        tens of KiB over host memory, a few KiB over TCP: no default fits every transport.
+        None (try again at the next READ) while other READs hold the staging it needs."""
+        run_start, run_len = _longest_run(twin)
+        if run_len < 4:
+            logger.info("pdpatch kv_segments: no gap reads from %s: no run of its rows to "
+                        "measure the transport with", twin.peer)
+            return 0
+        room = min(CALIBRATION_MAX_BYTES, self._capacity, run_len * slot) // (2 * slot)
+        descs = min(CALIBRATION_DESCS, run_len // 2, 2 * room)
+        if descs < 2:
+            return 0
+        with self._lock:
+            start = self._alloc.alloc(2 * room * slot, slot)
+        if start is None:
+            return None
+        addr = twin.table.addr
+        try:
+            spaced = self._timed(twin, start, addr[run_start:run_start + 2 * descs:2], slot,
+                                 dev)
+            rows = min(descs, room)
+            one = self._timed(twin, start, addr[run_start:run_start + 1], rows * slot, dev)
+            while one[2] < CALIBRATION_TARGET_S and rows * 4 <= room:   # too fast to time
+                rows *= 4
+                one = self._timed(twin, start, addr[run_start:run_start + 1], rows * slot, dev)
+            two = self._timed(twin, start, addr[run_start:run_start + 1], 2 * rows * slot, dev)
+            cost = TransportCost.fit([spaced, one, two])
+        except Exception as exc:
+            logger.warning("pdpatch kv_segments: no gap reads from %s: measuring its "
+                           "transport failed (%s: %s); set %s to choose a gap", twin.peer,
+                           type(exc).__name__, exc, GAP_VAR)
+            return 0
+        finally:
+            self._release_range(start, 2 * room * slot)
+        gap = cost.gap_budget()
+        with self._lock:
+            self.stats.gap_budgets[twin.peer] = gap
+        logger.info("pdpatch kv_segments: READs from %s cost %.1f us per descriptor at %.1f "
+                    "GB/s: staged READs read up to %d KiB between requested blocks rather than "
+                    "post another descriptor (%s overrides; 0 turns it off)", twin.peer,
+                    cost.desc_cost_s * 1e6, cost.bandwidth_bps / 1e9, gap >> 10, GAP_VAR)
+        return gap
+
+    def _timed(self, twin: _Sorted, start: int, remote: np.ndarray, length: int, dev: int
+               ) -> tuple[int, int, float]:
+        """``(descs, bytes, best seconds)`` of READing ``length`` bytes at each of ``remote``
+        into staging at ``start``, posted and polled as vLLM does."""
+        n = remote.size
+        lens = np.full(n, length, dtype=np.int64)
+        local = self._base + start + np.arange(n, dtype=np.int64) * length
+        lh = self._prep(INIT_AGENT, local, lens, dev)
+        rh = self._prep(twin.agent_name, remote, lens, twin.table.dev)
+        ids = np.arange(n, dtype=np.int64)
+        best = math.inf
+        try:
+            for _ in range(CALIBRATION_REPS):
+                t0 = time.perf_counter()
+                handle = self._agent.make_prepped_xfer("READ", lh, ids, rh, ids)
+                try:
+                    state = self._agent.transfer(handle)
+                    while state == PROC:
+                        state = self._agent.check_xfer_state(handle)
+                    best = min(best, time.perf_counter() - t0)
+                finally:
+                    self._agent.release_xfer_handle(handle)
+                if state != DONE:
+                    raise RuntimeError(f"calibration READ ended {state}")
+        finally:
+            self._agent.release_dlist_handle(lh)
+            self._agent.release_dlist_handle(rh)
+        return n, n * length, best
+
     def _plan_gather(self, job: _Job) -> None:
         n = job.local_addr.size
-        staging = self._base + job.start + np.arange(n, dtype=np.int64) * job.slot
+        offset = job.spans.offset if job.spans is not None else \
+            np.arange(n, dtype=np.int64) * job.slot
+        staging = self._base + job.start + offset
         job.ops = self._copier.prepare(merge_copies(staging, job.local_addr,
                                                     np.full(n, job.slot, dtype=np.int64)))
 
@@ -531,16 +728,36 @@ class StagingAgent:
         if handle is not None:
             return handle
         if not registered:
-            descs = self._agent.get_reg_descs([(self._base, self._capacity, dev, "")],
-                                              self._mem_type)
-            reg = self._agent.register_memory(descs)
-            with self._lock:
-                self._registered[dev] = reg if reg is not None else descs
+            self._register(dev)
         table = staging_table(self._base, slot, self._capacity // slot, dev)
         handle = self.prep_xfer_dlist(INIT_AGENT, self.get_xfer_descs(table, self._mem_type))
         with self._lock:
             self._slot_handles[key] = handle
         return handle
+
+    def _register(self, dev: int) -> None:
+        descs = self._agent.get_reg_descs([(self._base, self._capacity, dev, "")],
+                                          self._mem_type)
+        reg = self._agent.register_memory(descs)
+        with self._lock:
+            self._registered[dev] = reg if reg is not None else descs
+
+    def _span_lists(self, twin: _Sorted, job: _Job) -> tuple[Any, Any]:
+        """A gap READ's own lists: its spans of the peer, and back-to-back staging ranges of
+        the same lengths (ids into prepared tables cannot describe a span that no row is)."""
+        sp = job.spans
+        local = self._base + job.start + np.cumsum(sp.length) - sp.length
+        lh = self._prep(INIT_AGENT, local, sp.length, job.dev)
+        try:
+            return lh, self._prep(twin.agent_name, sp.start, sp.length, twin.table.dev)
+        except BaseException:
+            self._agent.release_dlist_handle(lh)
+            raise
+
+    def _prep(self, agent_name: Any, addr: np.ndarray, length: np.ndarray, dev: int) -> Any:
+        rows = np.column_stack([addr, length, np.full(addr.size, dev)]).astype(np.uint64)
+        return self._agent.prep_xfer_dlist(agent_name,
+                                           self._agent.get_xfer_descs(rows, self._mem_type))
 
     def transfer(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
         state = self._agent.transfer(handle, *args, **kwargs)
@@ -606,6 +823,8 @@ class StagingAgent:
         self._release(job)
 
     def _release(self, job: _Job) -> None:
+        for dlist in job.dlists:
+            self._agent.release_dlist_handle(dlist)
         self._release_range(job.start, job.nbytes)
 
     def _release_range(self, start: int, nbytes: int) -> None:
@@ -679,6 +898,20 @@ def _as_rows(rows: Any) -> np.ndarray:
     """vLLM's list of ``(addr, len, dev)`` tuples, or an Nx3 array, as an Nx3+ int64 array."""
     arr = np.asarray(rows if isinstance(rows, np.ndarray) else list(rows), dtype=np.int64)
     return arr.reshape(-1, arr.shape[-1]) if arr.size else np.zeros((0, 3), np.int64)
+
+
+def _longest_run(twin: _Sorted) -> tuple[int, int]:
+    """``(first row, rows)`` of the twin's longest run of back-to-back rows in one read
+    range: memory a single READ of the peer may cover."""
+    rng = twin.range_id
+    if rng is None or rng.size == 0:
+        return 0, 0
+    joins = twin.table.contiguous_next[:-1] & (rng[1:] == rng[:-1]) & (rng[1:] >= 0)
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    lengths = np.diff(np.append(starts, rng.size))
+    lengths[rng[starts] < 0] = 0
+    best = int(np.argmax(lengths))
+    return int(starts[best]), int(lengths[best])
 
 
 def _posted(lid: np.ndarray, rid: np.ndarray, ltab: _Table, rtab: _Table) -> int:
