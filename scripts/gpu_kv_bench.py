@@ -728,6 +728,8 @@ class Bench:
             modes.append(("coalesced", None))
         if pair.converts and op == "READ":
             modes.append(("vllm-agent", None))  # what the kv_segments patch runs inside vLLM
+            if a.gap_kib != 0:                  # ... with its gap reads (vLLM's default)
+                modes.append(("vllm-agent+gap", None))
         if pair.converts:
             modes += [(f"staged/{c}", c) for c in a.executors]
             if rg.kind == "split":
@@ -751,7 +753,7 @@ class Bench:
             elif mode == "vllm-ids":
                 lt, rt = pair.local_table(), pair.remote_table()
                 li, ri = pair.desc_ids(lids, rids)
-            elif mode == "vllm-agent":
+            elif mode.startswith("vllm-agent"):
                 pass  # the agent plans each request itself (timed)
             elif mode == "coalesced":
                 c = coalesce(pair.descs(lids, rids))
@@ -774,11 +776,15 @@ class Bench:
                 expect = nixl_merged_count(per_request[0], per_request[1],
                                            np.arange(len(per_request[0])),
                                            np.arange(len(per_request[0])))
-            if mode == "vllm-agent":
+            agent_gap = 0
+            if mode.startswith("vllm-agent"):
                 li, ri = pair.desc_ids(lids, rids)
-                times, count, ctimes, err, expect, t_plan, agent_staged = self.timed_agent(
-                    lp, peer.name, pair, li, ri, before, after)
-                wire = len(lids) * L * 2 * seg
+                gaps = "+gap" in mode
+                (times, count, ctimes, err, expect, t_plan, agent_staged, wire,
+                 agent_gap) = self.timed_agent(
+                    lp, peer.name, pair, li, ri, before, after,
+                    read_ranges=rg.read_ranges() if gaps else None,
+                    capacity=max(st_bytes, wire) + (1 << 20) if gaps else None)
             elif "pipe" in mode:
                 pieces = split_staged(sp, a.pipe)
                 times, count, ctimes, err = self.timed_pipe(op, lp.mem, peer.name, per_request,
@@ -806,14 +812,15 @@ class Bench:
                 "pool": tag, "pool_kind": pool_kind, "remote_kind": remote_kind,
                 "local_kind": lp.kind, "block_kib": block_bytes // 1024, "pattern": pattern,
                 "op": op, "case": case, "mode": mode,
-                "executor": ByteCopier.name if mode == "vllm-agent" else getattr(copier, "name",
-                                                                                 None),
+                "executor": ByteCopier.name if mode.startswith("vllm-agent")
+                else getattr(copier, "name", None),
                 "descs": len(lids) * L * (1 if mode == "whole-blocks" else 2),
                 "nixl_descs": count, "expected_nixl_descs": expect, "gbs": gbs,
                 "gbs_median": xbytes / statistics.median(times) / 1e9,
                 "copy_ms": min(ctimes) * 1e3 if copies is not None else 0.0,
                 "plan_us": t_plan * 1e6, "bytes": xbytes, "wire_bytes": wire, "d2d_gbs": d2d,
-                "max_gap": gap_bytes if "+gap" in mode else 0,
+                "max_gap": agent_gap if mode.startswith("vllm-agent") else
+                gap_bytes if "+gap" in mode else 0,
                 "agent_staged": agent_staged,
                 "ok": err is None, "error": err, "reps": len(times),
             }
@@ -823,21 +830,27 @@ class Bench:
         if op == "WRITE":  # leave the remote as the READ oracle expects it
             peer.call("refill", rname)
 
-    def timed_agent(self, lp: Pool, peer_name: str, pair: PairPlan, li, ri, before, after):
+    def timed_agent(self, lp: Pool, peer_name: str, pair: PairPlan, li, ri, before, after,
+                    read_ranges=None, capacity=None):
         """Repetitions of one READ posted the way vLLM's worker posts it (tables prepared once,
         ``make_prepped_xfer`` with its desc ids, ``transfer``, then ``check_xfer_state`` until
         DONE) through :class:`pdpatch.kv.staging.StagingAgent` -- the object the kv_segments
         patch puts in front of the worker's agent -- with the peer marked converted.  The
-        timing includes the agent's planning and its gather into the local pool."""
+        timing includes the agent's planning and its gather into the local pool.
+
+        With ``read_ranges`` the agent also reads gaps, with the budget it measures itself at
+        the first READ (as inside vLLM unless PDPATCH_KV_GAP_KIB is set); that first
+        repetition's time includes the measurement, the best repetition does not."""
         wire = len(li) * int(pair.local_table()[0, 1])
-        agent = StagingAgent(self.agent, mem_type=lp.mem, capacity=wire + (1 << 20),
-                             memory=lambda: lp.tensors)
+        agent = StagingAgent(self.agent, mem_type=lp.mem,
+                             capacity=capacity or wire + (1 << 20), memory=lambda: lp.tensors)
         lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", pair.local_table(), lp.mem)
         rh = agent.prep_xfer_dlist(peer_name, pair.remote_table(), lp.mem)
         times, copy_times, plan_times, count, err = [], [], [], 0, None
         try:
-            if not agent.mark_converted(rh, peer_name):
-                return [float("inf")], 0, [0.0], "staging agent refused the peer", 0, 0.0, False
+            if not agent.mark_converted(rh, peer_name, read_ranges):
+                return ([float("inf")], 0, [0.0], "staging agent refused the peer", 0, 0.0,
+                        False, wire, 0)
             for _ in range(self.args.reps):
                 before()
                 self.sync()
@@ -865,7 +878,15 @@ class Bench:
                 expect = nixl_merged_count(pair.local_table(), pair.remote_table(), li, ri)
             else:
                 expect = st.descriptors_staged // max(st.staged_reads, 1)
-            return times, count, copy_times, err, expect, min(plan_times), st.staged_reads > 0
+            if st.gap_reads not in (0, st.staged_reads):
+                err = err or f"gap reads only sometimes: {st.gap_reads} of {st.staged_reads}"
+            if read_ranges is not None and peer_name not in st.gap_budgets:
+                self.notes.append(f"{lp.geometry.label} vllm-agent+gap: the agent measured "
+                                  "no gap budget (see its log line); no gap reads")
+            reads = max(st.staged_reads, 1)
+            wire += st.gap_bytes // reads
+            return (times, count, copy_times, err, expect, min(plan_times), st.staged_reads > 0,
+                    wire, st.gap_budgets.get(peer_name, 0))
         finally:
             agent.release_dlist_handle(lh)
             agent.release_dlist_handle(rh)

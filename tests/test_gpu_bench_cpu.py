@@ -49,6 +49,8 @@ def test_every_case_is_byte_exact(report) -> None:
                     assert (op, case, pattern, "staged") in seen
                     # the agent the kv_segments patch installs inside vLLM (READ only)
                     assert ((op, case, pattern, "vllm-agent") in seen) == (op == "READ")
+                    # ... and with the gap budget it measures itself
+                    assert ((op, case, pattern, "vllm-agent+gap") in seen) == (op == "READ")
     assert ("READ", "fused<-split", "runs4", "staged-ids") in seen
     assert ("READ", "split<-fused", "scattered", "staged+gap") in seen
     assert not report.get("section_errors")

@@ -257,6 +257,22 @@ def test_patch_targets_per_release() -> None:
     assert names("0.33.0") == [*common, "restore_kv_caches", "add_remote_agent"]
 
 
+def test_gap_setting() -> None:
+    """Unset or ``auto``: measured per peer (None); a number of KiB; 0 turns gap reads off."""
+    assert ks.gap_kib({}) is None
+    assert ks.gap_kib({ks.GAP_ENV: " Auto "}) is None
+    assert ks.gap_kib({ks.GAP_ENV: "0"}) == 0
+    assert ks.gap_kib({ks.GAP_ENV: "2048"}) == 2048
+    for bad in ("-4", "big", "0.5"):
+        with pytest.raises(config.ConfigError,
+                           match=r"PDPATCH_KV_GAP_KIB=.* \(0 turns gap reads off"):
+            ks.gap_kib({ks.GAP_ENV: bad})
+    assert ks.GAP_ENV in ks.PATCH.options
+    from pdpatch.kv.staging import GAP_VAR, STAGING_VAR
+
+    assert (GAP_VAR, STAGING_VAR) == (ks.GAP_ENV, ks.STAGING_ENV)   # named in messages there
+
+
 def test_staging_size_setting() -> None:
     assert ks.staging_mib({}) == ks.STAGING_DEFAULT_MIB
     assert ks.staging_mib({ks.STAGING_ENV: "0"}) == 0

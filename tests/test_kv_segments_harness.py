@@ -392,14 +392,15 @@ def _remote_lists(d: Side, engine: str) -> list[list[tuple[int, int]]]:
 
 
 def scenario_pair(p_backend: str = P_BACKEND, d_backend: str = D_BACKEND,
-                  d_extra: dict | None = None, block_size: int = 16) -> dict[str, Any]:
-    """P (``p_backend``) -> D (``d_backend``): blocks 4, 5, 6 of P into 1, 2, 3 of D."""
+                  d_extra: dict | None = None, block_size: int = 16,
+                  p_blocks: tuple[int, ...] = (4, 5, 6)) -> dict[str, Any]:
+    """P (``p_backend``) -> D (``d_backend``): blocks ``p_blocks`` of P into 1, 2, 3 of D."""
     _reset()
     p = build("prefill", "kv_producer", p_backend, num_blocks=12, seed=1, block_size=block_size)
     d = build("decode", "kv_consumer", d_backend, num_blocks=10, seed=2, extra=d_extra,
               block_size=block_size)
-    out = pull(d, {0: p}, [1, 2, 3], [4, 5, 6])
-    out["mismatches"] = compare(d, p, [(1, 4), (2, 5), (3, 6)])
+    out = pull(d, {0: p}, [1, 2, 3], list(p_blocks))
+    out["mismatches"] = compare(d, p, list(zip((1, 2, 3), p_blocks, strict=True)))
     out["p_regions"] = len(msgspec.msgpack.decode(
         p.worker.xfer_handshake_metadata.agent_metadata_bytes)["kv_caches_base_addr"])
     out["d_regions"] = len(msgspec.msgpack.decode(
@@ -415,6 +416,13 @@ def scenario_pair_unstaged() -> dict[str, Any]:
     """``pair`` with staging off (``PDPATCH_KV_STAGING_MIB=0``): per-segment READs."""
     with patch.dict(os.environ, {"PDPATCH_KV_STAGING_MIB": "0"}):
         return scenario_pair()
+
+
+def scenario_pair_gap() -> dict[str, Any]:
+    """``pair`` with P's blocks 3, 5, 8 (no two adjacent) and ``PDPATCH_KV_GAP_KIB=1024``:
+    one gap READ per layer and pool, where per-segment READs post one per block."""
+    with patch.dict(os.environ, {"PDPATCH_KV_GAP_KIB": "1024"}):
+        return scenario_pair(p_blocks=(3, 5, 8))
 
 
 def scenario_tp_up() -> dict[str, Any]:
@@ -574,6 +582,7 @@ SCENARIOS = {
     "pair_reverse": lambda: scenario_pair(D_BACKEND, P_BACKEND),
     "pair_same": lambda: scenario_pair(P_BACKEND, P_BACKEND),
     "pair_unstaged": scenario_pair_unstaged,
+    "pair_gap": scenario_pair_gap,
     "pair_no_enforce": lambda: scenario_pair(
         d_extra={"enforce_handshake_compat": False}),
     # CPU attention wants blocks of a multiple of 32 tokens from 0.23

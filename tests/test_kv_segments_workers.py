@@ -42,7 +42,8 @@ def patched_scenarios(version: Version) -> list[str]:
     if version < TRITON_HND:
         # Run token-major (NHD), the order 0.19's Triton really uses; head splits (TP) and the
         # block-size receive post-processing need HND there, so those run from 0.20.
-        names = ["pair", "pair_reverse", "pair_same", "pair_unstaged", "span_advertised",
+        names = ["pair", "pair_reverse", "pair_same", "pair_unstaged", "pair_gap",
+                 "span_advertised",
                  "span_stock_fields", "advert_ignored"]
         return [*names, "globals"]
     names = ["pair", "pair_reverse", "pair_same", "tp_up", "tp_down", "span_advertised",
@@ -52,7 +53,7 @@ def patched_scenarios(version: Version) -> list[str]:
         # reproduce P's tokens after vLLM's receive post-processing on CPU; nothing to compare.
         names += ["block_ratio"]
     if version < SPLIT_ERA:
-        names += ["block_ratio_reverse", "pair_cpu", "pair_unstaged"]
+        names += ["block_ratio_reverse", "pair_cpu", "pair_unstaged", "pair_gap"]
     if version >= PACKED_ERA:
         names += ["pair_cpu"]
     if version >= Version("0.33"):
@@ -173,7 +174,7 @@ def test_stock_without_hash_check(ver: str) -> None:
 def test_mixed_pair_transfers_the_right_bytes(ver: str, name: str) -> None:
     out = scenario(ver, "patched", name)
     ok_pull(out, [1, 2, 3])
-    assert out["copied_bytes"] == 3 * 2 * 2 * 2 * 16 * 64 * 2   # blocks x layers x K,V x heads
+    assert moved(out) == 3 * 2 * 2 * 2 * 16 * 64 * 2   # blocks x layers x K,V x heads
     stats = out["stats"]
     assert stats["hash_alternates_accepted"] == 1
     if v(ver) < SPLIT_ERA:
@@ -190,6 +191,12 @@ def test_mixed_pair_transfers_the_right_bytes(ver: str, name: str) -> None:
             assert out["staging"] is None
 
 
+def moved(out: dict[str, Any]) -> int:
+    """Bytes the fake NIXL copied for vLLM's READs: all it copied, less the READs the staging
+    agent made to measure the peer's transport (into staging, never the KV cache)."""
+    return out["copied_bytes"] - ((out.get("staging") or {}).get("calibration_bytes") or 0)
+
+
 def staged_once(staging: dict[str, Any] | None) -> None:
     """One READ went through staging, with fewer NIXL descriptors than vLLM's list needs:
     blocks 4, 5, 6 are a run, contiguous in P's memory."""
@@ -198,6 +205,23 @@ def staged_once(staging: dict[str, Any] | None) -> None:
     assert staging["descriptors_staged"] < staging["descriptors_stock"]
     assert staging["gather_failures"] == 0
     assert staging["free"] == staging["allocated"] == 128 << 20   # the slots came back
+    assert staging["calibration_bytes"] > 0      # the gap budget is measured by default
+
+
+@pytest.mark.parametrize("ver", [x for x in VERSIONS if v(x) < SPLIT_ERA])
+def test_blocks_apart_share_descriptors_through_gap_reads(ver: str) -> None:
+    """P's blocks 3, 5, 8 into D's 1, 2, 3 with ``PDPATCH_KV_GAP_KIB=1024``: one READ per
+    layer and K/V pool of split P (2 x 2) instead of one per block segment (12, which
+    staging without gaps could not cut: it leaves such READs to vLLM); only D's requested
+    blocks change, and the bytes between P's blocks stay in staging."""
+    out = scenario(ver, "patched", "pair_gap")
+    ok_pull(out, [1, 2, 3])
+    staging = out["staging"]
+    assert staging["staged_reads"] == staging["gap_reads"] == 1, staging
+    assert (staging["descriptors_staged"], staging["descriptors_stock"]) == (4, 12)
+    assert staging["gap_bytes"] == 2 * 2 * 3 * 4096     # blocks 4, 6, 7 of each pool
+    assert staging["gap_budgets"] == {}                  # set, not measured
+    assert staging["free"] == staging["allocated"]
 
 
 @pytest.mark.parametrize("ver", [x for x in VERSIONS if v(x) < SPLIT_ERA])
@@ -223,7 +247,7 @@ def test_heterogeneous_tp_through_the_conversion(ver: str) -> None:
     up = scenario(ver, "patched", "tp_up")
     for rank in ("rank0", "rank1"):
         ok_pull(up[rank], [1, 2])
-        assert up[rank]["copied_bytes"] == 2 * 2 * 2 * 1 * 16 * 64 * 2   # one head of two
+        assert moved(up[rank]) == 2 * 2 * 2 * 1 * 16 * 64 * 2   # one head of two
     down = scenario(ver, "patched", "tp_down")
     ok_pull(down, [1, 2])
     kind = "conversions" if v(ver) < SPLIT_ERA else "mixed_accepted"

@@ -310,6 +310,7 @@ class StagingStats:
     gap_reads: int = 0              # staged READs that also read unrequested bytes
     gap_bytes: int = 0              # those unrequested bytes (they stay in staging)
     gap_budgets: dict = field(default_factory=dict)   # peer -> bytes, once calibrated
+    calibration_bytes: int = 0      # read from peers to measure their transport
     descriptors_stock: int = 0      # what the same READs would have posted unstaged
     descriptors_staged: int = 0
     gather_failures: int = 0
@@ -565,22 +566,21 @@ class StagingAgent:
         slot_handle = self._slot_handle(slot, ltab.dev)     # registers staging, too
         spans = self._spans(twin, r_ids, slot, runs, ltab.dev)
         start = None
-        if spans is not None:
+        if spans is not None and spans.length.size <= MAX_STAGED_FRACTION * stock:
             with self._lock:
                 start = self._alloc.alloc(spans.nbytes, slot)
-            if start is None:       # other READs hold the room the gaps need: no gaps
-                spans = None
-        staged = runs if spans is None else spans.length.size
-        if staged > MAX_STAGED_FRACTION * stock:
-            # the gather would cost more than the few descriptors it saves (measured: 256 KiB
-            # isolated blocks from a split peer, 881 of 1024 descriptors, ran at 0.6x)
-            raise _NotStaged("staging saves under a quarter of the descriptors (blocks far "
-                             "apart, or head slices of K and V)")
-        if spans is None:
+        if start is None:           # no gap READ, or other READs hold the room its gaps need
+            spans = None
+            if runs > MAX_STAGED_FRACTION * stock:
+                # the gather would cost more than the few descriptors it saves (measured:
+                # 256 KiB isolated blocks from a split peer, 881 of 1024 descriptors, 0.6x)
+                raise _NotStaged("staging saves under a quarter of the descriptors (blocks "
+                                 "far apart, or head slices of K and V)")
             with self._lock:
                 start = self._alloc.alloc(need, slot)
             if start is None:
                 raise _NotStaged("the staging buffer is full with other requests' READs")
+        staged = runs if spans is None else spans.length.size
         slot_ids = start // slot + np.arange(lid.size, dtype=np.int64)
         job = _Job(start, need if spans is None else spans.nbytes, ltab.addr[lid[order]],
                    slot, twin.peer, stock, staged, ltab.dev, spans)
@@ -689,10 +689,11 @@ class StagingAgent:
         lens = np.full(n, length, dtype=np.int64)
         local = self._base + start + np.arange(n, dtype=np.int64) * length
         lh = self._prep(INIT_AGENT, local, lens, dev)
-        rh = self._prep(twin.agent_name, remote, lens, twin.table.dev)
         ids = np.arange(n, dtype=np.int64)
         best = math.inf
+        rh = None
         try:
+            rh = self._prep(twin.agent_name, remote, lens, twin.table.dev)
             for _ in range(CALIBRATION_REPS):
                 t0 = time.perf_counter()
                 handle = self._agent.make_prepped_xfer("READ", lh, ids, rh, ids)
@@ -703,11 +704,14 @@ class StagingAgent:
                     best = min(best, time.perf_counter() - t0)
                 finally:
                     self._agent.release_xfer_handle(handle)
+                with self._lock:
+                    self.stats.calibration_bytes += n * length
                 if state != DONE:
                     raise RuntimeError(f"calibration READ ended {state}")
         finally:
             self._agent.release_dlist_handle(lh)
-            self._agent.release_dlist_handle(rh)
+            if rh is not None:
+                self._agent.release_dlist_handle(rh)
         return n, n * length, best
 
     def _plan_gather(self, job: _Job) -> None:

@@ -45,7 +45,10 @@ What this does (research notes §4.1-4.4; the geometry maths is :mod:`pdpatch.kv
   gathered into the KV cache before ``check_xfer_state`` answers ``DONE``.  Requests it cannot
   stage, or where staging saves under a quarter of the descriptors, run vLLM's own READ.
   ``PDPATCH_KV_STAGING_MIB`` (default 128 per decode worker, allocated at the first READ it
-  stages; 0 = off);
+  stages; 0 = off).  Nearby blocks of one peer registration also share a descriptor across
+  the unrequested bytes between them, up to a gap measured per peer at its first staged READ
+  (a descriptor's cost times the bandwidth: MiB over cuda_ipc, KiB over TCP);
+  ``PDPATCH_KV_GAP_KIB`` sets it instead (0 = no gap reads);
 * **mixed names (all releases)** -- a peer whose backend name differs is accepted only when
   its geometry pairs with the local one exactly (same roles, head order, spans after TP and
   block-size scaling); a real difference raises :class:`GeometryMismatch`.
@@ -82,6 +85,7 @@ FIELD = "pdpatch_kv_geometry"
 BACKENDS_KEY = "kv_segments_backends"
 STAGING_ENV = "PDPATCH_KV_STAGING_MIB"    # also named in pdpatch.kv.staging's messages
 STAGING_DEFAULT_MIB = 128
+GAP_ENV = "PDPATCH_KV_GAP_KIB"            # likewise; unset or "auto": measured per peer
 
 # Backends whose K and V are plain [block, token, head, dim] arrays (split or fused), so that a
 # byte-level conversion is meaningful.  Not CPU_ATTN (from 0.23 vLLM re-packs its cache after a
@@ -405,6 +409,24 @@ def staging_mib(env: Mapping[str, str] | None = None) -> int:
     return value
 
 
+def gap_kib(env: Mapping[str, str] | None = None) -> int | None:
+    """``PDPATCH_KV_GAP_KIB``: KiB a staged READ may read between requested blocks; None
+    (unset or ``auto``) measures it per peer."""
+    import os
+
+    raw = (os.environ if env is None else env).get(GAP_ENV, "").strip()
+    if raw.lower() in ("", "auto"):
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise config.ConfigError(f"{GAP_ENV}={raw!r} is not a number of KiB >= 0 (0 turns gap "
+                                 "reads off; unset or 'auto' measures the transport per peer)")
+    return value
+
+
 def _kv_memory(worker: Any, kv_caches: Any) -> list:
     """The tensors the worker's local descriptor lists point into."""
     if getattr(worker, "use_host_buffer", False):
@@ -418,14 +440,15 @@ def _install_staging(worker: Any, kv_caches: Any) -> None:
     only on peers :func:`_make_add_remote_wrapper` marks converted."""
     from pdpatch.kv.staging import StagingAgent
 
-    mib = staging_mib()
+    mib, gap = staging_mib(), gap_kib()
     agent = getattr(worker, "nixl_wrapper", None)
     if mib == 0 or agent is None or isinstance(agent, StagingAgent) or \
             getattr(worker, "use_mla", False):
         return
     worker.nixl_wrapper = StagingAgent(
         agent, mem_type=getattr(worker, "nixl_memory_type", "VRAM"), capacity=mib << 20,
-        memory=lambda: _kv_memory(worker, kv_caches))
+        memory=lambda: _kv_memory(worker, kv_caches),
+        gap=None if gap is None else gap << 10)
 
 
 def _make_register_wrapper(version: Version) -> Wrapper:
@@ -837,7 +860,7 @@ def _make_add_remote_wrapper(version: Version) -> Wrapper:
                 "vLLM built no remote descriptor list pdpatch could replace",
                 conversion.plan.local, conversion.plan.remote)
         _count("conversions")
-        staged = _stage_peer(instance, meta.engine_id, rank)
+        staged = _stage_peer(instance, meta.engine_id, rank, conversion.plan.remote)
         logger.info("pdpatch kv_segments: peer %s rank %s converted (%s -> %s, %d descriptors%s)",
                     meta.engine_id, rank, conversion.plan.remote.kind, conversion.plan.local.kind,
                     len(conversion.descs), ", READs staged" if staged else "")
@@ -846,15 +869,16 @@ def _make_add_remote_wrapper(version: Version) -> Wrapper:
     return add_remote_agent
 
 
-def _stage_peer(worker: Any, engine_id: str, rank: int) -> bool:
-    """Route the converted peer's READs through the staging agent, when there is one."""
+def _stage_peer(worker: Any, engine_id: str, rank: int, remote: KVGeometry) -> bool:
+    """Route the converted peer's READs through the staging agent, when there is one; gap
+    READs stay inside ``remote``'s read ranges."""
     from pdpatch.kv.staging import StagingAgent
 
     agent = getattr(worker, "nixl_wrapper", None)
     handle = (getattr(worker, "dst_xfer_side_handles", None) or {}).get(engine_id, {}).get(rank)
     if not isinstance(agent, StagingAgent) or handle is None:
         return False
-    return agent.mark_converted(handle, f"{engine_id} rank {rank}")
+    return agent.mark_converted(handle, f"{engine_id} rank {rank}", remote.read_ranges())
 
 
 def _build_fa_remote_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -903,7 +927,7 @@ PATCH = Patch(
     versions=">=0.19,<0.34",
     why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
     targets=_targets,
-    options=(STAGING_ENV,),
+    options=(STAGING_ENV, GAP_ENV),
 )
 
 __all__ = ["FIELD", "INTERCHANGEABLE", "NAME", "PATCH", "Conversion", "alternates_for",
