@@ -275,35 +275,38 @@ def test_transport_cost_refuses_what_it_cannot_solve() -> None:
 
 
 @given(cost_us=st.floats(0.05, 50), gbps=st.floats(0.1, 2000), fixed_us=st.floats(0, 500),
-       rows=st.integers(8, 4096), seg=st.integers(512, 1 << 20))
-def test_transport_cost_fit_separates_the_cost_of_a_read(cost_us: float, gbps: float,
-                                                         fixed_us: float, rows: int,
-                                                         seg: int) -> None:
-    """The three READs the staging agent calibrates with (one descriptor of a run, one of
-    twice the run, ``rows`` spaced descriptors), timed by a model with a fixed cost per READ:
-    the fit gives the per-descriptor cost and the bandwidth back; the fixed cost, which
-    :meth:`TransportCost.from_timings` would fold into them, does not leak in."""
+       descs=st.integers(2, 4096), seg=st.integers(512, 1 << 20), big=st.integers(1, 1 << 12))
+def test_transport_cost_from_reads_errs_small(cost_us: float, gbps: float, fixed_us: float,
+                                              descs: int, seg: int, big: int) -> None:
+    """The staging agent's three calibration READs, timed by a model with a fixed cost per
+    READ: the per-descriptor cost comes back exactly, the bandwidth never above the truth
+    (and within 1% once the big READ's wire time is 100x that fixed cost), so the gap budget
+    never exceeds the true one."""
     truth = TransportCost(cost_us * 1e-6, gbps * 1e9)
 
-    def read(descs: int, nbytes: int) -> tuple[int, int, float]:
-        return descs, nbytes, fixed_us * 1e-6 + descs * truth.desc_cost_s \
-            + nbytes / truth.bandwidth_bps
+    def read(n: int, nbytes: int) -> tuple[int, int, float]:
+        return n, nbytes, fixed_us * 1e-6 + n * truth.desc_cost_s + nbytes / truth.bandwidth_bps
 
-    got = TransportCost.fit([read(1, rows * seg), read(1, 2 * rows * seg),
-                             read(rows, rows * seg)])
-    assert got.desc_cost_s == pytest.approx(truth.desc_cost_s, rel=1e-5)
-    assert got.bandwidth_bps == pytest.approx(truth.bandwidth_bps, rel=1e-5)
+    big_bytes = big * descs * seg
+    got = TransportCost.from_reads(read(descs, descs * seg), read(1, descs * seg),
+                                   read(1, big_bytes))
+    assert got.desc_cost_s == pytest.approx(truth.desc_cost_s, rel=1e-6)
+    assert got.bandwidth_bps <= truth.bandwidth_bps * (1 + 1e-9)
+    if big_bytes / truth.bandwidth_bps >= 100 * (fixed_us * 1e-6 + truth.desc_cost_s):
+        assert got.bandwidth_bps == pytest.approx(truth.bandwidth_bps, rel=1e-2)
+    assert got.gap_budget() <= truth.gap_budget() + 1
 
 
-def test_transport_cost_fit_refuses_what_it_cannot_solve() -> None:
-    with pytest.raises(ValueError, match="three"):
-        TransportCost.fit([(1, 100, 1.0), (2, 200, 1.0)])
-    with pytest.raises(ValueError, match="differ"):   # bytes move with descriptors
-        TransportCost.fit([(1, 100, 1.0), (2, 200, 2.0), (4, 400, 3.0)])
+def test_transport_cost_from_reads_refuses_what_it_cannot_solve() -> None:
+    with pytest.raises(ValueError, match="same bytes"):
+        TransportCost.from_reads((8, 100, 1.0), (1, 200, 1.0), (1, 400, 1.0))
+    with pytest.raises(ValueError, match="same bytes"):
+        TransportCost.from_reads((1, 100, 1.0), (8, 100, 1.0), (1, 400, 1.0))
     with pytest.raises(ValueError, match="positive"):
-        TransportCost.fit([(1, 100, 0.0), (1, 200, 1.0), (8, 100, 2.0)])
-    with pytest.raises(ValueError, match="no positive bandwidth"):   # more bytes, less time
-        TransportCost.fit([(1, 100, 2.0), (1, 200, 1.0), (8, 100, 3.0)])
+        TransportCost.from_reads((8, 100, 1.0), (1, 100, 0.0), (1, 400, 1.0))
+    # noise: the many descriptors timed faster than the one -- no cost, not a negative one
+    assert TransportCost.from_reads((8, 100, 1.0), (1, 100, 2.0), (1, 400, 1.0)
+                                    ).desc_cost_s == 0.0
 
 
 @pytest.mark.parametrize("op", ["READ", "WRITE"])

@@ -239,25 +239,24 @@ class TransportCost(NamedTuple):
         return cls(max((t1 * b2 - t2 * b1) / det, 0.0), 1.0 / inv_bw)
 
     @classmethod
-    def fit(cls, reads: Sequence[tuple[int, int, float]]) -> TransportCost:
-        """Least squares over READs given as ``(descs, bytes, seconds)``, with a fixed cost
-        per READ (posting it, polling it) beside the per-descriptor and per-byte ones, which
-        :meth:`from_timings` cannot separate.  Needs three READs or more that differ in both
-        descriptors and bytes."""
-        if len(reads) < 3:
-            raise ValueError(f"at least three READs needed, got {len(reads)}")
-        a = np.array([[1.0, float(d), float(b)] for d, b, _ in reads])
-        t = np.array([float(s) for _, _, s in reads])
-        if float(t.min()) <= 0:
-            raise ValueError(f"READ times must be positive, got {t.tolist()}")
-        scale = np.abs(a).max(axis=0)
-        if np.linalg.matrix_rank(a / scale) < 3:
-            raise ValueError("READs must differ in descriptors and in bytes")
-        (_, cost, inv_bw), *_ = np.linalg.lstsq(a / scale, t, rcond=None)
-        cost, inv_bw = cost / scale[1], inv_bw / scale[2]
-        if inv_bw <= 0:
-            raise ValueError(f"READs {list(reads)} imply no positive bandwidth")
-        return cls(max(float(cost), 0.0), 1.0 / float(inv_bw))
+    def from_reads(cls, spaced: tuple[int, int, float], one: tuple[int, int, float],
+                   big: tuple[int, int, float]) -> TransportCost:
+        """The cost from three READs given as ``(descs, bytes, seconds)``: ``spaced`` and
+        ``one`` move the same bytes in many descriptors and in one, so their difference is
+        the descriptors' cost alone (what a READ costs to post and poll cancels); ``big``, one
+        descriptor of many bytes, bounds the bandwidth from below, since its time includes
+        that fixed cost.  So the gap budget errs small, the cheap side: a gap left unread
+        costs one descriptor, a gap read in vain costs its wire time in every READ.  (A
+        least-squares fit with a fixed-cost term, on 32 and 64 MiB READs of 20-40 us over
+        cuda_ipc, gave an H200 budgets of 8 MiB to 1 GiB where 512 MiB READs give 3-9 MiB:
+        those READs differ by a few microseconds, which is noise.)"""
+        (d1, b1, t1), (d2, b2, t2), (_, b3, t3) = spaced, one, big
+        if b1 != b2 or d1 <= d2:
+            raise ValueError(f"spaced {spaced} and one {one} must move the same bytes in more "
+                             "descriptors and in fewer")
+        if min(t1, t2, t3) <= 0 or b3 <= 0:
+            raise ValueError(f"READ times and bytes must be positive: {spaced}, {one}, {big}")
+        return cls(max((t1 - t2) / (d1 - d2), 0.0), b3 / t3)
 
     def gap_budget(self) -> int:
         """The largest gap of unrequested bytes that is cheaper to read than to skip: skipping

@@ -56,12 +56,12 @@ STAGING_VAR = "PDPATCH_KV_STAGING_MIB"
 GAP_VAR = "PDPATCH_KV_GAP_KIB"
 # Stage a READ only when it posts at most this fraction of vLLM's descriptors.
 MAX_STAGED_FRACTION = 0.75
-# Calibration READs: descriptors of the many-descriptor READ, the most bytes of one READ, and
-# the time a one-descriptor READ should take for its bytes to outweigh posting and polling.
+# Calibration READs: descriptors of the many-descriptor READ, the bytes of the big one (more
+# bytes, a truer bandwidth: 64 MiB take ~40 us over cuda_ipc, 0.13 s over TCP loopback).
 CALIBRATION_DESCS = 256
 CALIBRATION_MAX_BYTES = 64 << 20
-CALIBRATION_TARGET_S = 1e-3
 CALIBRATION_REPS = 3
+SLOW_READ_S = 0.01
 
 
 class ByteAllocator:
@@ -166,14 +166,17 @@ class ByteCopier:
         g = math.gcd(int(np.gcd.reduce(np.concatenate([s_off, d_off, ln]))), 1 << 16)
         dtype, esz = (torch.int64, 8) if g % 8 == 0 else (torch.uint8, 1)
         rows = ln // g
-        within = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(np.cumsum(rows) - rows,
-                                                                        rows)
-        src_rows = np.repeat(s_off // g, rows) + within
-        dst_rows = np.repeat(d_off // g, rows) + within
-        keys = np.repeat(sa * len(self.arenas) + da, rows)
+        src_rows, dst_rows, keys = s_off // g, d_off // g, sa * len(self.arenas) + da
+        if int(rows.max()) > 1:      # copies of several rows each: one index per row
+            within = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(
+                np.cumsum(rows) - rows, rows)
+            src_rows = np.repeat(src_rows, rows) + within
+            dst_rows = np.repeat(dst_rows, rows) + within
+            keys = np.repeat(keys, rows)
         ops = []
-        for key in np.unique(keys).tolist():
-            sel = keys == key
+        present = np.flatnonzero(np.bincount(keys))    # (a sort, as np.unique, costs ~1 ms)
+        for key in present.tolist():
+            sel = keys == key if present.size > 1 else slice(None)
             s_r, d_r = src_rows[sel], dst_rows[sel]
             s2 = self._rows(key // len(self.arenas), g, dtype, esz)
             d2 = self._rows(key % len(self.arenas), g, dtype, esz)
@@ -634,9 +637,10 @@ class StagingAgent:
 
     def _calibrate(self, twin: _Sorted, slot: int, dev: int) -> int | None:
         """The most bytes worth reading to save one descriptor, measured on this peer: three
-        READs of its memory into staging -- one descriptor of a run of rows, one of twice
-        that run, and :data:`CALIBRATION_DESCS` rows one apart -- best of
-        :data:`CALIBRATION_REPS`, fitted to ``fixed + descs x cost + bytes / bandwidth``.
+        READs of its memory into staging -- :data:`CALIBRATION_DESCS` rows one apart, the
+        same bytes as one descriptor, and one descriptor of up to
+        :data:`CALIBRATION_MAX_BYTES` -- best of :data:`CALIBRATION_REPS` each
+        (:meth:`~pdpatch.kv.stage.TransportCost.from_reads`).
 
         Why measure: the budget is ``cost x bandwidth``, a few MiB over cuda_ipc on one node,
         tens of KiB over host memory, a few KiB over TCP: no default fits every transport.
@@ -658,13 +662,9 @@ class StagingAgent:
         try:
             spaced = self._timed(twin, start, addr[run_start:run_start + 2 * descs:2], slot,
                                  dev)
-            rows = min(descs, room)
-            one = self._timed(twin, start, addr[run_start:run_start + 1], rows * slot, dev)
-            while one[2] < CALIBRATION_TARGET_S and rows * 4 <= room:   # too fast to time
-                rows *= 4
-                one = self._timed(twin, start, addr[run_start:run_start + 1], rows * slot, dev)
-            two = self._timed(twin, start, addr[run_start:run_start + 1], 2 * rows * slot, dev)
-            cost = TransportCost.fit([spaced, one, two])
+            one = self._timed(twin, start, addr[run_start:run_start + 1], descs * slot, dev)
+            big = self._timed(twin, start, addr[run_start:run_start + 1], 2 * room * slot, dev)
+            cost = TransportCost.from_reads(spaced, one, big)
         except Exception as exc:
             logger.warning("pdpatch kv_segments: no gap reads from %s: measuring its "
                            "transport failed (%s: %s); set %s to choose a gap", twin.peer,
@@ -694,7 +694,7 @@ class StagingAgent:
         rh = None
         try:
             rh = self._prep(twin.agent_name, remote, lens, twin.table.dev)
-            for _ in range(CALIBRATION_REPS):
+            for rep in range(CALIBRATION_REPS):
                 t0 = time.perf_counter()
                 handle = self._agent.make_prepped_xfer("READ", lh, ids, rh, ids)
                 try:
@@ -708,6 +708,8 @@ class StagingAgent:
                     self.stats.calibration_bytes += n * length
                 if state != DONE:
                     raise RuntimeError(f"calibration READ ended {state}")
+                if rep and best > SLOW_READ_S:   # slow transport: small noise, dear time
+                    break                            # (the first READ warms the memory)
         finally:
             self._agent.release_dlist_handle(lh)
             if rh is not None:
