@@ -119,7 +119,7 @@ class ByteCopier:
 
     Why rows: the copies of a staged READ are thousands of equal segments; one
     ``index_copy_`` per (source, destination) arena moves them all where a loop would launch
-    one copy each.  The row is the largest granule (up to 64 KiB) dividing every length and
+    one copy each.  The row is the largest power of two (up to 64 KiB) dividing every length and
     offset, so no byte outside a copy is written; rows of 8-byte words when it allows.  When
     one side's rows are consecutive (the staging side of a READ usually is) that side is a
     plain slice and no temporary is made.  On CUDA the copies run on the copier's own
@@ -144,6 +144,9 @@ class ByteCopier:
 
     def locate(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
         """The arena of each range; ValueError names the first one no arena holds."""
+        first = int(np.searchsorted(self.bases, int(addr.min()), side="right")) - 1
+        if first >= 0 and int((addr + length).max()) <= int(self.ends[first]):
+            return np.full(addr.size, first, dtype=np.int64)   # all in one (staging's side)
         i = np.searchsorted(self.bases, addr, side="right") - 1
         ok = (i >= 0) & (addr + length <= self.ends[np.maximum(i, 0)])
         if not bool(np.all(ok)):
@@ -163,7 +166,9 @@ class ByteCopier:
         ln = plan.length.astype(np.int64)
         sa, da = self.locate(src, ln), self.locate(dst, ln)
         s_off, d_off = src - self.bases[sa], dst - self.bases[da]
-        g = math.gcd(int(np.gcd.reduce(np.concatenate([s_off, d_off, ln]))), 1 << 16)
+        # the largest power of two dividing every offset and length (np.gcd.reduce: ~1 ms)
+        low = int(np.bitwise_or.reduce(np.concatenate([s_off, d_off, ln])))
+        g = min(low & -low, 1 << 16)
         dtype, esz = (torch.int64, 8) if g % 8 == 0 else (torch.uint8, 1)
         rows = ln // g
         src_rows, dst_rows, keys = s_off // g, d_off // g, sa * len(self.arenas) + da
