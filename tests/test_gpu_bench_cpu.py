@@ -58,9 +58,14 @@ def test_every_case_is_byte_exact(report) -> None:
 
 def test_nixl_posts_the_predicted_descriptors(report) -> None:
     rows = [r for r in report["results"] if "op" in r]
-    assert all(r["nixl_descs"] == r["expected_nixl_descs"] for r in rows), [
+    def predicted(r) -> bool:
+        if r.get("expect_at_most"):      # the agent's gap READs: a span per read range at most
+            return 0 < r["nixl_descs"] <= r["expected_nixl_descs"]
+        return r["nixl_descs"] == r["expected_nixl_descs"]
+
+    assert all(predicted(r) for r in rows), [
         (r["case"], r["mode"], r["nixl_descs"], r["expected_nixl_descs"]) for r in rows
-        if r["nixl_descs"] != r["expected_nixl_descs"]]
+        if not predicted(r)]
 
     def row(case, pattern, mode, op="READ"):
         (r,) = [r for r in rows if (r["op"], r["case"], r["pattern"]) == (op, case, pattern)

@@ -450,6 +450,12 @@ def test_gap_reads_never_cross_a_registration(pair: NixlPair, caplog) -> None:
     assert run.state == "DONE"
     assert np.array_equal(s.lbuf, expected_read(s, lids, rids))
     assert run.desc_count == spans_expected(s, rids, lids, ranges) == 2 * L
+    # every pool read whole: the spans touch end to end, and NIXL keeps one per registration
+    s.lbuf[:] = 0
+    whole = [0, 10, 11, 12, 15]
+    run = staged_read(pair, s, lids, whole, gap=1 << 20, read_ranges=ranges)
+    assert np.array_equal(s.lbuf, expected_read(s, lids, whole))
+    assert run.desc_count == run.stats.descriptors_staged == 2 * L
     s.lbuf[:] = 0
     with caplog.at_level(logging.WARNING, logger="pdpatch"):
         run = staged_read(pair, s, lids, rids, gap=1 << 20,

@@ -256,6 +256,13 @@ class _Spans:
     def nbytes(self) -> int:
         return int(self.length.sum())
 
+    @property
+    def posted(self) -> int:
+        """At most NIXL's ``descCount``: a span per read range at least.  Two spans touch only
+        across read ranges; NIXL merges them when one registration holds both (measured:
+        yes for a peer that registered both ranges as one region, no for two regions)."""
+        return int(self.start.size)
+
 
 @dataclass
 class _Job:
@@ -518,7 +525,7 @@ class StagingAgent:
                                                        twin.handle, r_ids, *args, **kwargs)
             else:
                 local, remote = job.dlists
-                ids = np.arange(job.staged, dtype=np.int64)
+                ids = np.arange(job.spans.start.size, dtype=np.int64)
                 handle = self._agent.make_prepped_xfer("READ", local, ids, remote, ids,
                                                        *args, **kwargs)
         except BaseException:
@@ -574,7 +581,7 @@ class StagingAgent:
         slot_handle = self._slot_handle(slot, ltab.dev)     # registers staging, too
         spans = self._spans(twin, r_ids, slot, runs, ltab.dev)
         start = None
-        if spans is not None and spans.length.size <= MAX_STAGED_FRACTION * stock:
+        if spans is not None and spans.posted <= MAX_STAGED_FRACTION * stock:
             with self._lock:
                 start = self._alloc.alloc(spans.nbytes, slot)
         if start is None:           # no gap READ, or other READs hold the room its gaps need
@@ -588,7 +595,7 @@ class StagingAgent:
                 start = self._alloc.alloc(need, slot)
             if start is None:
                 raise _NotStaged("the staging buffer is full with other requests' READs")
-        staged = runs if spans is None else spans.length.size
+        staged = runs if spans is None else spans.posted
         slot_ids = start // slot + np.arange(lid.size, dtype=np.int64)
         job = _Job(start, need if spans is None else spans.nbytes, ltab.addr[lid[order]],
                    slot, twin.peer, stock, staged, ltab.dev, spans)
