@@ -355,6 +355,30 @@ def poll(agent, handle, state: str, timeout: float = 120.0) -> str:
     return state
 
 
+class Clock:
+    """The NIXL agent as the staging agent sees it, noting when NIXL itself returned from
+    ``transfer`` and first answered DONE: the bench's view inside one staged READ."""
+
+    def __init__(self, agent) -> None:
+        self._agent = agent
+        self.posted: dict = {}
+        self.landed: dict = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._agent, name)
+
+    def transfer(self, handle, *args, **kwargs):
+        state = self._agent.transfer(handle, *args, **kwargs)
+        self.posted[handle] = time.perf_counter()
+        return state
+
+    def check_xfer_state(self, handle):
+        state = self._agent.check_xfer_state(handle)
+        if state == "DONE" and handle not in self.landed:
+            self.landed[handle] = time.perf_counter()
+        return state
+
+
 # ============================================================================ peer process
 def peer_main(conn, name: str, device: str, env: dict) -> None:
     os.environ.update(env)
@@ -506,6 +530,7 @@ class Bench:
         self.ctx_at_agent = cuda_context_current()
         self.agent = new_agent("pdpatch-bench-init")
         self.results: list[dict] = []
+        self.phases: list[float] | None = None   # the last agent READ's phases (ms)
         self.peers: dict[str, Peer] = {}
         self.known: dict[str, bool] = {}
         self.copiers: dict[str, Any] = {}
@@ -825,6 +850,7 @@ class Bench:
                 # the agent counts a span per read range; NIXL merges touching spans of one
                 # registration (this bench's peers register a pool as one), so it may post fewer
                 "expect_at_most": mode == "vllm-agent+gap",
+                "phases_ms": self.phases if mode.startswith("vllm-agent") else None,
                 "ok": err is None, "error": err, "reps": len(times),
             }
             row["ratio"] = gbs / base_gbs[op] if op in base_gbs else None
@@ -845,11 +871,13 @@ class Bench:
         the first READ (as inside vLLM unless PDPATCH_KV_GAP_KIB is set); that first
         repetition's time includes the measurement, the best repetition does not."""
         wire = len(li) * int(pair.local_table()[0, 1])
-        agent = StagingAgent(self.agent, mem_type=lp.mem,
+        clock = Clock(self.agent)
+        agent = StagingAgent(clock, mem_type=lp.mem,
                              capacity=capacity or wire + (1 << 20), memory=lambda: lp.tensors)
         lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", pair.local_table(), lp.mem)
         rh = agent.prep_xfer_dlist(peer_name, pair.remote_table(), lp.mem)
         times, copy_times, plan_times, count, err = [], [], [], 0, None
+        phases, self.phases = [], None
         try:
             if not agent.mark_converted(rh, peer_name, read_ranges):
                 return ([float("inf")], 0, [0.0], "staging agent refused the peer", 0, 0.0,
@@ -860,9 +888,17 @@ class Bench:
                 t0 = time.perf_counter()
                 h = agent.make_prepped_xfer("READ", lh, li, rh, ri)
                 tp = time.perf_counter()
-                state = poll(agent, h, agent.transfer(h))
+                posted = agent.transfer(h)
+                tg = time.perf_counter()
+                state = poll(agent, h, posted)
                 t1 = time.perf_counter()
                 plan_times.append(tp - t0)
+                landed = clock.landed.get(h, t1)
+                # ms: planning, NIXL's transfer(), the gather's planning (overlaps the wire),
+                # posting to NIXL's DONE, and DONE to the gather's end
+                phases.append((t1 - t0, [round(1e3 * x, 3) for x in (
+                    tp - t0, clock.posted.get(h, tp) - tp, tg - clock.posted.get(h, tp),
+                    landed - clock.posted.get(h, tp), t1 - landed)]))
                 count = int(agent.get_xfer_telemetry(h).descCount)
                 agent.release_xfer_handle(h)
                 if state != "DONE":
@@ -888,6 +924,7 @@ class Bench:
                                   "no gap budget (see its log line); no gap reads")
             reads = max(st.staged_reads, 1)
             wire += st.gap_bytes // reads
+            self.phases = min(phases)[1] if phases else None
             return (times, count, copy_times, err, expect, min(plan_times), st.staged_reads > 0,
                     wire, st.gap_budgets.get(peer_name, 0))
         finally:
@@ -997,7 +1034,9 @@ class Bench:
               f"descs {r['descs']:6d} -> NIXL {r['nixl_descs']:6d} "
               f"(exp {r['expected_nixl_descs']:6d})"
               f" {r['gbs']:8.2f} GB/s  x{ratio} of fused  copy {r['copy_ms']:6.2f} ms"
-              f"  plan {r['plan_us']:7.0f} us  {flag}", flush=True)
+              f"  plan {r['plan_us']:7.0f} us  {flag}"
+              + (f"  [plan/post/gather-plan/wire/gather ms {r['phases_ms']}]"
+                 if r.get("phases_ms") else ""), flush=True)
 
     # ---------------------------------------------------------------- registration policy
     def policy(self, kind: str) -> dict:

@@ -43,7 +43,6 @@ import numpy as np
 from pdpatch.kv.stage import (
     CopyPlan,
     TransportCost,
-    merge_copies,
     range_ids,
     read_spans,
     staging_table,
@@ -162,8 +161,8 @@ class ByteCopier:
 
         if len(plan) == 0:
             return []
-        src, dst = plan.src.astype(np.int64), plan.dst.astype(np.int64)
-        ln = plan.length.astype(np.int64)
+        src, dst, ln = (np.asarray(a, dtype=np.int64) for a in (plan.src, plan.dst,
+                                                               plan.length))
         sa, da = self.locate(src, ln), self.locate(dst, ln)
         s_off, d_off = src - self.bases[sa], dst - self.bases[da]
         # the largest power of two dividing every offset and length (np.gcd.reduce: ~1 ms)
@@ -618,9 +617,9 @@ class StagingAgent:
         length = end[last] - start[first]
         if int(length.sum()) > self._capacity:
             return None
-        span_off = np.cumsum(length) - length
-        group = np.repeat(np.arange(first.size), last - first + 1)
-        return _Spans(start[first], length, span_off[group] + (start - start[first][group]))
+        # row i lands at its address less its span's (peer address - staging offset)
+        shift = start[first] - (np.cumsum(length) - length)
+        return _Spans(start[first], length, start - np.repeat(shift, last - first + 1))
 
     def _covered(self, handle: Any, table: _Table) -> bool:
         """Every row of a local list lies in memory the copier can write (checked once)."""
@@ -733,8 +732,9 @@ class StagingAgent:
         offset = job.spans.offset if job.spans is not None else \
             np.arange(n, dtype=np.int64) * job.slot
         staging = self._base + job.start + offset
-        job.ops = self._copier.prepare(merge_copies(staging, job.local_addr,
-                                                    np.full(n, job.slot, dtype=np.int64)))
+        # not merged first: prepare cuts every copy into rows of one size anyway
+        job.ops = self._copier.prepare(CopyPlan(staging, job.local_addr,
+                                                np.full(n, job.slot, dtype=np.int64)))
 
     def _slot_handle(self, slot: int, dev: int) -> Any:
         """The staging buffer as a prepared list of ``slot``-byte entries, registered with the
