@@ -515,3 +515,21 @@ def test_gap_budget_is_measured_on_the_peer(pair: NixlPair, caplog) -> None:
                              base=local.base), remote, lids, rids)
     assert np.array_equal(lbuf, exp)
     assert run.free_after == capacity
+
+
+def test_peer_with_unequal_descriptors_is_not_staged(pair: NixlPair, caplog) -> None:
+    """Staging slots are of one size: a peer list whose rows differ in length is refused at
+    marking time, before its address-sorted twin is prepared, and says why."""
+    s = set_up(pair, "split->fused")
+    rows = s.plan.remote_table().copy()
+    rows[0, 1] //= 2
+    agent = StagingAgent(pair.agent, mem_type="DRAM", capacity=STAGING,
+                         memory=lambda: [torch.from_numpy(s.lbuf)])
+    rh = agent.prep_xfer_dlist(PEER, rows, "DRAM")
+    try:
+        with caplog.at_level(logging.INFO, logger="pdpatch"):
+            assert not agent.mark_converted(rh, PEER, s.plan.remote.read_ranges())
+        assert "differ in length" in caplog.text
+    finally:
+        agent.release_dlist_handle(rh)
+        agent.close()

@@ -382,27 +382,18 @@ def whole_blocks(geo: KVGeometry) -> KVGeometry:
 
 def nixl_merged_count(local_table: np.ndarray, remote_table: np.ndarray,
                       local_ids: np.ndarray, remote_ids: np.ndarray) -> int:
-    """The ``descCount`` NIXL will post for a request over prepared Nx3 tables (see
-    :func:`merged_count`).  For a per-request list (ids ``0..n-1``) this is the number of
-    both-side-contiguous runs, :func:`merge_copies`."""
-    lid = np.asarray(local_ids, dtype=np.int64).reshape(-1)
-    rid = np.asarray(remote_ids, dtype=np.int64).reshape(-1)
-    return merged_count(lid, rid, local_table[lid, 0], remote_table[rid, 0],
-                        local_table[lid, 1])
-
-
-def merged_count(local_ids: np.ndarray, remote_ids: np.ndarray, local_addr: np.ndarray,
-                 remote_addr: np.ndarray, length: np.ndarray) -> int:
-    """NIXL's ``descCount`` for a request given its ids and the rows they select: a pair
-    joins the previous one when both ids are the previous ids + 1 and both ranges continue the
-    previous ranges in memory."""
+    """The ``descCount`` NIXL will post for a request over prepared Nx3 tables: a pair joins
+    the previous one when both ids are the previous ids + 1 and both ranges continue the
+    previous ranges in memory (inside one registration: NIXL does not join two).  For a
+    per-request list (ids ``0..n-1``) this is the number of both-side-contiguous runs,
+    :func:`merge_copies`."""
     lid = np.asarray(local_ids, dtype=np.int64).reshape(-1)
     rid = np.asarray(remote_ids, dtype=np.int64).reshape(-1)
     if lid.size <= 1:
         return int(lid.size)
-    la = np.asarray(local_addr, dtype=np.int64)
-    ra = np.asarray(remote_addr, dtype=np.int64)
-    ln = np.asarray(length, dtype=np.int64)
+    la = local_table[lid, 0].astype(np.int64)
+    ra = remote_table[rid, 0].astype(np.int64)
+    ln = local_table[lid, 1].astype(np.int64)
     joins = ((lid[1:] == lid[:-1] + 1) & (rid[1:] == rid[:-1] + 1)
              & (la[1:] == la[:-1] + ln[:-1]) & (ra[1:] == ra[:-1] + ln[:-1]))
     return int(lid.size - int(joins.sum()))

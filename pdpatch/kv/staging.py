@@ -433,10 +433,15 @@ class StagingAgent:
             logger.warning("pdpatch kv_segments: peer %s's descriptor list was prepared "
                            "before staging was set up; its READs go per segment", peer)
             return False
+        table = self._table(remote_handle)
+        if table is None or table.length is None:
+            logger.info("pdpatch kv_segments: peer %s's descriptors differ in length; its "
+                        "READs go per segment", peer)
+            return False
         try:
-            twin = self._sorted_twin(peer, *entry)
+            twin = self._sorted_twin(peer, entry[0], table)
             if read_ranges:
-                end = twin.table.addr + (twin.table.length or 0)
+                end = twin.table.addr + table.length
                 twin.range_id = range_ids(twin.table.addr, end, read_ranges)
         except Exception as exc:
             logger.warning("pdpatch kv_segments: no staging for peer %s (%s: %s); converted "
@@ -447,12 +452,12 @@ class StagingAgent:
             self._converted[remote_handle] = twin
         return True
 
-    def _sorted_twin(self, peer: str, agent_name: Any, rows: Any) -> _Sorted:
-        arr = _as_rows(rows)
-        order = np.argsort(arr[:, 0], kind="stable")
+    def _sorted_twin(self, peer: str, agent_name: Any, table: _Table) -> _Sorted:
+        order = np.argsort(table.addr, kind="stable")
         position = np.empty_like(order)
         position[order] = np.arange(order.size)
-        sorted_rows = arr[order, :3].astype(np.uint64)
+        sorted_rows = np.column_stack([table.addr[order], np.full(order.size, table.length),
+                                       np.full(order.size, table.dev)]).astype(np.uint64)
         handle = self._agent.prep_xfer_dlist(
             agent_name, self._agent.get_xfer_descs(sorted_rows, self._mem_type))
         return _Sorted(peer, agent_name, handle, position, _Table(sorted_rows))
