@@ -15,7 +15,7 @@ Pure module: no torch, no vLLM.  Inference from tensors lives in :mod:`pdpatch.k
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -251,14 +251,8 @@ class KVGeometry:
         unmapped or zero-page memory (research/gpu_probe.md, Q1/Q3).  A fused layer gives one
         range, a split layer two (K pool, V pool).
         """
-        spans = sorted(span for layer in self.layers for span in layer.extents())
-        merged: list[tuple[int, int]] = []
-        for start, end in spans:
-            if merged and start <= merged[-1][1]:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-            else:
-                merged.append((start, end))
-        return merged
+        return _merged((span for layer in self.layers for span in layer.extents()),
+                       touching=True)
 
     def read_ranges(self) -> list[tuple[int, int]]:
         """``[start, end)`` ranges a READ may cross whole, unrequested bytes included.
@@ -269,13 +263,8 @@ class KVGeometry:
         range, but extents that merely touch stay apart: vLLM < 0.26 registers a split
         layer's adjacent K and V pools separately, and each layer's tensor on its own.
         """
-        merged: list[tuple[int, int]] = []
-        for start, end in sorted(span for layer in self.layers for span in layer.extents()):
-            if merged and start < merged[-1][1]:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-            else:
-                merged.append((start, end))
-        return merged
+        return _merged((span for layer in self.layers for span in layer.extents()),
+                       touching=False)
 
     # -- wire form: an optional extra handshake field (stock peers ignore unknown fields) --
     def to_wire(self) -> dict[str, Any]:
@@ -425,3 +414,15 @@ def geometry_from_handshake(
     else:
         raise UnsupportedLayout(f"unknown layout {layout!r}")
     return KVGeometry(tuple(layers), device_id, label)
+
+
+def _merged(spans: Iterable[tuple[int, int]], *, touching: bool) -> list[tuple[int, int]]:
+    """Sorted ``[start, end)`` spans with overlapping ones merged, and touching ones too when
+    ``touching``."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and (start < merged[-1][1] or (touching and start == merged[-1][1])):
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged

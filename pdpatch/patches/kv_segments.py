@@ -394,27 +394,25 @@ def _set_advertised(worker: Any, geometry: KVGeometry) -> None:
 
 def staging_mib(env: Mapping[str, str] | None = None) -> int:
     """``PDPATCH_KV_STAGING_MIB``: MiB of staging per decode worker for converted READs."""
-    import os
-
-    raw = (os.environ if env is None else env).get(STAGING_ENV, "").strip()
-    if not raw:
-        return STAGING_DEFAULT_MIB
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise config.ConfigError(f"{STAGING_ENV}={raw!r} is not a number of MiB >= 0 "
-                                 f"(0 turns staging off; default {STAGING_DEFAULT_MIB})")
-    return value
+    value = _size_setting(env, STAGING_ENV, "MiB", f"0 turns staging off; default "
+                          f"{STAGING_DEFAULT_MIB}")
+    return STAGING_DEFAULT_MIB if value is None else value
 
 
 def gap_kib(env: Mapping[str, str] | None = None) -> int | None:
     """``PDPATCH_KV_GAP_KIB``: KiB a staged READ may read between requested blocks; None
     (unset or ``auto``) measures it per peer."""
+    return _size_setting(env, GAP_ENV, "KiB", "0 turns gap reads off; unset or 'auto' "
+                         "measures the transport per peer")
+
+
+def _size_setting(env: Mapping[str, str] | None, name: str, unit: str, hint: str
+                  ) -> int | None:
+    """A size >= 0 from ``name``; None when unset or ``auto``; ConfigError naming the
+    variable otherwise."""
     import os
 
-    raw = (os.environ if env is None else env).get(GAP_ENV, "").strip()
+    raw = (os.environ if env is None else env).get(name, "").strip()
     if raw.lower() in ("", "auto"):
         return None
     try:
@@ -422,8 +420,7 @@ def gap_kib(env: Mapping[str, str] | None = None) -> int | None:
     except ValueError:
         value = -1
     if value < 0:
-        raise config.ConfigError(f"{GAP_ENV}={raw!r} is not a number of KiB >= 0 (0 turns gap "
-                                 "reads off; unset or 'auto' measures the transport per peer)")
+        raise config.ConfigError(f"{name}={raw!r} is not a number of {unit} >= 0 ({hint})")
     return value
 
 
