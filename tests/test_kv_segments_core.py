@@ -277,7 +277,7 @@ def test_staging_size_setting() -> None:
     assert ks.staging_mib({}) == ks.STAGING_DEFAULT_MIB
     assert ks.staging_mib({ks.STAGING_ENV: "0"}) == 0
     assert ks.staging_mib({ks.STAGING_ENV: " 512 "}) == 512
-    for bad in ("-1", "lots", "1.5"):
+    for bad in ("-1", "lots", "1.5", "auto"):
         with pytest.raises(config.ConfigError,
                            match=r"PDPATCH_KV_STAGING_MIB=.* \(0 turns staging off"):
             ks.staging_mib({ks.STAGING_ENV: bad})

@@ -167,16 +167,12 @@ def stage(plan: DescPlan, staging_base: int, *, op: str = "READ",
         rid = range_ids(start_i, end_i, remote_ranges)
         joinable |= (rid[1:] == rid[:-1]) & (rid[1:] >= 0)
     first, last, _ = read_spans(start_i, end_i, joinable, max_gap, staging_bytes)
-    span_start = ra_o[first]
-    span_len = (ends[last] - span_start).astype(_U64) if n else ln_o
-    total = int(span_len.sum(dtype=_U64))
-    span_off = np.concatenate(([0], np.cumsum(span_len[:-1], dtype=_U64))).astype(_U64) \
-        if n else span_len
-    group = np.repeat(np.arange(first.size), last - first + 1)
-    st = (np.uint64(staging_base) + span_off[group] + (ra_o - span_start[group])).astype(_U64)
+    span_len, span_off, row_off = span_layout(start_i, end_i, first, last)
+    total = int(span_len.sum())
+    st = (staging_base + row_off).astype(_U64)
     dev = plan.local_dev if staging_dev is None else staging_dev
-    transfer = DescPlan((np.uint64(staging_base) + span_off).astype(_U64), span_start,
-                        span_len, dev, plan.remote_dev)
+    transfer = DescPlan((staging_base + span_off).astype(_U64), ra_o[first],
+                        span_len.astype(_U64), dev, plan.remote_dev)
     la_o = plan.local_addr.astype(_U64)[order]
     copies = merge_copies(st, la_o, ln_o) if op == "READ" else merge_copies(la_o, st, ln_o)
     return StagedPlan(transfer, copies, total, op)
@@ -211,6 +207,16 @@ def read_spans(start: np.ndarray, end: np.ndarray, joinable: np.ndarray, max_gap
         if limit is None or total <= limit or max_gap == 0:
             return first, last, max_gap
         max_gap //= 2
+
+
+def span_layout(start: np.ndarray, end: np.ndarray, first: np.ndarray, last: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Staging for the READs :func:`read_spans` made of ranges ``[start[i], end[i])``, laid
+    back to back: each READ's length and staging offset, and each range's staging offset
+    (its address less its READ's start, plus that READ's offset)."""
+    length = end[last] - start[first]
+    span_off = np.cumsum(length) - length
+    return length, span_off, start - np.repeat(start[first] - span_off, last - first + 1)
 
 
 class TransportCost(NamedTuple):

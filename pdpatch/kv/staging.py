@@ -45,6 +45,7 @@ from pdpatch.kv.stage import (
     TransportCost,
     range_ids,
     read_spans,
+    span_layout,
     staging_table,
 )
 from pdpatch.log import logger
@@ -249,6 +250,7 @@ class _Spans:
 
     start: np.ndarray          # remote address of each span
     length: np.ndarray
+    span_off: np.ndarray       # each span's offset in staging (back to back)
     offset: np.ndarray         # each row's offset in staging (rows in address order)
 
     @property
@@ -257,9 +259,10 @@ class _Spans:
 
     @property
     def posted(self) -> int:
-        """At most NIXL's ``descCount``: a span per read range at least.  Two spans touch only
-        across read ranges; NIXL merges them when one registration holds both (measured:
-        yes for a peer that registered both ranges as one region, no for two regions)."""
+        """The descriptors counted for this READ, one per span: an upper bound of NIXL's
+        ``descCount``.  Two spans touch only across read ranges, and NIXL merges them when
+        one registration holds both (measured: yes for a peer that registered both ranges
+        as one region, no for two regions)."""
         return int(self.start.size)
 
 
@@ -616,15 +619,11 @@ class StagingAgent:
         end = start + slot
         rng = twin.range_id[r_ids]
         joinable = (rng[1:] == rng[:-1]) & (rng[1:] >= 0)
+        # (the gap is halved until the spans fit; at 0 they are the request, which fits)
         first, last, _ = read_spans(start, end, joinable, gap, self._capacity)
         if first.size >= runs:
             return None
-        length = end[last] - start[first]
-        if int(length.sum()) > self._capacity:
-            return None
-        # row i lands at its address less its span's (peer address - staging offset)
-        shift = start[first] - (np.cumsum(length) - length)
-        return _Spans(start[first], length, start - np.repeat(shift, last - first + 1))
+        return _Spans(start[first], *span_layout(start, end, first, last))
 
     def _covered(self, handle: Any, table: _Table) -> bool:
         """Every row of a local list lies in memory the copier can write (checked once)."""
@@ -662,13 +661,11 @@ class StagingAgent:
         tens of KiB over host memory, a few KiB over TCP: no default fits every transport.
         None (try again at the next READ) while other READs hold the staging it needs."""
         run_start, run_len = _longest_run(twin)
-        if run_len < 4:
-            logger.info("pdpatch kv_segments: no gap reads from %s: no run of its rows to "
-                        "measure the transport with", twin.peer)
-            return 0
         room = min(CALIBRATION_MAX_BYTES, self._capacity, run_len * slot) // (2 * slot)
         descs = min(CALIBRATION_DESCS, run_len // 2, 2 * room)
         if descs < 2:
+            logger.info("pdpatch kv_segments: no gap reads from %s: no run of its rows, or "
+                        "no staging, large enough to measure the transport with", twin.peer)
             return 0
         with self._lock:
             start = self._alloc.alloc(2 * room * slot, slot)
@@ -769,8 +766,7 @@ class StagingAgent:
         """A gap READ's own lists: its spans of the peer, and back-to-back staging ranges of
         the same lengths (ids into prepared tables cannot describe a span that no row is)."""
         sp = job.spans
-        local = self._base + job.start + np.cumsum(sp.length) - sp.length
-        lh = self._prep(INIT_AGENT, local, sp.length, job.dev)
+        lh = self._prep(INIT_AGENT, self._base + job.start + sp.span_off, sp.length, job.dev)
         try:
             return lh, self._prep(twin.agent_name, sp.start, sp.length, twin.table.dev)
         except BaseException:

@@ -395,7 +395,7 @@ def _set_advertised(worker: Any, geometry: KVGeometry) -> None:
 def staging_mib(env: Mapping[str, str] | None = None) -> int:
     """``PDPATCH_KV_STAGING_MIB``: MiB of staging per decode worker for converted READs."""
     value = _size_setting(env, STAGING_ENV, "MiB", f"0 turns staging off; default "
-                          f"{STAGING_DEFAULT_MIB}")
+                          f"{STAGING_DEFAULT_MIB}", auto=False)
     return STAGING_DEFAULT_MIB if value is None else value
 
 
@@ -403,17 +403,17 @@ def gap_kib(env: Mapping[str, str] | None = None) -> int | None:
     """``PDPATCH_KV_GAP_KIB``: KiB a staged READ may read between requested blocks; None
     (unset or ``auto``) measures it per peer."""
     return _size_setting(env, GAP_ENV, "KiB", "0 turns gap reads off; unset or 'auto' "
-                         "measures the transport per peer")
+                         "measures the transport per peer", auto=True)
 
 
-def _size_setting(env: Mapping[str, str] | None, name: str, unit: str, hint: str
-                  ) -> int | None:
-    """A size >= 0 from ``name``; None when unset or ``auto``; ConfigError naming the
-    variable otherwise."""
+def _size_setting(env: Mapping[str, str] | None, name: str, unit: str, hint: str, *,
+                  auto: bool) -> int | None:
+    """A size >= 0 from ``name``; None when unset (or ``auto``, where ``auto`` is allowed);
+    ConfigError naming the variable otherwise."""
     import os
 
     raw = (os.environ if env is None else env).get(name, "").strip()
-    if raw.lower() in ("", "auto"):
+    if not raw or (auto and raw.lower() == "auto"):
         return None
     try:
         value = int(raw)
