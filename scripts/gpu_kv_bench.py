@@ -355,6 +355,22 @@ def poll(agent, handle, state: str, timeout: float = 120.0) -> str:
     return state
 
 
+@dataclass
+class AgentRun:
+    """The repetitions of one READ through the staging agent (see ``Bench.timed_agent``)."""
+
+    times: list[float]
+    count: int                 # NIXL's descCount of the last repetition
+    copy_times: list[float]
+    err: str | None
+    expect: int                # the descCount the agent predicted
+    plan_s: float              # best time to plan and post
+    staged: bool
+    wire: int                  # bytes read per READ, gaps included
+    gap: int                   # the gap budget the agent measured (0: none)
+    phases_ms: list[float] | None = None   # of the best repetition, see timed_agent
+
+
 class Clock:
     """The NIXL agent as the staging agent sees it, noting when NIXL itself returned from
     ``transfer`` and first answered DONE: the bench's view inside one staged READ."""
@@ -530,7 +546,6 @@ class Bench:
         self.ctx_at_agent = cuda_context_current()
         self.agent = new_agent("pdpatch-bench-init")
         self.results: list[dict] = []
-        self.phases: list[float] | None = None   # the last agent READ's phases (ms)
         self.peers: dict[str, Peer] = {}
         self.known: dict[str, bool] = {}
         self.copiers: dict[str, Any] = {}
@@ -768,7 +783,7 @@ class Bench:
         before, after = self._hooks(op, lp, peer, rname, lids, rids, mirror, L, N, seg)
         st_table = staging_table(st_base, seg, slots)
         for mode, executor in modes:
-            copies, copier, per_request, agent_staged = None, None, None, None
+            copies, copier, per_request = None, None, None
             wire = len(lids) * L * 2 * seg
             t0 = time.perf_counter()
             if mode == "whole-blocks":
@@ -801,15 +816,17 @@ class Bench:
                 expect = nixl_merged_count(per_request[0], per_request[1],
                                            np.arange(len(per_request[0])),
                                            np.arange(len(per_request[0])))
-            agent_gap = 0
+            run = None
             if mode.startswith("vllm-agent"):
                 li, ri = pair.desc_ids(lids, rids)
                 gaps = "+gap" in mode
-                (times, count, ctimes, err, expect, t_plan, agent_staged, wire,
-                 agent_gap) = self.timed_agent(
-                    lp, peer.name, pair, li, ri, before, after,
-                    read_ranges=rg.read_ranges() if gaps else None,
-                    capacity=max(st_bytes, wire) + (1 << 20) if gaps else None)
+                run = self.timed_agent(lp, peer.name, pair, li, ri, before, after,
+                                       read_ranges=rg.read_ranges() if gaps else None,
+                                       capacity=max(st_bytes, wire) + (1 << 20) if gaps
+                                       else None)
+                times, count, ctimes, err, expect = (run.times, run.count, run.copy_times,
+                                                     run.err, run.expect)
+                t_plan, wire = run.plan_s, run.wire
             elif "pipe" in mode:
                 pieces = split_staged(sp, a.pipe)
                 times, count, ctimes, err = self.timed_pipe(op, lp.mem, peer.name, per_request,
@@ -844,13 +861,12 @@ class Bench:
                 "gbs_median": xbytes / statistics.median(times) / 1e9,
                 "copy_ms": min(ctimes) * 1e3 if copies is not None else 0.0,
                 "plan_us": t_plan * 1e6, "bytes": xbytes, "wire_bytes": wire, "d2d_gbs": d2d,
-                "max_gap": agent_gap if mode.startswith("vllm-agent") else
-                gap_bytes if "+gap" in mode else 0,
-                "agent_staged": agent_staged,
+                "max_gap": run.gap if run else gap_bytes if "+gap" in mode else 0,
+                "agent_staged": run.staged if run else None,
                 # the agent counts a span per read range; NIXL merges touching spans of one
                 # registration (this bench's peers register a pool as one), so it may post fewer
                 "expect_at_most": mode == "vllm-agent+gap",
-                "phases_ms": self.phases if mode.startswith("vllm-agent") else None,
+                "phases_ms": run.phases_ms if run else None,
                 "ok": err is None, "error": err, "reps": len(times),
             }
             row["ratio"] = gbs / base_gbs[op] if op in base_gbs else None
@@ -877,11 +893,11 @@ class Bench:
         lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", pair.local_table(), lp.mem)
         rh = agent.prep_xfer_dlist(peer_name, pair.remote_table(), lp.mem)
         times, copy_times, plan_times, count, err = [], [], [], 0, None
-        phases, self.phases = [], None
+        phases = []
         try:
             if not agent.mark_converted(rh, peer_name, read_ranges):
-                return ([float("inf")], 0, [0.0], "staging agent refused the peer", 0, 0.0,
-                        False, wire, 0)
+                return AgentRun([float("inf")], 0, [0.0], "staging agent refused the peer", 0,
+                                0.0, False, wire, 0)
             for _ in range(self.args.reps):
                 before()
                 self.sync()
@@ -922,11 +938,10 @@ class Bench:
             if read_ranges is not None and peer_name not in st.gap_budgets:
                 self.notes.append(f"{lp.geometry.label} vllm-agent+gap: the agent measured "
                                   "no gap budget (see its log line); no gap reads")
-            reads = max(st.staged_reads, 1)
-            wire += st.gap_bytes // reads
-            self.phases = min(phases)[1] if phases else None
-            return (times, count, copy_times, err, expect, min(plan_times), st.staged_reads > 0,
-                    wire, st.gap_budgets.get(peer_name, 0))
+            wire += st.gap_bytes // max(st.staged_reads, 1)
+            return AgentRun(times, count, copy_times, err, expect, min(plan_times),
+                            st.staged_reads > 0, wire, st.gap_budgets.get(peer_name, 0),
+                            min(phases)[1] if phases else None)
         finally:
             agent.release_dlist_handle(lh)
             agent.release_dlist_handle(rh)
