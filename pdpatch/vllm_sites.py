@@ -17,6 +17,10 @@ KVC = "vllm.distributed.kv_transfer.kv_connector"
 NIXL_PKG = f"{KVC}.v1.nixl"
 NIXL_SINGLE_FILE = f"{KVC}.v1.nixl_connector"      # 0.19 only
 
+# The releases whose NIXL code pdpatch was written against and checked on; a patch that holds
+# for all of them declares this range.
+SUPPORTED = VersionRange(">=0.19,<0.34")
+
 
 class Site(NamedTuple):
     """Where a concept lives in the releases ``versions``.  (A NamedTuple: defining a frozen
@@ -168,6 +172,21 @@ GET_FINISHED = (
     _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorWorker.get_finished"),
     _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", "NixlConnectorWorker.get_finished"),
 )
+
+
+# The decode worker's view of TP sizes and KV heads: `kv_topo` (TpKVTopology) in 0.19,
+# `transfer_topo` (TransferTopology) from 0.20.  Both hold `tp_size` and `total_num_kv_heads`
+# (the release's own count, which its TP maths divides).
+TOPOLOGY_ATTRS = (
+    (VersionRange(">=0.19,<0.20"), "kv_topo"),
+    (VersionRange(">=0.20"), "transfer_topo"),
+)
+
+
+def topology(worker: Any, version: Version) -> Any:
+    """The worker's topology object (``AttributeError`` where it has none)."""
+    attr = next(name for spec, name in TOPOLOGY_ATTRS if version in spec)
+    return getattr(worker, attr)
 
 
 def remote_engine_known(worker: Any, engine_id: str, version: Version) -> bool:

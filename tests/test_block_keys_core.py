@@ -1,6 +1,6 @@
-"""The pure part of the ``block_keys`` patch -- fingerprints and the P/D comparison
-(:mod:`pdpatch.hashing.verdict`), the patch's bounds and rate limits -- with no vLLM import.
-Keys come from :mod:`pdpatch.hashing` (checked byte for byte against real vLLM in
+"""The pure part of the ``block_keys`` patch -- canonical keys, fingerprints and the P/D
+comparison (:mod:`pdpatch.hashing.verdict`), the patch's bounds and rate limits -- with no vLLM
+import.  Keys come from :mod:`pdpatch.hashing` (checked byte for byte against real vLLM in
 ``test_hashing_*``); the connector-level proof is ``test_block_keys_vllm.py``."""
 
 from __future__ import annotations
@@ -13,15 +13,7 @@ from pdpatch import config
 from pdpatch.hashing import KeyConfig, LoraSpec
 from pdpatch.hashing import verdict as V
 from pdpatch.hashing.errors import HashingError, PeerParamsError
-from pdpatch.hashing.extra_keys import ExtraKeys
-from pdpatch.hashing.formats import format_for
-from pdpatch.hashing.peer_check import (
-    build_params,
-    params_for_keys,
-    parse_params,
-    request_summary,
-    request_summary_of,
-)
+from pdpatch.hashing.peer_check import parse_params
 from pdpatch.patches import block_keys as bk
 
 PROMPT = list(range(1000, 1100))       # 6 full blocks of 16 + 4 tokens
@@ -37,24 +29,21 @@ def engine(algo: str = "sha256", seed: str | None = "0", hbs: int = 16,
                           none_hash=none_hash, pythonhashseed=seed)
 
 
-def request_on(eng: V.EngineKeys, prompt: list[int] = PROMPT, **inputs) -> V.RequestKeys:
-    """The request as that engine's vLLM would have hashed it (``request.block_hashes``)."""
-    fp = eng.fingerprint
-    h = KeyConfig(algo=fp.algo, hash_block_size=fp.hash_block_size,
-                  vllm_version=fp.vllm_version, none_hash=fp.none_hash).hasher(prompt, **inputs)
-    n = V.prompt_block_count(len(h.keys), len(prompt), fp.hash_block_size)
-    return V.RequestKeys(h.keys[:n], prompt, ExtraKeys(eng.fmt, **inputs))
-
-
-def wire(eng: V.EngineKeys, req: V.RequestKeys):
+def wire(eng: V.EngineKeys, req: V.RequestInputs):
     """P's params through JSON and D's parser."""
     return parse_params(json.loads(json.dumps(V.build_p_params(eng, req, bk.MAX_HEX_KEYS))))
 
 
-def verdict(p: V.EngineKeys, d: V.EngineKeys, p_prompt=PROMPT, d_prompt=PROMPT,
+def verdict(p: V.EngineKeys, d: V.EngineKeys | None, p_prompt=PROMPT, d_prompt=PROMPT,
             p_inputs=None, d_inputs=None) -> V.Verdict:
-    peer = wire(p, request_on(p, p_prompt, **(p_inputs or {})))
-    return V.judge(d, request_on(d, d_prompt, **(d_inputs or {})), peer)
+    peer = wire(p, V.RequestInputs(p_prompt, p_inputs or {}))
+    return V.judge(d, V.RequestInputs(d_prompt, d_inputs or {}), peer)
+
+
+def random_engine(algo: str = "xxhash_cbor", version: str = "0.33.0", byte: int = 1):
+    """An engine whose vLLM drew NONE_HASH from os.urandom (PYTHONHASHSEED unset)."""
+    width = 16 if algo.startswith("xxhash") else 32
+    return engine(algo, seed=None, version=version, none_hash=bytes([byte]) * width)
 
 
 # ---------------------------------------------------------------------------- fingerprints
@@ -64,15 +53,14 @@ def test_seed_source_is_the_one_that_reproduces_none_hash():
     assert engine(seed="0").seed_label == "PYTHONHASHSEED"
     assert engine(seed=None).seed_label == "default"            # 0.29+ sha256
     assert engine(seed=None).compact["seed"] == "default"
-    # xxhash without PYTHONHASHSEED: vLLM drew NONE_HASH from os.urandom
-    rnd = engine("xxhash_cbor", seed=None, none_hash=b"\x01" * 16)
+    rnd = random_engine()
     assert rnd.seed_label == "random" and rnd.compact["seed"] == "reported"
     # an environment changed after the engine started: the live value wins
     moved = engine(seed="1", none_hash=engine(seed="0").fingerprint.none_hash)
     assert moved.seed_label == "reported"
     assert moved.compact["nh"] == engine(seed="0").compact["nh"]
     # <= 0.28: no default seed even for sha256
-    assert engine(seed=None, version="0.28.0", none_hash=b"\x02" * 32).seed_label == "random"
+    assert random_engine("sha256", "0.28.0", 2).seed_label == "random"
 
 
 def test_describe_names_everything_an_operator_diffs():
@@ -88,65 +76,92 @@ def test_algorithm_the_release_lacks_is_refused():
         engine("xxhash", version="0.12.0", none_hash=b"\x00" * 16)
 
 
+# ---------------------------------------------------------------------------- canonical keys
+
+
+def test_canonical_keys_are_vllms_chain_with_pdpatchs_own_none_hash():
+    req = V.RequestInputs(PROMPT, {"lora": LoraSpec("a", "/a"), "cache_salt": "s"})
+    h = req.canonical(16)
+    same = KeyConfig(algo="sha256_cbor", hash_block_size=16, vllm_version="0.33.0",
+                     none_hash=V.CANONICAL_NONE_HASH).hasher(PROMPT, **req.inputs)
+    assert h.keys == same.keys and len(h.keys) == 6
+    # no engine's default NONE_HASH: canonical keys are never an engine's own keys
+    default = KeyConfig(algo="sha256_cbor", vllm_version="0.33.0").validate().none_hash
+    assert default != V.CANONICAL_NONE_HASH
+    assert req.canonical(32).keys != h.keys and len(req.canonical(32).keys) == 3
+
+
 # ---------------------------------------------------------------------------- the comparison
 
 
-def test_same_configuration_and_request_match():
+def test_same_request_matches_whatever_the_engines_configuration():
     for algo in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"):
         assert verdict(engine(algo), engine(algo)).status == "match", algo
     lora = {"lora": LoraSpec("a", "/a"), "cache_salt": "s"}
     assert verdict(engine(), engine(), p_inputs=lora, d_inputs=lora).status == "match"
 
 
-@pytest.mark.parametrize(("p_hbs", "d_hbs"), [(16, 32), (32, 16), (16, 48), (64, 16)])
-def test_different_hash_block_sizes_match_through_the_inputs(p_hbs, d_hbs):
-    """vLLM's NIXL connector pairs engines of different block sizes (block_size_ratio): such a
-    pair must not be sent to local compute for that alone."""
-    v = verdict(engine(hbs=p_hbs), engine(hbs=d_hbs))
-    assert v.status == "match", v
-    assert f"P hashes every {p_hbs} tokens, D every {d_hbs}" in v.detail
-
-
-@pytest.mark.parametrize(("p", "d", "kw", "want"), [
-    ({}, {"seed": "1"}, {}, ["seed"]),
-    ({}, {"algo": "sha256_cbor"}, {}, ["algo"]),
-    ({}, {"hbs": 32, "seed": "1"}, {}, ["seed"]),
-    ({}, {"hbs": 32}, {"d_prompt": [*PROMPT[:-1], 7]}, ["prompt"]),
-    ({}, {"hbs": 32}, {"p_inputs": {"cache_salt": "x"}}, ["cache_salt"]),
-    ({"algo": "xxhash_cbor", "seed": None}, {"algo": "xxhash_cbor", "seed": None}, {},
-     ["seed"]),          # both random: nobody can share vLLM's secret NONE_HASH
-    ({}, {}, {"d_prompt": [*PROMPT[:20], 7, *PROMPT[21:]]}, ["prompt"]),
-    ({}, {}, {"d_prompt": [*PROMPT[:-1], 7]}, ["prompt"]),        # partial last block only
-    ({}, {}, {"d_prompt": [*PROMPT, 5]}, ["prompt"]),
-    ({}, {}, {"p_inputs": {"lora": LoraSpec("a", "/a")},
-              "d_inputs": {"lora": LoraSpec("a", "/mnt/a")}}, ["lora"]),   # 0.31+: path
-    ({}, {}, {"p_inputs": {"lora": LoraSpec("a", "/a")}}, ["lora"]),
-    ({}, {}, {"p_inputs": {"cache_salt": "x"}, "d_inputs": {"cache_salt": "y"}},
-     ["cache_salt"]),
+@pytest.mark.parametrize(("p", "d", "naming"), [
+    (engine(), engine(seed="1"), ["seed"]),
+    (engine(), engine("sha256_cbor"), ["algo"]),
+    (engine(), engine(hbs=32), ["hash_block_size"]),
+    (engine(hbs=64), engine(hbs=16, seed="1"), ["hash_block_size", "seed"]),
+    # PYTHONHASHSEED unset on both (vLLM's default): random NONE_HASH per engine
+    (random_engine(byte=1), random_engine(byte=2), ["seed"]),
+    (random_engine("sha256", "0.28.0", 1), random_engine("sha256", "0.28.0", 2), ["seed"]),
+    (engine(version="0.30.0"), engine(), []),
 ])
-def test_each_cause_is_named(p, d, kw, want):
-    # a side without PYTHONHASHSEED on xxhash has a random NONE_HASH: give each its own
-    pe = engine(**p, none_hash=b"\x01" * 16 if p.get("seed", "0") is None else None)
-    de = engine(**d, none_hash=b"\x02" * 16 if d.get("seed", "0") is None else None)
-    v = verdict(pe, de, **kw)
-    assert v.status == "mismatch"
-    assert list(v.causes) == want, v
-
-
-def test_short_prompt_mismatch_is_caught_without_any_key():
-    short = PROMPT[:10]
-    v = verdict(engine(), engine(seed="1"), short, short)
-    assert v.causes == ("seed",)
-    assert verdict(engine(), engine(), short, short).status == "match"
-
-
-def test_key_format_alone_is_no_cause_while_keys_agree():
-    # a plain prompt: 0.30 and 0.33 build the same keys
-    assert verdict(engine(version="0.30.0"), engine()).status == "match"
-    # with a LoRA the formats build different keys
+def test_engines_that_name_blocks_differently_still_match(p, d, naming):
+    """The KV does not depend on how each engine names blocks in its own prefix cache, so such
+    pairs are not sent to local compute; the difference is reported apart."""
     lora = {"lora": LoraSpec("a", "/a")}
-    v = verdict(engine(version="0.30.0"), engine(), p_inputs=lora, d_inputs=lora)
-    assert v.causes == ("key_format",)
+    for inputs in ({}, lora):
+        v = verdict(p, d, p_inputs=inputs, d_inputs=inputs)
+        assert v.status == "match" and v.causes == (), v
+        assert list(v.naming) == naming + (["key_format"] if p.compact["kf"] != d.compact["kf"]
+                                           else []), v
+    assert verdict(p, d, PROMPT[:10], PROMPT[:10]).status == "match"   # shorter than a block
+
+
+@pytest.mark.parametrize(("kw", "want"), [
+    ({"d_prompt": [*PROMPT[:20], 7, *PROMPT[21:]]}, ["prompt"]),
+    ({"d_prompt": [*PROMPT[:-1], 7]}, ["prompt"]),        # partial last block only
+    ({"d_prompt": [*PROMPT, 5]}, ["prompt"]),
+    ({"p_prompt": PROMPT[:10], "d_prompt": [*PROMPT[:9], 7]}, ["prompt"]),   # no full block
+    ({"p_inputs": {"lora": LoraSpec("a", "/a")},
+      "d_inputs": {"lora": LoraSpec("a", "/mnt/a")}}, ["lora"]),             # the path counts
+    ({"p_inputs": {"lora": LoraSpec("a", "/a")}}, ["lora"]),
+    ({"p_inputs": {"cache_salt": "x"}, "d_inputs": {"cache_salt": "y"}}, ["cache_salt"]),
+    ({"p_inputs": {"cache_salt": "x"}}, ["cache_salt"]),
+])
+def test_each_request_difference_is_named(kw, want):
+    for p, d in ((engine(), engine()), (random_engine(byte=1), random_engine(byte=2)),
+                 (engine(hbs=16), engine(hbs=48, version="0.28.0", seed="5"))):
+        v = verdict(p, d, **kw)
+        assert v.status == "mismatch" and list(v.causes) == want, (p, d, v)
+
+
+def test_a_release_that_hashes_less_still_compares_every_input():
+    """0.30 keys a LoRA by name only; the canonical keys take its path too, on either side."""
+    old = engine(version="0.30.0")
+    v = verdict(old, old, p_inputs={"lora": LoraSpec("a", "/a")},
+                d_inputs={"lora": LoraSpec("a", "/b")})
+    assert v.causes == ("lora",)
+
+
+def test_d_without_its_own_fingerprint_still_judges():
+    assert verdict(engine(), None).status == "match"
+    assert verdict(engine(), None, d_prompt=PROMPT[:-1]).causes == ("prompt",)
+
+
+def test_keys_not_computed_canonically_are_rejected():
+    from pdpatch.hashing.peer_check import build_params
+
+    eng = engine()
+    own = KeyConfig(pythonhashseed="0").hasher(PROMPT)       # the engine's own keys
+    peer = parse_params(json.loads(json.dumps(build_params(own, include_keys=32))))
+    v = V.judge(eng, V.RequestInputs(PROMPT, {}), peer)
+    assert v.status == "rejected" and v.causes == ("malformed",)
 
 
 def test_first_differing_block_is_reported():
@@ -158,32 +173,26 @@ def test_first_differing_block_is_reported():
     assert V.first_difference([b"a"], None) is None
 
 
-def test_prompt_blocks_only():
-    assert V.prompt_block_count(7, 100, 16) == 6     # P's first token completed block 7
-    assert V.prompt_block_count(6, 100, 16) == 6
-    assert V.prompt_block_count(0, 10, 16) == 0
-
-
 # ---------------------------------------------------------------------------- bounded params
 
 
 def test_params_are_bounded_hex_json():
     eng = engine()
     long = list(range(32_000))
-    big = V.build_p_params(eng, request_on(eng, long), bk.MAX_HEX_KEYS)
+    big = V.build_p_params(eng, V.RequestInputs(long, {}), bk.MAX_HEX_KEYS)
     text = json.dumps(big)
     assert "keys" not in big and len(text) < 512              # 2000 blocks: digest only
-    small = V.build_p_params(eng, request_on(eng), bk.MAX_HEX_KEYS)
+    small = V.build_p_params(eng, V.RequestInputs(PROMPT, {}), bk.MAX_HEX_KEYS)
     assert len(small["keys"]) == 6 and all(len(k) == 64 for k in small["keys"])
     assert len(json.dumps(small)) < 1024
     edge_prompt = list(range(16 * bk.MAX_HEX_KEYS))
-    edge = V.build_p_params(eng, request_on(eng, edge_prompt), bk.MAX_HEX_KEYS)
-    assert len(edge["keys"]) == bk.MAX_HEX_KEYS and len(json.dumps(edge)) < 2600
+    edge = V.build_p_params(eng, V.RequestInputs(edge_prompt, {}), bk.MAX_HEX_KEYS)
+    assert len(edge["keys"]) == bk.MAX_HEX_KEYS and len(json.dumps(edge)) < 2800
 
 
 @pytest.mark.parametrize("raw", [
-    None, "x", 1, [], {"v": 1}, {"v": True}, {"v": 2},
-    {"v": 1, "fp": {"algo": "md5"}, "n": 1, "kd": "0" * 32, "x": {}},
+    None, "x", 1, [], {"v": 2}, {"v": True}, {"v": 1},
+    {"v": 2, "fp": {"algo": "md5"}, "n": 1, "kd": "0" * 32, "x": {}},
 ])
 def test_malformed_params_are_rejected(raw):
     with pytest.raises(PeerParamsError):
@@ -192,10 +201,10 @@ def test_malformed_params_are_rejected(raw):
 
 def test_tampered_params_are_rejected():
     eng = engine()
-    good = V.build_p_params(eng, request_on(eng), bk.MAX_HEX_KEYS)
+    good = V.build_p_params(eng, V.RequestInputs(PROMPT, {}), bk.MAX_HEX_KEYS)
     for key, value in [("kd", "__import__('os')"), ("n", -1), ("n", True),
                        ("keys", ["00" * 32] * 7), ("keys", ["zz" * 32] * 6),
-                       ("keys", list(reversed(good["keys"])))]:
+                       ("keys", list(reversed(good["keys"]))), ("efp", {"algo": "md5"})]:
         bad = json.loads(json.dumps(good))
         bad[key] = value
         with pytest.raises(PeerParamsError):
@@ -234,19 +243,3 @@ def test_peer_name_is_bounded_and_printable():
     assert bk._peer_name({"remote_engine_id": "e" * 1000}) == "e" * 64
     assert bk._peer_name({"remote_engine_id": "a\nb\u00e9"}) == "a\\nb\\xe9"
     assert bk._peer_name({"remote_engine_id": 5}) == "'int'"
-
-
-# ---------------------------------------------------------------------------- library additions
-
-
-def test_parts_builders_equal_the_hasher_builders():
-    fmt = format_for("0.33.0")
-    cfg = KeyConfig(pythonhashseed="0")
-    inputs = {"lora": LoraSpec("a", "/a"), "cache_salt": "s"}
-    h = cfg.hasher(PROMPT, **inputs)
-    assert request_summary_of(PROMPT, ExtraKeys(fmt, **inputs)) == request_summary(h)
-    from pdpatch.hashing.fingerprint import fingerprint_of
-
-    for n in (0, 6, 10):
-        assert params_for_keys(fingerprint_of(h).to_dict(), h.keys, request_summary(h),
-                               include_keys=n) == build_params(h, include_keys=n)

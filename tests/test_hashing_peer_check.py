@@ -115,7 +115,7 @@ def _set(path: str, value):
 
 
 @pytest.mark.parametrize("mutate", [
-    _set("v", 2), _set("v", True), _set("v", KeyError),
+    _set("v", 1), _set("v", True), _set("v", KeyError), _set("efp", "x"),
     _set("fp", "x"), _set("fp.algo", "md5"), _set("fp.algo", KeyError),
     _set("fp.hbs", 0), _set("fp.hbs", True), _set("fp.hbs", 1.0), _set("fp.hbs", 2**40),
     _set("fp.nh", "XYZ"), _set("fp.nh", "ABCDEF0123456789"), _set("fp.nh", "0" * 17),

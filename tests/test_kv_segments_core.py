@@ -103,19 +103,24 @@ def _meta(cls, **extra):
     return cls(**fields, **extra)
 
 
-def test_advertised_field_round_trips_and_stock_ignores_it() -> None:
-    _, stock, _ = _classes()
-    mine = ks.metadata_class(stock)
-    assert issubclass(mine, stock) and ks.metadata_class(stock) is mine
+def test_advertised_field_is_read_from_the_raw_bytes_and_vllm_sees_a_stock_object() -> None:
+    _, stock, payload = _classes()
     wire = {"v": 1, "dev": 0, "layers": [[1, 8, 4, [["KV", 0, 8]], 2, 1]]}
-    raw = msgspec.msgpack.encode(_meta(mine, pdpatch_kv_geometry=wire))
-    assert msgspec.msgpack.decode(raw)["pdpatch_kv_geometry"] == wire
-    plain = msgspec.msgpack.Decoder(stock).decode(raw)
-    assert type(plain) is stock and not hasattr(plain, ks.FIELD)
-    assert plain == _meta(stock)
-    # and a stock peer's bytes decode into the subclass with the field absent
-    back = msgspec.msgpack.Decoder(mine).decode(msgspec.msgpack.encode(_meta(stock)))
-    assert back.pdpatch_kv_geometry is None and back.block_lens == [8, 8]
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(_meta(stock)))
+    raw[ks.FIELD] = wire                      # what a pdpatch P serves
+    encoded = msgspec.msgpack.encode(raw)
+    plain = msgspec.msgpack.Decoder(stock).decode(encoded)
+    assert type(plain) is stock and plain == _meta(stock)      # vLLM's own object, unchanged
+    worker = type("W", (), {"compat_hash": "h", "backend_name": "FLASH_ATTN"})()
+    dec = msgspec.msgpack.Decoder(ks.payload_class(payload))
+    try:
+        ks._tls.handshake = ks._HandshakeCtx(worker)
+        dec.decode(msgspec.msgpack.encode(payload("h", encoded)))
+        assert ks.advertised_geometry(plain) == wire
+        assert ks.advertised_geometry(dataclasses.replace(plain, agent_metadata=b"b")) is None
+    finally:
+        ks._tls.handshake = None
+    assert ks.advertised_geometry(plain) is None            # outside a handshake: nothing
 
 
 def test_payload_post_init_swaps_only_an_alternate_hash() -> None:
@@ -140,9 +145,9 @@ def test_payload_post_init_swaps_only_an_alternate_hash() -> None:
     assert ks.stats.hash_alternates_accepted == 1
 
 
-def test_scoped_globals_nest_across_threads_and_restore() -> None:
-    mod, stock_meta, stock_payload = _classes()
-    scoped = ks._ScopedGlobals()
+def test_scoped_payload_class_nests_across_threads_and_restores() -> None:
+    mod, _, stock_payload = _classes()
+    scoped = ks._ScopedPayloadClass()
     inside = threading.Event()
     release = threading.Event()
 
@@ -153,28 +158,28 @@ def test_scoped_globals_nest_across_threads_and_restore() -> None:
 
     t = threading.Thread(target=other_thread)
     with scoped.active(mod):
-        assert mod.NixlAgentMetadata is not stock_meta
-        assert mod.NixlAgentMetadata.__dict__["_pdpatch_base"] is stock_meta
+        assert mod.NixlHandshakePayload is not stock_payload
+        assert mod.NixlHandshakePayload.__dict__["_pdpatch_base"] is stock_payload
         t.start()
         assert inside.wait(10)
         assert scoped.depth(mod.__name__) == 2
-    assert mod.NixlAgentMetadata is not stock_meta          # the other handshake still runs
+    assert mod.NixlHandshakePayload is not stock_payload    # the other handshake still runs
     release.set()
     t.join(10)
-    assert mod.NixlAgentMetadata is stock_meta and mod.NixlHandshakePayload is stock_payload
+    assert mod.NixlHandshakePayload is stock_payload
     assert scoped.depth(mod.__name__) == 0
 
 
-def test_scoped_globals_leave_a_foreign_replacement_alone() -> None:
-    mod, stock_meta, _ = _classes()
-    scoped = ks._ScopedGlobals()
-    foreign = type("Foreign", (stock_meta,), {})
+def test_scoped_payload_class_leaves_a_foreign_replacement_alone() -> None:
+    mod, _, stock_payload = _classes()
+    scoped = ks._ScopedPayloadClass()
+    foreign = type("Foreign", (stock_payload,), {})
     try:
         with scoped.active(mod):
-            mod.NixlAgentMetadata = foreign         # someone else patched meanwhile
-        assert mod.NixlAgentMetadata is foreign
+            mod.NixlHandshakePayload = foreign         # someone else patched meanwhile
+        assert mod.NixlHandshakePayload is foreign
     finally:
-        mod.NixlAgentMetadata = stock_meta
+        mod.NixlHandshakePayload = stock_payload
 
 
 # ----------------------------------------------------------------------- hash alternates

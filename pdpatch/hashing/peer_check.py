@@ -25,12 +25,11 @@ from typing import Any
 
 from pdpatch.hashing.algorithms import ALGORITHMS, cbor_dumps
 from pdpatch.hashing.errors import PeerParamsError
-from pdpatch.hashing.extra_keys import ExtraKeys
 from pdpatch.hashing.fingerprint import fingerprint_diff, fingerprint_of
 from pdpatch.hashing.formats import KEY_FORMATS
 from pdpatch.hashing.keys import BlockKeyHasher
 
-PARAMS_VERSION = 1
+PARAMS_VERSION = 2
 DIGEST_HEX = 32
 REQUEST_CAUSES = ("prompt", "lora", "cache_salt", "mm", "prompt_embeds")
 SEED_SOURCES = ("PYTHONHASHSEED", "default", "reported")
@@ -62,6 +61,8 @@ class PeerBlockKeys:
     keys_digest: str
     keys: tuple[bytes, ...] | None
     summary: dict[str, Any]
+    engine: dict[str, Any] | None = None
+    """The sender engine's own fingerprint (``efp``), when the keys are not its own."""
 
 
 def _digest(tag: bytes, data: bytes) -> str:
@@ -84,12 +85,7 @@ def tokens_digest(tokens: Sequence[int]) -> str:
 def request_summary(hasher: BlockKeyHasher) -> dict[str, Any]:
     """Digests of each input that goes into the keys, shaped by the release's key format
     (e.g. the LoRA path only counts where vLLM hashes it, 0.31+)."""
-    return request_summary_of(hasher.tokens, hasher.extra)
-
-
-def request_summary_of(tokens: Sequence[int], ek: ExtraKeys) -> dict[str, Any]:
-    """:func:`request_summary` from the inputs themselves, for a caller whose keys come from
-    elsewhere (a patch reading ``request.block_hashes`` that vLLM already computed)."""
+    ek, tokens = hasher.extra, hasher.tokens
     pe = ek.prompt_embeds
     return {
         "nt": len(tokens),
@@ -108,20 +104,13 @@ def build_params(hasher: BlockKeyHasher, *, include_keys: int = 0) -> dict[str, 
 
     ``include_keys``: also send the keys themselves when there are at most this many.
     """
-    return params_for_keys(fingerprint_of(hasher).to_dict(), hasher.keys,
-                           request_summary(hasher), include_keys=include_keys)
-
-
-def params_for_keys(fingerprint: dict[str, Any], keys: Sequence[bytes],
-                    summary: dict[str, Any], *, include_keys: int = 0) -> dict[str, Any]:
-    """:func:`build_params` from parts: a compact fingerprint, the keys (e.g. vLLM's own
-    ``request.block_hashes``) and :func:`request_summary_of`."""
+    keys = hasher.keys
     params: dict[str, Any] = {
         "v": PARAMS_VERSION,
-        "fp": fingerprint,
+        "fp": fingerprint_of(hasher).to_dict(),
         "n": len(keys),
         "kd": keys_digest(keys),
-        "x": summary,
+        "x": request_summary(hasher),
     }
     if 0 < len(keys) <= include_keys:
         params["keys"] = [k.hex() for k in keys]
@@ -211,7 +200,8 @@ def parse_params(obj: Any, limits: Limits = DEFAULT_LIMITS) -> PeerBlockKeys:
         keys = tuple(bytes.fromhex(_hex(k, width, "each key")) for k in raw)
         if keys_digest(keys) != kd:
             raise _fail("'keys' do not match 'kd'")
-    return PeerBlockKeys(fp, n, kd, keys, _summary(d.get("x"), limits))
+    engine = None if d.get("efp") is None else _fingerprint(d["efp"], limits)
+    return PeerBlockKeys(fp, n, kd, keys, _summary(d.get("x"), limits), engine)
 
 
 def parse_params_json(text: str | bytes, limits: Limits = DEFAULT_LIMITS) -> PeerBlockKeys:
@@ -237,14 +227,22 @@ def compare(hasher: BlockKeyHasher, peer: PeerBlockKeys) -> list[str]:
             and (peer.keys is None or tuple(keys) == peer.keys):
         return []
     causes = fingerprint_diff(fingerprint_of(hasher).to_dict(), peer.fingerprint)
-    mine, theirs = request_summary(hasher), peer.summary
-    if mine["nt"] != theirs["nt"] or mine["td"] != theirs["td"]:
-        causes.append("prompt")
     # the LoRA and salt digests are shaped by the key format; across formats only the
     # key_format cause is certain
-    comparable = {"md", "ed"} | (set() if "key_format" in causes else {"ld", "sd"})
+    causes += input_causes(request_summary(hasher), peer.summary,
+                           lora_and_salt="key_format" not in causes)
+    return causes or ["keys"]
+
+
+def input_causes(mine: dict[str, Any], theirs: dict[str, Any], *,
+                 lora_and_salt: bool = True) -> list[str]:
+    """The request inputs whose digests differ (``prompt`` covers every token, the partial
+    last block included)."""
+    causes = []
+    if mine["nt"] != theirs["nt"] or mine["td"] != theirs["td"]:
+        causes.append("prompt")
     for key, cause in (("ld", "lora"), ("sd", "cache_salt"), ("md", "mm"),
                        ("ed", "prompt_embeds")):
-        if key in comparable and mine[key] != theirs[key]:
+        if (lora_and_salt or key not in ("ld", "sd")) and mine[key] != theirs[key]:
             causes.append(cause)
-    return causes or ["keys"]
+    return causes

@@ -1,32 +1,60 @@
-"""D's verdict on P's block keys: the engines' fingerprints and the comparison, pure.
+"""D's verdict on P's block keys: canonical keys, the engines' fingerprints and the comparison,
+pure.
 
-The ``block_keys`` patch (:mod:`pdpatch.patches.block_keys`) translates vLLM's objects into
-these (an :class:`EngineKeys` per engine, a :class:`RequestKeys` per request) and acts on the
+What P and D must agree on for D to use P's KV is the *request*: the prompt tokens and every
+input that shapes its KV (LoRA adapter, multimodal items, prompt embeddings) plus its cache
+salt.  How each engine *names* blocks in its own prefix cache -- its hash algorithm, its
+NONE_HASH (random per engine for xxhash, and for every algorithm up to vLLM 0.28, when
+``PYTHONHASHSEED`` is unset), its hash block size, its release's key format -- does not matter
+for the transfer: vLLM moves KV by block id and D caches the loaded blocks under its own names.
+
+So both sides compute *canonical* keys: vLLM's block-key chain (:mod:`pdpatch.hashing.keys`)
+with one fixed configuration -- :data:`CANONICAL_ALGO`, :data:`CANONICAL_FORMAT`'s key format and
+a NONE_HASH that is pdpatch's own constant -- at P's hash block size, over each side's own
+tokens and extra-key inputs.  P sends its canonical keys; D recomputes them from its request.
+Equal keys mean the same request, whatever the engines' seeds and algorithms; different keys
+are explained by the per-input digests (``prompt``, ``lora``, ``cache_salt``, ``mm``,
+``prompt_embeds``).  The engines' own fingerprints travel too, for the log only.
+
+The ``block_keys`` patch (:mod:`pdpatch.patches.block_keys`) translates vLLM's objects into these
+(an :class:`EngineKeys` per engine, a :class:`RequestInputs` per request) and acts on the
 :class:`Verdict`.  Nothing here imports vLLM, so every cause is tested without an engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdpatch.hashing.algorithms import get_algorithm
 from pdpatch.hashing.errors import UnreproducibleSeedError
-from pdpatch.hashing.extra_keys import ExtraKeys
 from pdpatch.hashing.fingerprint import Fingerprint, fingerprint_diff, fingerprint_of
 from pdpatch.hashing.formats import HashFormat, format_for
-from pdpatch.hashing.keys import KeyConfig
+from pdpatch.hashing.keys import BlockKeyHasher, KeyConfig
 from pdpatch.hashing.peer_check import (
     PeerBlockKeys,
-    keys_digest,
-    params_for_keys,
-    request_summary_of,
+    build_params,
+    compare,
+    input_causes,
+    request_summary,
 )
+from pdpatch.hashing.seed import derive_none_hash
+
+CANONICAL_ALGO = "sha256_cbor"
+"""Deterministic on every Python (CBOR, no pickle protocol) and collision resistant."""
+CANONICAL_FORMAT = "0.33.0"
+"""The key format of the canonical keys: the newest, which hashes the most of each input (the
+LoRA path as well as its name)."""
+CANONICAL_NONE_HASH = derive_none_hash(get_algorithm(CANONICAL_ALGO), "pdpatch/block-keys/v2")
+CANONICAL = KeyConfig(algo=CANONICAL_ALGO, vllm_version=CANONICAL_FORMAT,
+                      none_hash=CANONICAL_NONE_HASH)
 
 
 @dataclass(frozen=True)
 class EngineKeys:
-    """How one engine computes block keys: what it sends and what it compares with."""
+    """How one engine names blocks in its prefix cache (logged at start and sent along)."""
 
     fingerprint: Fingerprint
     fmt: HashFormat
@@ -77,25 +105,26 @@ def engine_keys(*, algo: str, hash_block_size: int, vllm_version: str, none_hash
 
 
 @dataclass(frozen=True)
-class RequestKeys:
-    """One request as an engine hashed it: its prompt-block keys and hashing inputs."""
+class RequestInputs:
+    """One request's prompt tokens and extra-key inputs (``lora``, ``mm``, ``cache_salt``,
+    ``prompt_embeds``, as :func:`pdpatch.hashing.request_adapter.request_inputs` reads them)."""
 
-    keys: Sequence[bytes]
     tokens: Sequence[int]
-    extra: ExtraKeys
+    inputs: Mapping[str, Any]
+
+    def canonical(self, hash_block_size: int) -> BlockKeyHasher:
+        """The request's canonical keys at ``hash_block_size``."""
+        return dataclasses.replace(CANONICAL, hash_block_size=hash_block_size).hasher(
+            self.tokens, **self.inputs)
 
 
-def prompt_block_count(num_block_hashes: int, num_prompt_tokens: int, hbs: int) -> int:
-    """Keys that cover the prompt only (P's ``block_hashes`` may already include a block its
-    first generated token completed; D's never does at this point)."""
-    return min(num_block_hashes, num_prompt_tokens // hbs)
-
-
-def build_p_params(engine: EngineKeys, req: RequestKeys, include_keys: int) -> dict[str, Any]:
-    """What P sends D (JSON-able, bounded): the keys themselves for prompts of at most
-    ``include_keys`` blocks, the digest always."""
-    return params_for_keys(engine.compact, req.keys, request_summary_of(req.tokens, req.extra),
-                           include_keys=include_keys)
+def build_p_params(engine: EngineKeys, req: RequestInputs, include_keys: int) -> dict[str, Any]:
+    """What P sends D (JSON-able, bounded): the canonical keys at P's hash block size (the keys
+    themselves for prompts of at most ``include_keys`` blocks, their digest always), the
+    digests of each input, and P's own fingerprint for the log."""
+    params = build_params(req.canonical(engine.hash_block_size), include_keys=include_keys)
+    params["efp"] = engine.compact
+    return params
 
 
 @dataclass(frozen=True)
@@ -103,54 +132,38 @@ class Verdict:
     status: str                     # match | mismatch | rejected
     causes: tuple[str, ...] = ()
     detail: str = ""
+    naming: tuple[str, ...] = ()
+    """How the engines' own block names differ (``seed``, ``algo``, ...): harmless for the
+    transfer, worth one line in the log."""
 
 
-def judge(engine: EngineKeys, req: RequestKeys, peer: PeerBlockKeys) -> Verdict:
-    """Compare D's view of a request with P's validated params.
+def is_canonical(fingerprint: Mapping[str, Any]) -> bool:
+    """Whether ``fingerprint`` describes canonical keys (at any hash block size)."""
+    probe = fingerprint_of(CANONICAL.validate()).to_dict()
+    return all(fingerprint.get(k) == probe[k] for k in ("algo", "nh", "kf", "vllm", "la"))
 
-    Mismatch when the keys differ, or -- even where the keys agree, e.g. a prompt shorter than
-    one hash block -- when the configurations differ (algo, seed, hash block size, pickle
-    protocol, lookahead) or a hashing input differs (prompt incl. its partial last block, LoRA,
-    salt, multimodal, embeddings).  A different vLLM key format alone is no cause while the
-    keys agree: for a plain prompt every release since 0.10.2 builds the same keys.
 
-    A different hash block size is no cause either: vLLM's NIXL connector pairs engines with
-    different block sizes (``block_size_ratio``), and keys hashed at different granularities
-    cannot be compared one by one.  What decides the keys at any granularity -- algorithm,
-    NONE_HASH, pickle protocol, lookahead and every hashing input -- is still compared, so
-    such a pair matches exactly when D's keys are the ones P would compute at D's block size.
-    """
-    keys = req.keys
-    keys_equal = (len(keys) == peer.num_blocks and keys_digest(keys) == peer.keys_digest
-                  and (peer.keys is None or tuple(keys) == peer.keys))
-    causes = fingerprint_diff(engine.compact, peer.fingerprint)
-    if keys_equal and "key_format" in causes:
-        causes.remove("key_format")
-    regrouped = "hash_block_size" in causes
-    if regrouped:
-        causes.remove("hash_block_size")
-    formats_differ = engine.compact["kf"] != peer.fingerprint["kf"]
-    mine, theirs = request_summary_of(req.tokens, req.extra), peer.summary
-    if mine["nt"] != theirs["nt"] or mine["td"] != theirs["td"]:
-        causes.append("prompt")
-    for key, cause in (("ld", "lora"), ("sd", "cache_salt"), ("md", "mm"),
-                       ("ed", "prompt_embeds")):
-        if key in ("ld", "sd") and formats_differ:
-            continue                # shaped by the key format: not comparable across eras
-        if mine[key] != theirs[key]:
-            causes.append(cause)
-    if not keys_equal and not causes and not regrouped:
-        causes.append("keys")
+def judge(engine: EngineKeys | None, req: RequestInputs, peer: PeerBlockKeys) -> Verdict:
+    """Compare D's request with P's validated params: D's canonical keys at P's hash block
+    size against P's.  A mismatch names the inputs that differ (``keys`` when no digest
+    explains it); the engines' naming differences are reported apart, never as causes
+    (``engine``: D's own fingerprint, None where it is not known yet)."""
+    if not is_canonical(peer.fingerprint):
+        return Verdict("rejected", ("malformed",),
+                       "the keys P sent are not pdpatch's canonical block keys")
+    naming = tuple(fingerprint_diff(engine.compact, peer.engine)) \
+        if engine is not None and peer.engine else ()
+    mine = req.canonical(peer.fingerprint["hbs"])
+    # equal keys can still hide a difference in the partial last block (or in a prompt
+    # shorter than one block): the input digests cover every token
+    causes = compare(mine, peer) or input_causes(request_summary(mine), peer.summary)
     if not causes:
-        return Verdict("match", detail=(
-            f"P hashes every {peer.fingerprint['hbs']} tokens, D every "
-            f"{engine.hash_block_size}: compared through the configuration and the hashing "
-            "inputs" if regrouped else ""))
-    detail = f"P: {peer.num_blocks} prompt blocks, D: {len(keys)}"
-    first = first_difference(keys, peer.keys)
+        return Verdict("match", naming=naming)
+    detail = f"P: {peer.num_blocks} prompt blocks, D: {len(mine.keys)}"
+    first = first_difference(mine.keys, peer.keys)
     if first is not None:
         detail += f", first differing block {first}"
-    return Verdict("mismatch", tuple(causes), detail)
+    return Verdict("mismatch", tuple(causes), detail, naming)
 
 
 def first_difference(mine: Sequence[bytes], theirs: Sequence[bytes] | None) -> int | None:

@@ -1,34 +1,35 @@
-"""Patch ``block_keys``: P and D prove they mean the same blocks before D loads P's KV.
+"""Patch ``block_keys``: P and D prove they mean the same request before D loads P's KV.
 
 vLLM's NIXL connector moves KV blocks by block id only.  Nothing checks that the prefill engine
-(P) and the decode engine (D) hashed the prompt the same way -- same ``--prefix-caching-hash-algo``,
-same NONE_HASH seed (``PYTHONHASHSEED``; random for xxhash and for every algorithm <= 0.28 when
-unset), same hash block size, same prompt, LoRA adapter, cache salt, multimodal inputs.  When
-they differ, D caches P's blocks under keys that mean something else on D (silent prefix-cache
-poisoning), or loads KV computed for a different prompt or adapter.
+(P) and the decode engine (D) hold the same request: a proxy or tokenizer mismatch gives D a
+different prompt, a routing slip a different LoRA adapter, cache salt or multimodal input.  D
+then loads KV computed for something else (and caches it under its own keys: prefix-cache
+poisoning).
 
 With this patch:
 
 * **P** (``request_finished`` on the connector facade, for a request that came with
-  ``do_remote_decode``) adds ``kv_transfer_params["pdpatch_block_keys"]``: its fingerprint
-  (:mod:`pdpatch.hashing.fingerprint`), the number of prompt blocks, a digest of the block keys
-  vLLM computed (``request.block_hashes``), the first keys in hex (at most
-  :data:`MAX_HEX_KEYS`) and digests of each hashing input (:mod:`pdpatch.hashing.peer_check`).
-  O(1) in the prompt length; JSON; the proxy forwards it to D unchanged.
+  ``do_remote_decode``) adds ``kv_transfer_params["pdpatch_block_keys"]``: the request's
+  *canonical* block keys (:mod:`pdpatch.hashing.verdict`: vLLM's key chain with one fixed
+  algorithm, key format and NONE_HASH, at P's hash block size -- a digest, and the keys
+  themselves for prompts of at most :data:`MAX_HEX_KEYS` blocks), digests of each hashing
+  input, and P's own block-key fingerprint for the log.  JSON; bounded; the proxy forwards it
+  to D unchanged.
 * **D** (``get_num_new_matched_tokens`` on the connector's scheduler half), before a remote
   load: parses those params with a bounded, validating parser (never ``eval``, never
-  ``pickle``), compares them with its own ``request.block_hashes`` and fingerprint, and on any
-  difference answers "no external tokens" -- the request is computed locally and P is told to
-  free its blocks, as stock vLLM does for a full local prefix hit.  One warning per cause
-  (rate-limited: a misconfigured pair would otherwise log per request) and a counter
-  (:func:`stats`).  A match, or a P without pdpatch (no such params), leaves vLLM's answer
-  untouched.  ``PDPATCH_BLOCK_KEYS_ON_MISMATCH=warn`` only warns and still loads.
-* **Every engine** logs its fingerprint at start (``EngineCore.__init__``) on the ``pdpatch``
-  logger, so operators can diff P's line against D's.
+  ``pickle``), recomputes the canonical keys from its own request, and on any difference
+  answers "no external tokens" -- the request is computed locally and P is told to free its
+  blocks, as stock vLLM does for a full local prefix hit.  One warning per cause
+  (rate-limited) and a counter (:func:`stats`).  A match, or a P without pdpatch (no such
+  params), leaves vLLM's answer untouched.  ``PDPATCH_BLOCK_KEYS_ON_MISMATCH=warn`` only warns
+  and still loads.
+* **Every engine** logs its own fingerprint at start (``EngineCore.__init__``) on the
+  ``pdpatch`` logger.  Engines that name blocks differently in their prefix caches (different
+  ``PYTHONHASHSEED`` -- vLLM's default leaves it unset --, algorithm, block size or release)
+  still pair: the canonical keys do not depend on any of it, and D says so once per P.
 
-The keys compared are vLLM's own (D's engine hashed the prompt it received); the library
-recomputes nothing on the hot path.  Cost per remote request: one sha256 over the keys
-(32 bytes per block) and one over the prompt token ids.
+Cost per remote request: one canonical key chain over the prompt on each side (pdpatch's
+encoder, faster than vLLM's own chain) and one sha256 over the prompt token ids.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from pdpatch.registry import Patch, Target
 # The hashing core is imported where it is first used (the first request), not here: this
 # module is imported by install() inside every `import vllm`, and the core costs ~8 ms.
 if TYPE_CHECKING:
-    from pdpatch.hashing.verdict import EngineKeys, RequestKeys, Verdict
+    from pdpatch.hashing.verdict import EngineKeys, RequestInputs, Verdict
 
 NAME = "block_keys"
 PARAMS_KEY = "pdpatch_block_keys"
@@ -59,30 +60,26 @@ VERDICT_KEY = "_pdpatch_block_keys"
 request that could not be allocated this step; it is judged (and counted) once."""
 MAX_HEX_KEYS = 32
 """Keys sent verbatim (hex) for prompts of at most this many blocks; longer prompts send the
-digest only.  Bounds the params at ~2.5 KiB for sha256."""
+digest only.  Bounds the params at ~2.7 KiB."""
 ON_MISMATCH_ENV = "PDPATCH_BLOCK_KEYS_ON_MISMATCH"
 ON_MISMATCH_CHOICES = ("recompute", "warn")
 WARN_INTERVAL_S = 60.0
 MAX_REMEMBERED_PEERS = 256
 
 CAUSE_HINTS: dict[str, str] = {
-    "algo": "P and D hash with different --prefix-caching-hash-algo; set the same on both",
-    "seed": "NONE_HASH differs: set the same PYTHONHASHSEED in the environment of both "
-            "engines (required for xxhash/xxhash_cbor and for every algorithm up to vLLM "
-            "0.28; with 0.29+ sha256/sha256_cbor it may instead be unset on both)",
-    "key_format": "P and D run vLLM releases that build LoRA/multimodal/salt keys differently",
-    "pickle_protocol": "P and D run Pythons with different pickle protocols (sha256/xxhash "
-                       "pickle their input); use the same Python or a *_cbor algorithm",
-    "lookahead": "one side hashes with EAGLE lookahead tokens (no KV connector configured?)",
     "prompt": "D received a different prompt than P prefilled (proxy or tokenizer mismatch)",
-    "lora": "the LoRA adapter differs (vLLM 0.31+ hashes its name AND path as registered: "
-            "use the same --lora-modules name=path on P and D)",
+    "lora": "the LoRA adapter differs (its name and path as registered: use the same "
+            "--lora-modules name=path on P and D)",
     "cache_salt": "the cache_salt differs between P's and D's request",
     "mm": "the multimodal inputs (identifiers or placeholder ranges) differ",
     "prompt_embeds": "the prompt embeddings differ",
-    "keys": "the block keys differ for no reason the fingerprints show",
+    "keys": "the block keys differ for no reason the input digests show",
     "malformed": "P sent malformed or oversized block-key params; they were rejected unread",
 }
+NAMING_NOTE = ("P and D name blocks differently in their own prefix caches ({causes}); "
+               "harmless for P/D, whose keys are compared canonically; a KV-cache-aware "
+               "router that matches both engines' keys needs the same --prefix-caching-hash-algo"
+               ", block size and PYTHONHASHSEED on both")
 
 
 # ------------------------------------------------------------------ counters and rate limits
@@ -186,8 +183,7 @@ def on_mismatch_policy(env: Mapping[str, str] | None = None) -> str:
     return value
 
 
-def _warn_causes(verdict: Verdict, peer: str, request_id: str, recompute: bool,
-                 engine: EngineKeys | None, peer_fp: Mapping[str, Any] | None) -> None:
+def _warn_causes(verdict: Verdict, peer: str, request_id: str, recompute: bool) -> None:
     action = ("computing it locally instead of loading P's KV" if recompute
               else f"loading P's KV anyway ({ON_MISMATCH_ENV}=warn)")
     for cause in verdict.causes:
@@ -200,21 +196,10 @@ def _warn_causes(verdict: Verdict, peer: str, request_id: str, recompute: bool,
                 "pdpatch: rejected the block-key params of request %s from P engine %s: %s; "
                 "%s%s [block_keys]", request_id, peer, verdict.detail, action, more)
             continue
-        sides = ""
-        if engine is not None and peer_fp is not None and cause in (
-                "algo", "seed", "key_format", "pickle_protocol", "lookahead"):
-            sides = (f" (P: {_fp_brief(peer_fp)}; "
-                     f"D: {_fp_brief(engine.compact, engine.seed_label)})")
         logger.warning(
-            "pdpatch: block keys of request %s from P engine %s do not match D's: %s -- %s%s; "
+            "pdpatch: block keys of request %s from P engine %s do not match D's: %s -- %s; "
             "%s (%s)%s [block_keys]", request_id, peer, cause, CAUSE_HINTS.get(cause, cause),
-            sides, action, verdict.detail, more)
-
-
-def _fp_brief(fp: Mapping[str, Any], seed: str | None = None) -> str:
-    return (f"algo={fp.get('algo')} seed={seed or fp.get('seed')} "
-            f"none_hash_id={fp.get('nh')} hbs={fp.get('hbs')} kf={fp.get('kf')} "
-            f"vllm={fp.get('vllm')}")
+            action, verdict.detail, more)
 
 
 # ------------------------------------------------------------------ vLLM glue
@@ -254,15 +239,12 @@ def _engine_keys_for(holder: Any, version: Version) -> EngineKeys | None:
     return ek
 
 
-def _request_keys(request: Any, engine: EngineKeys) -> RequestKeys:
-    from pdpatch.hashing.extra_keys import ExtraKeys
+def _request_inputs(request: Any) -> RequestInputs:
     from pdpatch.hashing.request_adapter import prompt_tokens, request_inputs
-    from pdpatch.hashing.verdict import RequestKeys, prompt_block_count
+    from pdpatch.hashing.verdict import RequestInputs
 
-    hashes = request.block_hashes
-    n = prompt_block_count(len(hashes), request.num_prompt_tokens, engine.hash_block_size)
-    inputs = request_inputs(request, embeds_bytes=_embeds_bytes)
-    return RequestKeys(hashes[:n], prompt_tokens(request), ExtraKeys(engine.fmt, **inputs))
+    return RequestInputs(prompt_tokens(request),
+                         request_inputs(request, embeds_bytes=_embeds_bytes))
 
 
 def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
@@ -290,8 +272,7 @@ def make_p_hook(version: Version) -> Callable[..., Any]:
             engine = _engine_keys_for(sched, version)
             if engine is None:
                 return result
-            params[PARAMS_KEY] = build_p_params(engine, _request_keys(request, engine),
-                                                 MAX_HEX_KEYS)
+            params[PARAMS_KEY] = build_p_params(engine, _request_inputs(request), MAX_HEX_KEYS)
             _count("sent")
         except Exception as exc:  # never fail a finished request over its proof
             _count("errors")
@@ -327,7 +308,7 @@ def make_d_hook(version: Version) -> Callable[..., Any]:
 def _check(sched: Any, request: Any, params: dict, version: Version) -> str:
     """``"load"`` (vLLM decides as usual) or ``"recompute"`` (no remote KV)."""
     from pdpatch.hashing.errors import PeerParamsError
-    from pdpatch.hashing.peer_check import parse_params
+    from pdpatch.hashing.peer_check import PARAMS_VERSION, parse_params
     from pdpatch.hashing.verdict import Verdict, judge
 
     try:
@@ -341,41 +322,44 @@ def _check(sched: Any, request: Any, params: dict, version: Version) -> str:
         return "load"
     peer = _peer_name(params)
     raw = params.get(PARAMS_KEY)
-    if raw is None:
+    other = raw.get("v") if isinstance(raw, dict) else None
+    if raw is None or (type(other) is int and other != PARAMS_VERSION):
         _count("unchecked")
         if _first_time("unchecked", peer):
-            logger.info("pdpatch: P engine %s sends no block keys (no pdpatch there?): its "
-                        "requests are loaded unchecked [block_keys]", peer)
+            why = ("sends no block keys (no pdpatch there?)" if raw is None else
+                   f"sends block-key params version {other}, this pdpatch reads version "
+                   f"{PARAMS_VERSION} (upgrade pdpatch on both)")
+            logger.info("pdpatch: P engine %s %s: its requests are loaded unchecked "
+                        "[block_keys]", peer, why)
         return "load"
+    request_id = _printable(str(request.request_id))
     try:
         peer_keys = parse_params(raw)
     except PeerParamsError as exc:
         verdict = Verdict("rejected", ("malformed",), str(exc))
         _count("rejected", verdict.causes)
-        _warn_causes(verdict, peer, _printable(str(request.request_id)), recompute, None, None)
+        _warn_causes(verdict, peer, request_id, recompute)
         return "recompute" if recompute else "load"
     try:
-        engine = _engine_keys_for(sched, version)
-        if engine is None:
-            raise RuntimeError("NONE_HASH is not initialised in this process")
-        verdict = judge(engine, _request_keys(request, engine), peer_keys)
+        verdict = judge(_engine_keys_for(sched, version), _request_inputs(request), peer_keys)
     except Exception as exc:  # a bug here must not take the scheduler down
         _count("errors")
         if _warn.admit("d-error") is not None:
             logger.warning("pdpatch: could not check the block keys of request %s (%s: %s); "
-                           "loading unchecked [block_keys]", _printable(str(request.request_id)),
-                           type(exc).__name__, exc)
+                           "loading unchecked [block_keys]", request_id, type(exc).__name__,
+                           exc)
         return "load"
+    if verdict.naming and _first_time("naming", peer):
+        logger.info("pdpatch: P engine %s: %s [block_keys]", peer,
+                    NAMING_NOTE.format(causes=", ".join(verdict.naming)))
     if verdict.status == "match":
         _count("matched")
         if _first_time("matched", peer):
-            logger.info("pdpatch: block keys of P engine %s match D's (%s%s); later matches "
-                        "are counted, not logged [block_keys]", peer, engine.describe(),
-                        f"; {verdict.detail}" if verdict.detail else "")
+            logger.info("pdpatch: block keys of P engine %s match D's; later matches are "
+                        "counted, not logged [block_keys]", peer)
         return "load"
-    _count("mismatched", verdict.causes)
-    _warn_causes(verdict, peer, _printable(str(request.request_id)), recompute, engine,
-                 peer_keys.fingerprint)
+    _count("rejected" if verdict.status == "rejected" else "mismatched", verdict.causes)
+    _warn_causes(verdict, peer, request_id, recompute)
     return "recompute" if recompute else "load"
 
 
@@ -425,7 +409,7 @@ def _targets(version: Version) -> list[Target]:
 PATCH = Patch(
     name=NAME,
     summary="P sends its block keys + fingerprint; D loads remote KV only when they match",
-    versions=">=0.19,<0.34",
+    versions=vllm_sites.SUPPORTED,
     why_version="the connector hooks and hashing rules were checked against 0.19-0.33 only",
     targets=_targets,
     options=(ON_MISMATCH_ENV,),

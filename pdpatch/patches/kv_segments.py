@@ -14,12 +14,12 @@ What this does (research notes §4.1-4.4; the geometry maths is :mod:`pdpatch.kv
 
 * **advertise** -- after ``register_kv_caches`` the worker's geometry, inferred from tensor
   strides, is added to the encoded ``NixlAgentMetadata`` as the optional field
-  ``pdpatch_kv_geometry``.  msgspec decoders ignore unknown fields, so stock peers are
-  unaffected; to *read* it, the decoding handshake runs with the worker module's
-  ``NixlAgentMetadata`` global replaced by a subclass carrying the field (and
-  ``NixlHandshakePayload`` by one whose ``__post_init__`` sees the peer's hash).  Both
-  replacements live only while a handshake runs (reference-counted, restored in ``finally``), so
-  nothing outlives the wrapper and ``pdpatch.uninstall()`` leaves vLLM's globals untouched;
+  ``pdpatch_kv_geometry``.  msgspec decoders drop unknown fields, so every decoded
+  ``NixlAgentMetadata`` -- a stock peer's, and the one vLLM's own handshake builds on a pdpatch
+  D -- is exactly what the release would build; D reads the field from the raw bytes, through
+  a subclass of ``NixlHandshakePayload`` that is the worker module's global only while a
+  handshake runs (reference-counted, restored in ``finally``: nothing outlives the wrapper and
+  ``pdpatch.uninstall()`` leaves vLLM's globals untouched);
 * **hash** -- ``compute_nixl_compatibility_hash`` as bound in the worker module is wrapped only
   to record, for the local configuration, the hashes the *same* configuration would have with
   another interchangeable backend name (:data:`INTERCHANGEABLE`).  The hash this worker sends
@@ -203,6 +203,8 @@ def alternates_for(local_hash: str) -> dict[str, str]:
 class _HandshakeCtx:
     worker: Any
     accepted: dict[str, str] = field(default_factory=dict)   # remote hash -> its backend name
+    # the peer rank's advertised geometry, by its NIXL agent metadata (one per rank)
+    advertised: dict[bytes, Mapping] = field(default_factory=dict)
 
 
 def _on_payload(payload: Any) -> None:
@@ -210,6 +212,7 @@ def _on_payload(payload: Any) -> None:
     ctx: _HandshakeCtx | None = getattr(_tls, "handshake", None)
     if ctx is None:
         return
+    _note_advertised(ctx, getattr(payload, "agent_metadata_bytes", None))
     local = getattr(ctx.worker, "compat_hash", None)
     remote = getattr(payload, "compatibility_hash", None)
     if not local or not remote or remote == local:
@@ -226,31 +229,41 @@ def _on_payload(payload: Any) -> None:
         "descriptor is built", name, getattr(ctx.worker, "backend_name", "?"))
 
 
-_class_cache: dict[tuple[str, type], type] = {}
+def _note_advertised(ctx: _HandshakeCtx, raw: Any) -> None:
+    """Keep the geometry a pdpatch peer added to its agent metadata.  vLLM decodes the same
+    bytes into its own ``NixlAgentMetadata``, which drops the unknown field, so the object
+    vLLM's code sees is exactly what a stock peer would produce."""
+    import msgspec
+
+    if not isinstance(raw, bytes):
+        return
+    try:
+        meta = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        return              # vLLM's own decode reports it
+    if isinstance(meta, dict) and isinstance(meta.get(FIELD), Mapping) and \
+            isinstance(meta.get("agent_metadata"), bytes):
+        ctx.advertised[meta["agent_metadata"]] = meta[FIELD]
+
+
+def advertised_geometry(meta: Any) -> Mapping | None:
+    """The geometry the peer rank behind ``meta`` advertised in this handshake, if any."""
+    ctx: _HandshakeCtx | None = getattr(_tls, "handshake", None)
+    agent = getattr(meta, "agent_metadata", None)
+    if ctx is None or not isinstance(agent, bytes):
+        return None
+    return ctx.advertised.get(agent)
+
+
+_class_cache: dict[type, type] = {}
 _class_lock = threading.Lock()
 
 
-def metadata_class(base: type) -> type:
-    """``NixlAgentMetadata`` plus the optional ``pdpatch_kv_geometry`` field."""
-    with _class_lock:
-        key = ("meta", base)
-        if key not in _class_cache:
-            cls = dataclasses.make_dataclass(
-                base.__name__,
-                [(FIELD, dict[str, Any] | None, dataclasses.field(default=None))],
-                bases=(base,),
-                namespace={"__module__": __name__, "_pdpatch_base": base,
-                           "__doc__": f"{base.__name__} + pdpatch's advertised KV geometry"},
-            )
-            _class_cache[key] = cls
-        return _class_cache[key]
-
-
 def payload_class(base: type) -> type:
-    """``NixlHandshakePayload`` whose decode lets :func:`_on_payload` see the peer's hash."""
+    """``NixlHandshakePayload`` whose decode lets :func:`_on_payload` see the peer's hash and
+    raw agent metadata, before vLLM compares the hash."""
     with _class_lock:
-        key = ("payload", base)
-        if key not in _class_cache:
+        if base not in _class_cache:
             parent_post = getattr(base, "__post_init__", None)
 
             def __post_init__(self: Any) -> None:
@@ -258,24 +271,29 @@ def payload_class(base: type) -> type:
                     parent_post(self)
                 _on_payload(self)
 
-            cls = dataclasses.make_dataclass(
+            _class_cache[base] = dataclasses.make_dataclass(
                 base.__name__, [], bases=(base,),
                 namespace={"__module__": __name__, "_pdpatch_base": base,
                            "__post_init__": __post_init__})
-            _class_cache[key] = cls
-        return _class_cache[key]
+        return _class_cache[base]
 
 
-class _ScopedGlobals:
-    """Replace module globals while at least one handshake runs; restore after the last one.
+class _ScopedPayloadClass:
+    """Replace the worker module's ``NixlHandshakePayload`` while at least one handshake runs;
+    restore it after the last one.
 
-    Any thread that meets the replacements meanwhile gets a subclass of vLLM's class with one
-    more defaulted field, which encodes and decodes every stock message unchanged.
+    Why a module global: ``_nixl_handshake`` decodes the peer's payload and compares its
+    compatibility hash inline, with no seam between the two; the decode is the only place a
+    hash that differs only in the backend name can be recognised.  Any thread that meets the
+    replacement meanwhile gets a subclass with no extra field, which decodes every payload
+    exactly as vLLM's class does.
     """
+
+    NAME = "NixlHandshakePayload"
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._active: dict[str, list[Any]] = {}   # module name -> [depth, originals, mine]
+        self._active: dict[str, list[Any]] = {}   # module name -> [depth, original, mine]
 
     @contextmanager
     def active(self, module: Any) -> Iterator[None]:
@@ -283,13 +301,10 @@ class _ScopedGlobals:
         with self._lock:
             entry = self._active.get(name)
             if entry is None:
-                originals = {n: _stock(module.__dict__[n])
-                             for n in ("NixlAgentMetadata", "NixlHandshakePayload")}
-                mine = {"NixlAgentMetadata": metadata_class(originals["NixlAgentMetadata"]),
-                        "NixlHandshakePayload": payload_class(originals["NixlHandshakePayload"])}
-                for n, cls in mine.items():
-                    setattr(module, n, cls)
-                entry = self._active[name] = [0, originals, mine]
+                original = _stock(module.__dict__[self.NAME])
+                mine = payload_class(original)
+                setattr(module, self.NAME, mine)
+                entry = self._active[name] = [0, original, mine]
             entry[0] += 1
         try:
             yield
@@ -297,9 +312,8 @@ class _ScopedGlobals:
             with self._lock:
                 entry[0] -= 1
                 if entry[0] == 0:
-                    for n, orig in entry[1].items():
-                        if module.__dict__.get(n) is entry[2][n]:
-                            setattr(module, n, orig)
+                    if module.__dict__.get(self.NAME) is entry[2]:
+                        setattr(module, self.NAME, entry[1])
                     del self._active[name]
 
     def depth(self, module_name: str) -> int:
@@ -312,7 +326,7 @@ def _stock(cls: type) -> type:
     return getattr(cls, "__dict__", {}).get("_pdpatch_base", cls)
 
 
-scoped_globals = _ScopedGlobals()
+scoped_payload = _ScopedPayloadClass()
 
 
 def _make_handshake_wrapper(module_name: str) -> Wrapper:
@@ -323,7 +337,7 @@ def _make_handshake_wrapper(module_name: str) -> Wrapper:
         prev = getattr(_tls, "handshake", None)
         _tls.handshake = _HandshakeCtx(instance)
         try:
-            with scoped_globals.active(module):
+            with scoped_payload.active(module):
                 return wrapped(*args, **kwargs)
         finally:
             _tls.handshake = prev
@@ -701,7 +715,7 @@ def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version) -> 
     local_name = getattr(worker, "backend_name", None)
     remote_name = getattr(meta, "attn_backend_name", None)
     mixed = (remote_name is not None and remote_name != local_name) or bool(ctx and ctx.accepted)
-    advertised = getattr(meta, FIELD, None)
+    advertised = advertised_geometry(meta)
     if not mixed and _same_regions(worker, meta, advertised, version):
         return None                 # the pass-through: no geometry is built for this peer
     local = local_view(worker, version)
@@ -921,12 +935,12 @@ PATCH = Patch(
             "kvcached split-half) convert descriptors byte-exactly, their READs staged so runs "
             "of blocks merge (0.19-0.25, PDPATCH_KV_STAGING_MIB); mixed backend names with "
             "identical geometry are accepted, real differences fail that peer clearly",
-    versions=">=0.19,<0.34",
+    versions=vllm_sites.SUPPORTED,
     why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
     targets=_targets,
     options=(STAGING_ENV, GAP_ENV),
 )
 
-__all__ = ["FIELD", "INTERCHANGEABLE", "NAME", "PATCH", "Conversion", "alternates_for",
-           "head_major_of", "local_geometry", "local_view", "metadata_class", "payload_class",
-           "plan_peer", "remote_geometry", "scoped_globals", "stats"]
+__all__ = ["FIELD", "INTERCHANGEABLE", "NAME", "PATCH", "Conversion", "advertised_geometry",
+           "alternates_for", "head_major_of", "local_geometry", "local_view", "payload_class",
+           "plan_peer", "remote_geometry", "scoped_payload", "stats"]

@@ -380,7 +380,7 @@ PATCH = Patch(
     name=PATCH_NAME,
     summary="token-major KV layout for NixlConnector where kvcached allocates (or forced), "
             "verified after resolution; 0.19 hetero-TP head-split guard",
-    versions=">=0.19,<0.34",
+    versions=vllm_sites.SUPPORTED,
     why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
     targets=_targets,
     options=(FORCE_ENV,),

@@ -23,7 +23,7 @@ from packaging.version import Version
 
 from pdpatch import vllm_sites
 from pdpatch.log import logger
-from pdpatch.patches.read_guard import allowed
+from pdpatch.patches.common import allowed
 from pdpatch.registry import Patch, Target
 
 NAME = "mla_notif"

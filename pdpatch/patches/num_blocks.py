@@ -38,7 +38,7 @@ import dataclasses
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from packaging.version import Version
 
@@ -108,17 +108,19 @@ def reconcile_register(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
     if not config.extra_config_allows(PATCH_NAME, extra):
         _note("kvcached" if kvc_patch else "stock", kvc_patch, "switched off by extra config")
         return wrapped(kv_caches, *rest, **kwargs)
+    plan = _plan(worker, kv_caches)
+    if plan is None or not _needed(plan, kvc_patch):
+        # vLLM's own tensors, exactly as it planned them: its registration is right as it is
+        # (0.30+ also registers views pdpatch does not model: padding tails, packed rows,
+        # host pools), so it runs untouched.
+        _note("kvcached" if kvc_patch else "stock", kvc_patch,
+              "no over-allocated KV tensor and no kvcached allocation: vLLM's registration")
+        return wrapped(kv_caches, *rest, **kwargs)
+    layers, logical, ratio, planned, kv_cache_config = plan
     mode = mode_of(extra)
-    ratio = int(getattr(worker, "_physical_blocks_per_logical_kv_block", 1) or 1)
-    kv_cache_config = getattr(worker, "kv_cache_config", None)
-    logical = int(getattr(kv_cache_config, "num_blocks", 0) or worker._logical_num_blocks)
-    planned = logical * ratio
-    layers = _layer_blocks(worker, kv_caches)
     context = (f" (kv_cache_config.num_blocks={logical} x {ratio} kernel blocks per block, "
                f"engine {getattr(worker, 'engine_id', '?')}, TP rank "
                f"{getattr(worker, 'tp_rank', '?')})")
-    if not layers:
-        return wrapped(kv_caches, *rest, **kwargs)
     rec = reconcile(layers, planned, mode, context=context)
     if rec.over_allocated and getattr(worker, "_has_mamba", False):
         raise BlockCountError(
@@ -141,6 +143,39 @@ def reconcile_register(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
     if rec.changed or neutralized:
         logger.info("pdpatch num_blocks: %s%s", summary, context)
     return result
+
+
+class _Plan(NamedTuple):
+    layers: list[LayerBlocks]
+    logical: int                 # kv_cache_config.num_blocks
+    ratio: int                   # kernel blocks per logical block
+    planned: int                 # kernel blocks the scheduler may address
+    kv_cache_config: Any
+
+
+def _plan(worker: Any, kv_caches: Any) -> _Plan | None:
+    """What the engine planned, or None where the worker or its caches are not what this patch
+    models (a stand-in worker, no attention tensor)."""
+    try:
+        ratio = int(getattr(worker, "_physical_blocks_per_logical_kv_block", 1) or 1)
+        kv_cache_config = getattr(worker, "kv_cache_config", None)
+        logical = int(getattr(kv_cache_config, "num_blocks", 0) or worker._logical_num_blocks)
+        layers = _layer_blocks(worker, kv_caches)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if not layers:
+        return None
+    return _Plan(layers, logical, ratio, logical * ratio, kv_cache_config)
+
+
+def _needed(plan: _Plan, kvc_patch: bool) -> bool:
+    """Whether stock registration would be wrong here: a tensor holds more blocks than
+    planned (0.19-0.29 assert, 0.30+ mis-partition it), or kvcached allocated the tensors or
+    rewrote the counts (its views carry its virtual range as their storage)."""
+    if kvc_patch or any(lb.count > plan.planned for lb in plan.layers):
+        return True
+    state = kvcached.read_state()
+    return state.in_deployment or state.allocated
 
 
 def _note(in_charge: str, kvc_patch: bool, last: str) -> None:
@@ -389,7 +424,7 @@ PATCH = Patch(
     name=PATCH_NAME,
     summary="NIXL registers/advertises exactly the planned KV blocks (over-allocated views "
             "sliced, under-allocation refused); kvcached's own rewrite neutralized",
-    versions=">=0.19,<0.34",
+    versions=vllm_sites.SUPPORTED,
     why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
     targets=_targets,
     summary_note=summary_note,

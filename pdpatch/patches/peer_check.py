@@ -27,7 +27,7 @@ from typing import Any
 from packaging.version import Version
 
 from pdpatch import vllm_sites
-from pdpatch.patches.read_guard import allowed
+from pdpatch.patches.common import allowed
 from pdpatch.registry import Patch, Target
 
 NAME = "peer_check"
@@ -117,7 +117,7 @@ def _targets(version: Version) -> list[Target]:
 PATCH = Patch(
     name=NAME,
     summary="reject at handshake a peer whose metadata has impossible values",
-    versions=">=0.19,<0.34",
+    versions=vllm_sites.SUPPORTED,
     why_version="the handshake metadata was checked in 0.19-0.33 only",
     targets=_targets,
 )

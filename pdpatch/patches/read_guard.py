@@ -18,38 +18,18 @@ a crash into silently-used garbage KV would be worse than the crash.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
 from typing import Any
 
 from packaging.version import Version
 
-from pdpatch import config, vllm_sites
+from pdpatch import vllm_sites
 from pdpatch.log import logger
+from pdpatch.patches.common import allowed, arg
 from pdpatch.registry import Patch, Target, Wrapper
 
 NAME = "read_guard"
 _counter_lock = threading.Lock()
 failures_contained = 0
-
-
-def connector_extra_config(worker: Any) -> Mapping | None:
-    """``kv_connector_extra_config`` as the worker holds it (every release keeps the
-    ``vllm_config``; most also keep ``kv_transfer_config``)."""
-    ktc = getattr(worker, "kv_transfer_config", None)
-    if ktc is None:
-        vcfg = getattr(worker, "vllm_config", None)
-        ktc = getattr(vcfg, "kv_transfer_config", None)
-    extra = getattr(ktc, "kv_connector_extra_config", None)
-    return extra if isinstance(extra, Mapping) else None
-
-
-def allowed(patch_name: str, worker: Any) -> bool:
-    """Per-deployment toggle: ``kv_connector_extra_config["pdpatch"]`` may switch a patch off."""
-    return config.extra_config_allows(patch_name, connector_extra_config(worker))
-
-
-def _req_id(args: tuple, kwargs: dict) -> str:
-    return kwargs["req_id"] if "req_id" in kwargs else args[0]
 
 
 def make_guard(version: Version) -> Wrapper:
@@ -60,7 +40,7 @@ def make_guard(version: Version) -> Wrapper:
         try:
             return wrapped(*args, **kwargs)
         except Exception as exc:
-            req_id = _req_id(args, kwargs)
+            req_id = arg(args, kwargs, 0, "req_id")
             try:
                 vllm_sites.record_recv_failure(instance, req_id, version)
             except vllm_sites.FailureNotRecordable as why:
@@ -90,7 +70,7 @@ def _targets(version: Version) -> list[Target]:
 PATCH = Patch(
     name=NAME,
     summary="exceptions on the NIXL read path fail one request instead of killing the worker",
-    versions=">=0.19,<0.34",
+    versions=vllm_sites.SUPPORTED,
     why_version="the unguarded read path was checked in 0.19-0.33 only",
     targets=_targets,
 )

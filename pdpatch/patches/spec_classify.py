@@ -28,7 +28,7 @@ from typing import Any
 from packaging.version import Version
 
 from pdpatch import vllm_sites
-from pdpatch.patches.read_guard import allowed
+from pdpatch.patches.common import allowed
 from pdpatch.registry import Patch, Target, Wrapper
 
 NAME = "spec_classify"

@@ -61,7 +61,7 @@ PATCH = Patch(
     name="transport_check",
     summary="warn when NIXL/UCX will move KV over a slow transport (VMM memory, cuda_ipc READ "
             "off) and say what to set",
-    versions=">=0.19,<0.34",
+    versions=vllm_sites.SUPPORTED,
     why_version="written against vLLM 0.19-0.33 sources",
     targets=_targets,
 )

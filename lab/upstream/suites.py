@@ -1,0 +1,376 @@
+"""vLLM's own KV-connector unit tests, run with pdpatch disabled and enabled, side by side.
+
+The do-no-harm gate: for one vLLM release, the NIXL connector's test files from that release's
+sdist run twice on the same machine -- ``ENABLE_PDPATCH=false`` (stock) and ``true`` -- and the
+outcomes are compared test by test.  pdpatch passes the gate when every test that passes stock
+also passes with pdpatch, except the tests listed in ``docs/upstream_suites.md`` as deliberate
+differences (a stock crash that pdpatch turns into a clean per-request failure), each with its
+reason.
+
+Where the code comes from:
+
+* the tests: the release's sdist, fetched from the package index pip is configured with and
+  checked against the index's sha256 (``pip download`` of an sdist would build its metadata,
+  which needs CUDA); only ``tests/`` and ``pyproject.toml`` are kept;
+* the vLLM code: the installed vLLM for the venv's own release; for an older release the
+  ``.py`` tree of its wheel (``scripts/fetch_vllm_sources.sh``), first on ``PYTHONPATH`` with a
+  ``vllm-<release>+cpu`` distribution record, as ``tests/versions_harness.py`` runs it;
+* model configs: a fake offline Hugging Face cache holding the public ``config.json`` of the
+  models the tests name (``lab/upstream/hf_configs/``); no weights are read by these tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.request
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+CACHE = Path(os.environ.get("PDPATCH_CACHE_DIR", Path.home() / ".cache" / "pdpatch"))
+TESTS_ROOT = CACHE / "vllm-tests"
+HF_HOME = CACHE / "hf-home"
+SOURCES_ROOT = Path(os.environ.get("PDPATCH_VLLM_SOURCES", CACHE / "vllm-src"))
+OLD_DEPS = CACHE / "old-vllm-deps"
+DIFFERENCES = REPO / "docs" / "upstream_suites.md"
+UNIT = "tests/v1/kv_connector/unit"
+
+# The NIXL connector's own test files (every release that has them), and the scheduler-side
+# files that drive the default NixlConnector through the suite's helpers.  `*rocm*` needs ROCm.
+NAMED = ("test_kv_load_failure_recovery.py", "test_tp_mapping.py",
+         "test_transfer_topology_sharded.py", "test_handshake_pp_aggregation.py",
+         "test_remote_prefill_lifecycle.py", "test_remote_decode_lifecycle.py",
+         "test_invalid_blocks_correctness.py", "test_bidirectional_kv_transfer.py")
+OUTCOMES = ("passed", "failed", "error", "skipped")
+SNAPSHOT = "0" * 40
+
+
+# ----------------------------------------------------------------------------- fetching
+
+
+def _index_url() -> str:
+    """The index pip uses here (its configured index-url, else pip's own default)."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"],
+                          capture_output=True, text=True)
+    url = proc.stdout.strip() if proc.returncode == 0 else ""
+    if not url:
+        from pip._internal.models.index import PyPI
+
+        url = PyPI.simple_url
+    return url.rstrip("/")
+
+
+def _sdist_file(version: str) -> tuple[str, str]:
+    """(url, sha256) of ``vllm-<version>.tar.gz`` from the index's JSON simple API."""
+    req = urllib.request.Request(f"{_index_url()}/vllm/",
+                                 headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        listing = json.load(resp)
+    name = f"vllm-{version}.tar.gz"
+    for entry in listing.get("files", []):
+        if entry.get("filename") == name:
+            return entry["url"], entry["hashes"]["sha256"]
+    raise LookupError(f"the package index lists no {name}")
+
+
+def fetch_tests(version: str) -> Path:
+    """The release's ``tests/`` tree (and ``pyproject.toml``), fetched once into the cache."""
+    root = TESTS_ROOT / version
+    if (root / ".complete").exists():
+        return root
+    url, sha256 = _sdist_file(version)
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = Path(tmp) / "sdist.tar.gz"
+        digest = hashlib.sha256()
+        with urllib.request.urlopen(url, timeout=600) as resp, archive.open("wb") as out:
+            while chunk := resp.read(1 << 20):
+                digest.update(chunk)
+                out.write(chunk)
+        if digest.hexdigest() != sha256:
+            raise RuntimeError(f"vllm-{version}.tar.gz: sha256 {digest.hexdigest()} is not the "
+                               f"index's {sha256}")
+        prefix = f"vllm-{version}/"
+        keep = (prefix + "tests/", prefix + "pyproject.toml")
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        with tarfile.open(archive) as tar:
+            members = []
+            for m in tar.getmembers():
+                if m.name.startswith(keep) and (m.isfile() or m.isdir()):
+                    m.name = m.name[len(prefix):]
+                    members.append(m)
+            tar.extractall(root, members=members, filter="data")
+    (root / ".complete").touch()
+    return root
+
+
+def hf_home() -> Path:
+    """A Hugging Face cache with only the config.json of the models the suites name."""
+    for src in sorted((HERE / "hf_configs").glob("*.json")):
+        org, name = src.stem.split("--", 1)
+        repo = HF_HOME / "hub" / f"models--{org}--{name}"
+        target = repo / "snapshots" / SNAPSHOT / "config.json"
+        if not target.exists() or target.read_bytes() != src.read_bytes():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            (repo / "refs").mkdir(parents=True, exist_ok=True)
+            (repo / "refs" / "main").write_text(SNAPSHOT)
+            shutil.copyfile(src, target)
+    return HF_HOME
+
+
+def suite_files(tests_root: Path) -> list[str]:
+    """The gate's test files in this release's tree (relative to its root)."""
+    unit = tests_root / UNIT
+    found = sorted(p.name for p in unit.glob("test_nixl_*.py") if "rocm" not in p.name)
+    found += [n for n in NAMED if (unit / n).exists()]
+    return [f"{UNIT}/{n}" for n in found]
+
+
+# ------------------------------------------------------------------------------ running
+
+
+def installed_release() -> str:
+    import importlib.metadata as md
+
+    return md.version("vllm").split("+")[0]
+
+
+def _pythonpath(version: str) -> list[str]:
+    """Where an older release's code comes from (see the module docstring)."""
+    if version == installed_release():
+        return []
+    sys.path.insert(0, str(REPO / "tests"))
+    from versions_harness import dist_info_dir, require_tree
+
+    path = [str(require_tree(version)), str(dist_info_dir(version))]
+    if (OLD_DEPS / ".complete").exists():
+        path.append(str(OLD_DEPS))
+    return path
+
+
+@dataclass
+class SuiteRun:
+    mode: str                                    # stock | pdpatch
+    outcomes: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    returncode: int = 0
+    log: Path | None = None
+
+    def ids(self, outcome: str) -> set[str]:
+        return {t for t, o in self.outcomes.items() if o == outcome}
+
+    def counts(self) -> dict[str, int]:
+        return {o: len(self.ids(o)) for o in OUTCOMES}
+
+
+def parse_junit(path: Path) -> dict[str, str]:
+    """test id -> outcome from pytest's junit XML (file path + test name, as pytest prints)."""
+    out: dict[str, str] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        classname, name = case.get("classname", ""), case.get("name", "")
+        parts = classname.split(".")
+        # classname is "tests.v1....test_file[.Class]"; rebuild "path.py::[Class::]name"
+        idx = next((i for i, p in enumerate(parts) if p.startswith("test_")), len(parts) - 1)
+        test_id = "/".join(parts[:idx + 1]) + ".py::" + "::".join([*parts[idx + 1:], name])
+        tags = {child.tag for child in case}
+        if "error" in tags:
+            outcome = "error"
+        elif "failure" in tags:
+            outcome = "failed"
+        elif "skipped" in tags:
+            outcome = "skipped"
+        else:
+            outcome = "passed"
+        if out.get(test_id) in ("failed", "error"):     # a teardown error after a failure
+            continue
+        out[test_id] = outcome
+    return out
+
+
+def start_suite(version: str, mode: str, files: Sequence[str], tests_root: Path,
+                work: Path, port: int, timeout: int) -> tuple[subprocess.Popen, Path, Path]:
+    """Launch one pytest run of ``files`` (stock or pdpatch) and return it unwaited."""
+    junit, log = work / f"{version}-{mode}.xml", work / f"{version}-{mode}.log"
+    env = {k: v for k, v in os.environ.items()
+           if not (k.startswith("PDPATCH_") or k in ("ENABLE_PDPATCH", "PYTHONPATH"))}
+    path = [*_pythonpath(version), str(HERE)]        # HERE: the gate's pytest plugin
+    env.update({
+        "ENABLE_PDPATCH": "true" if mode == "pdpatch" else "false",
+        "HF_HOME": str(hf_home()), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_TARGET_DEVICE": "cpu", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
+        "TOKENIZERS_PARALLELISM": "false", "PYTHONDONTWRITEBYTECODE": "1",
+    })
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    cmd = [sys.executable, "-m", "pytest", *files, "-p", "gate_plugin", "-p", "no:cacheprovider",
+           "-q",
+           "-o", "addopts=", "--timeout", str(timeout), f"--junitxml={junit}",
+           "-W", "ignore::DeprecationWarning"]
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, cwd=tests_root, env=env, stdout=fh,
+                                stderr=subprocess.STDOUT)
+    return proc, junit, log
+
+
+def run_release(version: str, work: Path, *, timeout: int = 300,
+                modes: Iterable[str] = ("stock", "pdpatch")) -> dict[str, SuiteRun]:
+    """Both modes of one release, concurrently (distinct NIXL side-channel ports)."""
+    tests_root = fetch_tests(version)
+    files = suite_files(tests_root)
+    if not files:
+        raise LookupError(f"vLLM {version}'s sdist has no NIXL connector tests under {UNIT}")
+    work.mkdir(parents=True, exist_ok=True)
+    started = {}
+    for i, mode in enumerate(modes):
+        t0 = time.monotonic()
+        started[mode] = (t0, *start_suite(version, mode, files, tests_root, work,
+                                          21000 + 1000 * i, timeout))
+    runs = {}
+    for mode, (t0, proc, junit, log) in started.items():
+        rc = proc.wait()
+        outcomes = parse_junit(junit) if junit.exists() else {}
+        runs[mode] = SuiteRun(mode, outcomes, time.monotonic() - t0, rc, log)
+    return runs
+
+
+# ---------------------------------------------------------------------------- comparing
+
+
+@dataclass(frozen=True)
+class Difference:
+    release: str          # a release, or "*" for every release
+    test: str             # test id as pytest prints it, relative to the sdist root
+    reason: str
+
+
+def read_differences(path: Path = DIFFERENCES) -> list[Difference]:
+    """The table of deliberate differences in ``docs/upstream_suites.md``: the rows under the
+    heading ``## Deliberate differences`` (``| release | test | reason |``)."""
+    if not path.exists():
+        return []
+    rows, inside = [], False
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            inside = line.strip() == "## Deliberate differences"
+            continue
+        if not inside or not line.startswith("|"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or cells[0] in ("release", "") or set(cells[0]) <= {"-", ":"}:
+            continue
+        rows.append(Difference(cells[0], cells[1].strip("`"), cells[2]))
+    return rows
+
+
+@dataclass
+class Verdict:
+    release: str
+    stock: SuiteRun
+    pdpatch: SuiteRun
+    lost: list[str]                  # passed stock, not with pdpatch, not a listed difference
+    deliberate: list[str]            # passed stock, not with pdpatch, listed
+    gained: list[str]                # passed with pdpatch only
+
+    @property
+    def ok(self) -> bool:
+        stock_pass = len(self.stock.ids("passed")) - len(self.deliberate)
+        return (not self.lost and len(self.pdpatch.ids("passed")) >= stock_pass
+                and bool(self.stock.outcomes) and bool(self.pdpatch.outcomes))
+
+
+def compare(release: str, stock: SuiteRun, pdpatch: SuiteRun,
+            differences: Sequence[Difference]) -> Verdict:
+    listed = {d.test for d in differences if d.release in (release, "*")}
+    dropped = sorted(stock.ids("passed") - pdpatch.ids("passed"))
+    return Verdict(release, stock, pdpatch,
+                   lost=[t for t in dropped if t not in listed],
+                   deliberate=[t for t in dropped if t in listed],
+                   gained=sorted(pdpatch.ids("passed") - stock.ids("passed")))
+
+
+def describe(v: Verdict) -> str:
+    """The printed report of one release."""
+    s, p = v.stock.counts(), v.pdpatch.counts()
+    lines = [f"vLLM {v.release}: {len(v.stock.outcomes)} tests",
+             f"  stock   : {s['passed']} passed, {s['failed']} failed, {s['error']} errors, "
+             f"{s['skipped']} skipped ({v.stock.seconds:.0f} s)",
+             f"  pdpatch : {p['passed']} passed, {p['failed']} failed, {p['error']} errors, "
+             f"{p['skipped']} skipped ({v.pdpatch.seconds:.0f} s)"]
+    for title, ids in (("passing stock, failing with pdpatch", v.lost),
+                       ("deliberate differences (docs/upstream_suites.md)", v.deliberate),
+                       ("passing only with pdpatch", v.gained)):
+        if ids:
+            lines.append(f"  {title}: {len(ids)}")
+            lines += [f"    {t}" for t in ids]
+    stock_only_fail = sorted((v.stock.ids("failed") | v.stock.ids("error"))
+                             & (v.pdpatch.ids("failed") | v.pdpatch.ids("error")))
+    if stock_only_fail:
+        lines.append(f"  failing in both modes: {len(stock_only_fail)}")
+        lines += [f"    {t}" for t in stock_only_fail]
+    lines.append(f"  verdict: {'PASS' if v.ok else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def as_row(v: Verdict, when: str) -> Mapping[str, object]:
+    s, p = v.stock.counts(), v.pdpatch.counts()
+    return {"release": v.release, "tests": len(v.stock.outcomes), "stock": s, "pdpatch": p,
+            "lost": v.lost, "deliberate": v.deliberate, "gained": v.gained, "ok": v.ok,
+            "run": when}
+
+
+# ----------------------------------------------------------------------------- recording
+
+RESULTS_HEADING = "## Results"
+RESULTS_HEADER = ("| vLLM | tests | stock passed | pdpatch passed | lost with pdpatch | "
+                  "deliberate | gained with pdpatch | verdict | last run |\n"
+                  "|---|---|---|---|---|---|---|---|---|")
+
+
+def fetched_releases() -> list[str]:
+    """Releases whose wheel source tree is fetched (``scripts/fetch_vllm_sources.sh``)."""
+    from packaging.version import Version
+
+    if not SOURCES_ROOT.is_dir():
+        return []
+    found = [d.name for d in SOURCES_ROOT.iterdir() if (d / ".complete").exists()]
+    return sorted(found, key=Version)
+
+
+def _row(r: Mapping[str, object]) -> str:
+    s, p = r["stock"], r["pdpatch"]
+    return (f"| {r['release']} | {r['tests']} | {s['passed']} | {p['passed']} | "
+            f"{len(r['lost'])} | {len(r['deliberate'])} | {len(r['gained'])} | "
+            f"{'pass' if r['ok'] else 'FAIL'} | {r['run']} |")
+
+
+def record(rows: Sequence[Mapping[str, object]], path: Path = DIFFERENCES) -> None:
+    """Put ``rows`` into the results table of ``path`` (one row per release, newest run
+    wins), keeping every other part of the file."""
+    from packaging.version import Version
+
+    text = path.read_text()
+    start = text.index(RESULTS_HEADING)
+    end = text.find("\n## ", start + len(RESULTS_HEADING))
+    end = len(text) if end < 0 else end + 1
+    section = text[start:end]
+    table: dict[str, str] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells and cells[0][:1].isdigit():
+            table[cells[0]] = line
+    for r in rows:
+        table[str(r["release"])] = _row(r)
+    intro = section.split("\n|", 1)[0].rstrip("\n")
+    body = "\n".join(table[k] for k in sorted(table, key=Version))
+    text = text[:start] + f"{intro}\n\n{RESULTS_HEADER}\n{body}\n\n" + text[end:]
+    path.write_text(text)
