@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdpatch import config, versions
-from pdpatch.installer import _decide, _resolve_owner
+from pdpatch.installer import decide, newer_than_supported, resolve_owner
 
 PTH_NAME = "pdpatch_autoload.pth"
 KVCACHED_PTH = "kvcached_autopatch.pth"
@@ -100,8 +100,9 @@ def diagnose(check_targets: bool = True) -> Report:
     _encoder(r)
     version = versions.vllm_version()
     r.data["patches"] = {}
+    states = {}
     for patch in patches:
-        ps = _decide(patch, settings, version)
+        ps = states[patch.name] = decide(patch, settings, version)
         verdict = "would apply" if ps.status == "active" else "skipped"
         r.say(f"patch {patch.name}: {verdict} ({ps.reason}) - {patch.summary}")
         r.data["patches"][patch.name] = {"status": verdict, "reason": ps.reason}
@@ -112,10 +113,14 @@ def diagnose(check_targets: bool = True) -> Report:
         if ps.status == "active" and check_targets:
             for ts in ps.targets:
                 try:
-                    _resolve_owner(importlib.import_module(ts.target.module), ts.target.qualname)
+                    resolve_owner(importlib.import_module(ts.target.module), ts.target.qualname)
                     r.say(f"  target {ts.target.label}: present")
                 except Exception as exc:
                     r.problem(f"patch {patch.name}: target {ts.target.label} unusable: {exc}")
+    if settings.enabled:
+        newer = newer_than_supported(states, version)
+        if newer:
+            r.problem(newer.removeprefix("pdpatch: "))
     return r
 
 

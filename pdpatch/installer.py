@@ -41,6 +41,7 @@ class PatchState:
     status: str                    # active | skipped
     reason: str
     targets: list[TargetState] = field(default_factory=list)
+    version_gated: bool = False    # skipped only because the installed vLLM is out of range
 
     @property
     def live(self) -> bool:
@@ -82,17 +83,37 @@ def install() -> dict[str, PatchState]:
         _state.pid = os.getpid()
         _state.patches = {}
         for patch in patches:
-            _state.patches[patch.name] = _decide(patch, settings, version)
+            _state.patches[patch.name] = decide(patch, settings, version)
         _state.installed = True
         for ps in _state.patches.values():
             if ps.status == "active":
                 for ts in ps.targets:
                     _arm(ps, ts)
         logger.info(summary_line())
+        newer = newer_than_supported(_state.patches, version)
+        if newer:
+            logger.warning(newer)
         return _state.patches
 
 
-def _decide(patch: Patch, settings: config.Settings, version) -> PatchState:
+def newer_than_supported(states: dict[str, PatchState], version: Any) -> str:
+    """A warning when the installed vLLM is newer than every release pdpatch was checked on
+    and patches are off for that reason alone ("" otherwise).  Patches whose range ends
+    earlier were fixed upstream and are not named."""
+    from pdpatch.vllm_sites import SUPPORTED
+
+    bound = SUPPORTED.upper()
+    if version is None or bound is None or versions.release_of(version) < bound:
+        return ""
+    off = [n for n, ps in states.items() if ps.version_gated and ps.patch.versions.upper() == bound]
+    if not off:
+        return ""
+    return (f"pdpatch: vLLM {version} is newer than the releases pdpatch was checked on "
+            f"({SUPPORTED}); these patches are OFF: {', '.join(off)}.  Upgrade pdpatch, or set "
+            "PDPATCH_ALLOW_UNTESTED_VLLM=1 to apply them to this release unverified")
+
+
+def decide(patch: Patch, settings: config.Settings, version) -> PatchState:
     on, why = settings.patch_toggle(patch.name)
     if not on:
         return PatchState(patch, "skipped", f"toggled off ({why})")
@@ -103,7 +124,7 @@ def _decide(patch: Patch, settings: config.Settings, version) -> PatchState:
         if patch.why_version:
             gate += f": {patch.why_version}"
         if not settings.allow_untested:
-            return PatchState(patch, "skipped", gate)
+            return PatchState(patch, "skipped", gate, version_gated=True)
         reason = f"{gate}, applied because PDPATCH_ALLOW_UNTESTED_VLLM=1"
     else:
         reason = why
@@ -133,7 +154,7 @@ def _arm(ps: PatchState, ts: TargetState) -> None:
 
 
 def _wrap(ps: PatchState, ts: TargetState, module: Any) -> None:
-    owner, attr = _resolve_owner(module, ts.target.qualname)
+    owner, attr = resolve_owner(module, ts.target.qualname)
     current = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
     mine = wrapt.find_wrapper(current, predicate=lambda w: _is_ours(w, ps.patch.name))
     if mine is not None:
@@ -151,7 +172,7 @@ def _is_ours(wrapper: Any, name: str) -> bool:
     return getattr(wrapper, "_self_pdpatch_patch", None) == name
 
 
-def _resolve_owner(module: Any, qualname: str) -> tuple[Any, str]:
+def resolve_owner(module: Any, qualname: str) -> tuple[Any, str]:
     """The object holding the attribute; for methods, the class must define it itself."""
     *path, attr = qualname.split(".")
     owner = module
@@ -198,14 +219,21 @@ def _unwrap(ts: TargetState) -> None:
 
 
 def summary_line() -> str:
-    """The one grep-able line per process (stable wording: scripts and tests match it)."""
-    active = [n for n, ps in _state.patches.items() if ps.status == "active"]
+    """The one grep-able line per process (stable wording: scripts and tests match it).
+
+    ``patched``: active patches whose every target is wrapped; ``armed``: active patches with
+    a target whose module this process has not imported yet (it is wrapped the moment vLLM
+    imports it; a module that never imports leaves the patch armed, never "patched")."""
+    active = [ps for ps in _state.patches.values() if ps.status == "active"]
+    patched = [ps.patch.name for ps in active if all(ts.status == "wrapped" for ts in ps.targets)]
+    armed = [ps.patch.name for ps in active if ps.patch.name not in patched]
     skipped = [f"{n} ({ps.reason})" for n, ps in _state.patches.items()
                if ps.status == "skipped"]
     notes = [note for ps in _state.patches.values() if ps.patch.summary_note
              for note in [ps.patch.summary_note(ps.status == "active")] if note]
     return (f"pdpatch: pid={os.getpid()} role={process_role()} vllm={_state.vllm} "
-            f"patched=[{', '.join(active)}] skipped=[{'; '.join(skipped)}]"
+            f"patched=[{', '.join(patched)}] armed=[{', '.join(armed)}] "
+            f"skipped=[{'; '.join(skipped)}]"
             + (f" notes=[{'; '.join(notes)}]" if notes else ""))
 
 

@@ -81,6 +81,11 @@ class VersionRange:
         release = _release_key(version.release)
         return all(_OPS[op](release, bound) for op, bound in self._clauses)
 
+    def upper(self) -> Version | None:
+        """The release this range stops before (its lowest ``<`` bound); None if open-ended."""
+        bounds = [bound for op, bound in self._clauses if op == "<"]
+        return Version(".".join(map(str, min(bounds)))) if bounds else None
+
     def __str__(self) -> str:
         return self._text
 

@@ -326,12 +326,8 @@ def _drop_params(params: dict) -> None:
 
 EVAL_BAIT = "__import__('os').system('touch /tmp/pdpatch-block-keys-pwned')"
 
-#: name -> (P side, D side, mutate, expected causes or None for a match/unchecked)
+#: name -> (P side, D side, mutate, expected causes): P and D hold different requests
 MISMATCHES: dict[str, tuple[Side, Side, Any, list[str]]] = {
-    "seed": (BASE, replace(BASE, seed="1"), None, ["seed"]),
-    "algo": (BASE, replace(BASE, algo="sha256_cbor"), None, ["algo"]),
-    # a different block size is no cause by itself (vLLM pairs such engines), the seed is
-    "block_size_and_seed": (BASE, replace(BASE, block_size=32, seed="1"), None, ["seed"]),
     "prompt": (BASE, replace(BASE, prompt=_prompt_changed(20)), None, ["prompt"]),
     "prompt_tail": (BASE, replace(BASE, prompt=_prompt_changed(PROMPT_LEN - 1)), None,
                     ["prompt"]),
@@ -339,22 +335,24 @@ MISMATCHES: dict[str, tuple[Side, Side, Any, list[str]]] = {
     "lora_missing_on_d": (replace(BASE, lora=LORA_A), BASE, None, ["lora"]),
     "cache_salt": (replace(BASE, salt="tenant-a"), replace(BASE, salt="tenant-b"), None,
                    ["cache_salt"]),
-    "short_prompt_seed": (replace(BASE, prompt=tuple(range(5, 15))),
-                          replace(BASE, prompt=tuple(range(5, 15)), seed="1"), None, ["seed"]),
+    # with another block size and seed on D: still the request decides
+    "cache_salt_block_size_seed": (BASE, replace(BASE, salt="x", block_size=32, seed="1"),
+                                   None, ["cache_salt"]),
 }
 
 MALFORMED: dict[str, Any] = {
     "not_a_dict": _replace_params("v1:" + "ab" * 20),
     "eval_bait_digest": _set("kd", EVAL_BAIT),
-    "pickle_bait": _replace_params({"v": 1, "fp": "gASVCAAAAAAAAACMBHBvc2l4lC4=", "n": 1}),
+    "pickle_bait": _replace_params({"v": 2, "fp": "gASVCAAAAAAAAACMBHBvc2l4lC4=", "n": 1}),
     "oversized_keys": _set("keys", ["00" * 32] * 100_000),
     "huge_string": _set("kd", "a" * 10_000_000),
-    "wrong_version": _set("v", 999),
     "bool_as_int": _set("n", True),
     "too_many_fields": _replace_params({f"f{i}": i for i in range(10_000)}),
     "bad_algo": lambda p: p["pdpatch_block_keys"]["fp"].__setitem__("algo", "md5"),
+    "not_canonical": lambda p: p["pdpatch_block_keys"]["fp"].__setitem__("algo", "sha256"),
 }
 
+#: name -> (P side, D side): the same request; the engines may name blocks differently
 MATCHES: dict[str, tuple[Side, Side]] = {
     "default": (BASE, BASE),
     "xxhash_cbor_seeded": (replace(BASE, algo="xxhash_cbor"), replace(BASE, algo="xxhash_cbor")),
@@ -362,7 +360,31 @@ MATCHES: dict[str, tuple[Side, Side]] = {
     "short_prompt": (replace(BASE, prompt=tuple(range(5, 15))),
                      replace(BASE, prompt=tuple(range(5, 15)))),
     "block_size_differs": (BASE, replace(BASE, block_size=32)),
+    # the engines' own block names differ; the KV they hold for the request does not
+    "seed_differs": (BASE, replace(BASE, seed="1")),
+    "algo_differs": (BASE, replace(BASE, algo="sha256_cbor")),
+    "block_size_and_seed": (BASE, replace(BASE, block_size=32, seed="1")),
+    "short_prompt_seed": (replace(BASE, prompt=tuple(range(5, 15))),
+                          replace(BASE, prompt=tuple(range(5, 15)), seed="1")),
+    # vLLM's default: PYTHONHASHSEED unset, NONE_HASH from os.urandom in each engine for
+    # xxhash (every release) and for every algorithm up to 0.28
+    "xxhash_seed_unset": (replace(BASE, algo="xxhash_cbor", seed=None),
+                          replace(BASE, algo="xxhash_cbor", seed=None)),
+    "sha256_seed_unset": (replace(BASE, seed=None), replace(BASE, seed=None)),
 }
+
+#: the engines' naming differences D reports (once per P) for each match
+NAMING: dict[str, list[str]] = {
+    "block_size_differs": ["hash_block_size"], "seed_differs": ["seed"],
+    "algo_differs": ["algo"], "block_size_and_seed": ["hash_block_size", "seed"],
+    "short_prompt_seed": ["seed"], "xxhash_seed_unset": ["seed"],
+}
+
+
+def run_unchecked(name: str) -> dict[str, Any]:
+    """P sends no block keys (stock P), or params of another pdpatch version."""
+    mutate = _drop_params if name == "stock_p" else _set("v", 3)
+    return exchange(BASE, BASE, mutate)
 
 
 def run_mismatch(name: str, steps: int = 1) -> dict[str, Any]:
@@ -377,10 +399,6 @@ def run_match(name: str) -> dict[str, Any]:
 
 def run_malformed(name: str) -> dict[str, Any]:
     return exchange(BASE, BASE, MALFORMED[name])
-
-
-def run_stock_p() -> dict[str, Any]:
-    return exchange(BASE, BASE, _drop_params)
 
 
 def install_patch() -> dict[str, Any]:
@@ -405,7 +423,7 @@ def release_report() -> dict[str, Any]:
     """Every scenario under this process's vLLM: stock first (no pdpatch), then patched."""
     out: dict[str, Any] = {"version": str(version_of()), "stock": {}, "patched": {}}
     out["stock"]["match"] = run_match("default")
-    out["stock"]["seed"] = run_mismatch("seed")
+    out["stock"]["prompt_tail"] = run_mismatch("prompt_tail")
     out["install"] = install_patch()
     for name in MATCHES:
         out["patched"][f"match:{name}"] = run_match(name)
@@ -413,11 +431,8 @@ def release_report() -> dict[str, Any]:
         out["patched"][f"mismatch:{name}"] = run_mismatch(name)
     for name in MALFORMED:
         out["patched"][f"malformed:{name}"] = run_malformed(name)
-    out["patched"]["stock_p"] = run_stock_p()
-    # sha256 with PYTHONHASHSEED unset on both: deterministic from 0.29 ("vllm-none-hash"),
-    # os.urandom per engine before
-    unset = replace(BASE, seed=None)
-    out["patched"]["sha256_seed_unset"] = exchange(unset, unset)
+    for name in ("stock_p", "other_version"):
+        out["patched"][name] = run_unchecked(name)
     out["install_after"] = {ts.target.label: ts.status
                             for ts in installer_state()["block_keys"].targets}
     out["hash_block_size"] = {
@@ -438,5 +453,5 @@ def safe(fn: Callable[[], Any]) -> Any:
         return {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"}
 
 
-__all__ = ["BASE", "MALFORMED", "MATCHES", "MISMATCHES", "Side", "exchange",
-           "release_report", "run_malformed", "run_match", "run_mismatch", "run_stock_p"]
+__all__ = ["BASE", "MALFORMED", "MATCHES", "MISMATCHES", "NAMING", "Side", "exchange",
+           "release_report", "run_malformed", "run_match", "run_mismatch", "run_unchecked"]

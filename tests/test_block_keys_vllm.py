@@ -87,7 +87,7 @@ def test_toggle_off_leaves_vllm_alone(fresh_pdpatch, monkeypatch):
     monkeypatch.setenv("PDPATCH_BLOCK_KEYS", "0")
     states = fresh_pdpatch.install()
     assert states[bk.NAME].status == "skipped"
-    obs = sc.run_mismatch("seed")
+    obs = sc.run_mismatch("prompt_tail")
     assert obs["sent"] is None
     assert_remote_load(obs)                     # stock: loads P's KV despite the mismatch
 
@@ -96,9 +96,9 @@ def test_toggle_off_leaves_vllm_alone(fresh_pdpatch, monkeypatch):
 
 
 def test_stock_vllm_loads_remote_kv_even_when_p_and_d_disagree(fresh_pdpatch):
-    """The bug this patch exists for: stock D pulls P's blocks with a different seed, prompt
-    tail or LoRA adapter, and caches them under its own (different) keys."""
-    for name in ("seed", "prompt_tail", "lora", "algo"):
+    """The bug this patch exists for: stock D pulls P's blocks for a different prompt tail,
+    LoRA adapter or cache salt, and caches them under its own keys."""
+    for name in ("prompt_tail", "lora", "cache_salt"):
         obs = sc.run_mismatch(name)
         assert obs["sent"] is None
         assert_remote_load(obs)
@@ -116,9 +116,15 @@ def test_match_remote_load_proceeds_unchanged(patched, name):
     assert any("match D's" in line for line in obs["log"]), obs["log"]
     sent = obs["sent"]
     p, d = sc.MATCHES[name]
-    assert sent["fp"]["algo"] == p.algo
+    assert sent["efp"]["algo"] == p.algo and sent["fp"]["algo"] == "sha256_cbor"
     assert sent["n"] == len(p.prompt) // p.block_size
     assert obs["d_keys"] == len(d.prompt) // d.block_size
+    naming = [line for line in obs["log"] if "name blocks differently" in line]
+    if sc.NAMING.get(name):
+        assert len(naming) == 1 and f"({', '.join(sc.NAMING[name])})" in naming[0], naming
+        assert naming[0].startswith("INFO")
+    else:
+        assert naming == []
 
 
 def test_match_is_exactly_stock_behaviour(fresh_pdpatch):
@@ -138,15 +144,19 @@ def test_params_are_small_hex_json(patched):
     assert "keys" not in obs["sent"] and obs["sent"]["n"] == 125 and obs["sent_bytes"] < 512
 
 
-def test_p_sends_keys_vllm_computed(patched):
-    """P's hex keys are vLLM's own ``request.block_hashes`` of the prompt blocks (P's first
-    generated token may complete one more block: not part of the prompt, not sent)."""
+def test_p_sends_canonical_keys_of_the_prompt(patched):
+    """P's hex keys are the canonical keys of the prompt blocks at P's block size -- not
+    vLLM's own ``request.block_hashes`` (P's first generated token may complete one more
+    block: not part of the prompt, not sent)."""
+    from pdpatch.hashing.verdict import RequestInputs
+
     obs = sc.run_match("default")
-    assert obs["sent"]["keys"] == obs["p_block_hashes"][:sc.PROMPT_LEN // 16]
+    canonical = RequestInputs(sc.BASE.prompt, {}).canonical(16).keys
+    assert obs["sent"]["keys"] == [k.hex() for k in canonical]
+    assert obs["sent"]["keys"] != obs["p_block_hashes"][:sc.PROMPT_LEN // 16]
     edge = replace(sc.BASE, prompt=tuple(range(7, 7 + 95)))    # token 96 completes block 6
     obs = sc.exchange(edge, edge)
     assert len(obs["p_block_hashes"]) == 6 and obs["sent"]["n"] == 5
-    assert obs["sent"]["keys"] == obs["p_block_hashes"][:5]
     assert_remote_load(obs)
 
 
@@ -169,30 +179,31 @@ def test_each_mismatch_computes_locally_and_warns(patched, name):
 
 
 def test_one_warning_per_cause_not_per_request(patched):
-    first = sc.exchange(*sc.MISMATCHES["seed"][:2])
-    more = [sc.exchange(*sc.MISMATCHES["seed"][:2], reset=False) for _ in range(3)]
-    other = sc.exchange(*sc.MISMATCHES["algo"][:2], reset=False)
+    first = sc.exchange(*sc.MISMATCHES["prompt"][:2])
+    more = [sc.exchange(*sc.MISMATCHES["prompt"][:2], reset=False) for _ in range(3)]
+    other = sc.exchange(*sc.MISMATCHES["cache_salt"][:2], reset=False)
     for obs in (first, *more, other):
         assert_local_compute(obs)
     assert len(warnings_of(first)) == 1
     assert all(warnings_of(o) == [] for o in more)
-    assert len(warnings_of(other)) == 1 and ": algo --" in warnings_of(other)[0]
+    assert len(warnings_of(other)) == 1 and ": cache_salt --" in warnings_of(other)[0]
     assert other["stats"]["mismatched"] == 5
-    assert other["stats"]["causes"] == {"seed": 4, "algo": 1}
+    assert other["stats"]["causes"] == {"prompt": 4, "cache_salt": 1}
 
 
-def test_xxhash_without_pythonhashseed_never_matches(patched):
-    """vLLM draws NONE_HASH from os.urandom per engine: no peer can share it."""
+def test_xxhash_without_pythonhashseed_loads_remote_kv(patched):
+    """vLLM draws NONE_HASH from os.urandom per engine: P's and D's own keys never agree, the
+    KV does -- and stock vLLM transfers it; so does pdpatch."""
     side = replace(sc.BASE, algo="xxhash_cbor", seed=None)
     obs = sc.exchange(side, side)
-    assert_local_compute(obs)
-    assert obs["stats"]["causes"] == {"seed": 1}
-    assert "seed=random" in warnings_of(obs)[0]
+    assert_remote_load(obs)
+    assert obs["stats"]["matched"] == 1 and obs["stats"]["causes"] == {}, obs["stats"]
+    assert obs["sent"]["efp"]["seed"] == "reported" and warnings_of(obs) == []
 
 
 def test_warn_policy_only_warns(patched, monkeypatch):
     monkeypatch.setenv(bk.ON_MISMATCH_ENV, "warn")
-    obs = sc.run_mismatch("seed")
+    obs = sc.run_mismatch("prompt_tail")
     assert_remote_load(obs)
     assert obs["stats"]["mismatched"] == 1
     assert "loading P's KV anyway" in warnings_of(obs)[0]
@@ -201,14 +212,14 @@ def test_warn_policy_only_warns(patched, monkeypatch):
 def test_decision_is_made_once_per_request(patched):
     """A request D could not place this step is asked again; it is judged (and counted)
     once, and stays computed locally."""
-    obs = sc.run_mismatch("seed", steps=3)
+    obs = sc.run_mismatch("prompt_tail", steps=3)
     assert obs["stats"]["mismatched"] == 1
     assert obs["steps"][0]["scheduled_tokens"] == sc.PROMPT_LEN
 
 
 def test_push_mode_mismatch_computes_locally_and_frees_p_when_done(patched):
     p = replace(sc.BASE, connector="NixlPushConnector")
-    d = replace(p, seed="1")
+    d = replace(p, salt="other")
     ok = sc.exchange(p, p)
     assert ok["waiting_for_remote"] and ok["stats"]["matched"] == 1, ok
     obs = sc.exchange(p, d, finish=True)
@@ -216,7 +227,7 @@ def test_push_mode_mismatch_computes_locally_and_frees_p_when_done(patched):
     assert first["status"] == "RUNNING" and first["scheduled_tokens"] == sc.PROMPT_LEN, obs
     assert not first["recv_listed"]             # push: no registration sent to P
     assert obs["finished"] and last["recv_listed"] and last["recv_blocks"] == 0, obs
-    assert obs["stats"]["causes"] == {"seed": 1}
+    assert obs["stats"]["causes"] == {"cache_salt": 1}
 
 
 # ---------------------------------------------------------------------------- untrusted input
@@ -236,12 +247,20 @@ def test_malformed_params_are_rejected_cleanly(patched, name):
     assert not os.path.exists(marker)
 
 
-def test_stock_p_is_loaded_unchecked_with_one_info_line(patched):
-    obs = sc.run_stock_p()
+@pytest.mark.parametrize(("name", "why"), [
+    ("stock_p", "sends no block keys"),
+    ("other_version", "sends block-key params version 3, this pdpatch reads version 2"),
+])
+def test_unchecked_peer_is_loaded_with_one_info_line(patched, name, why):
+    obs = sc.run_unchecked(name)
     assert_remote_load(obs)
     assert obs["stats"]["unchecked"] == 1 and warnings_of(obs) == []
-    info = [line for line in obs["log"] if "sends no block keys" in line]
-    assert len(info) == 1 and info[0].startswith("INFO")
+    info = [line for line in obs["log"] if why in line]
+    assert len(info) == 1 and info[0].startswith("INFO"), obs["log"]
+
+
+def test_stock_p_info_line_once_per_p(patched):
+    sc.run_unchecked("stock_p")
     again = sc.exchange(sc.BASE, sc.BASE, sc._drop_params, reset=False)
     assert_remote_load(again)
     assert again["stats"]["unchecked"] == 2

@@ -70,3 +70,21 @@ def test_enabled_without_any_way_in_exits_non_zero(tmp_path):
     out = doctor(str(venv / "bin" / "python"), "--no-import", ENABLE_PDPATCH="1")
     assert out.returncode == 1, out.stdout
     assert "no way in is visible to this interpreter" in out.stdout
+
+
+def test_a_vllm_newer_than_every_supported_release_is_a_problem(tmp_path):
+    """An operator who upgrades vLLM past what pdpatch knows must not lose the fixes unwarned:
+    the patches gated off by the release are named, with the opt-in."""
+    info = tmp_path / "vllm-0.34.0.dist-info"         # what `import vllm` would report
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.34.0\n")
+    out = doctor(sys.executable, "--no-import", ENABLE_PDPATCH="1", PYTHONPATH=str(tmp_path))
+    assert out.returncode == 1, out.stdout
+    [line] = [ln for ln in out.stdout.splitlines() if "newer than the releases" in ln]
+    assert line.startswith("PROBLEM: vLLM 0.34.0 is newer")
+    assert "read_guard" in line and "block_keys" in line and "PDPATCH_ALLOW_UNTESTED_VLLM=1" in line
+    assert "mla_notif" not in line                      # fixed upstream in 0.21: not "lost"
+    opted_in = doctor(sys.executable, "--no-import", ENABLE_PDPATCH="1",
+                      PDPATCH_ALLOW_UNTESTED_VLLM="1", PYTHONPATH=str(tmp_path))
+    assert opted_in.returncode == 0, opted_in.stdout
+    assert "patch read_guard: would apply" in opted_in.stdout

@@ -74,6 +74,50 @@ def test_version_gate_skips_unless_untested_allowed(fresh_pdpatch, monkeypatch):
     assert isinstance(read_attr(), wrapt.FunctionWrapper)
 
 
+def test_newer_vllm_warns_once_naming_the_patches_that_are_off(fresh_pdpatch, monkeypatch):
+    import logging
+
+    from pdpatch.log import logger
+
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = seen.append
+    logger.addHandler(handler)
+    try:
+        monkeypatch.setattr(versions, "vllm_version", lambda: Version("0.34.0"))
+        fresh_pdpatch.install()
+        [warning] = [r.getMessage() for r in seen]
+        assert warning.startswith("pdpatch: vLLM 0.34.0 is newer than the releases pdpatch was "
+                                  "checked on")
+        assert "read_guard" in warning and "kv_segments" in warning
+        assert "mla_notif" not in warning and "handshake_failure_guard" not in warning
+        assert "PDPATCH_ALLOW_UNTESTED_VLLM=1" in warning
+        fresh_pdpatch.uninstall()
+        seen.clear()
+        monkeypatch.setattr(versions, "vllm_version", lambda: Version("0.33.0"))
+        fresh_pdpatch.install()
+        assert seen == []
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_summary_line_calls_a_patch_patched_only_once_its_targets_are_wrapped(
+        fresh_pdpatch, monkeypatch):
+    """A target whose module never imports leaves its patch armed, never "patched"."""
+    never = Patch(name="never", summary="test", versions=">=0.1",
+                  targets=lambda v: [Target("vllm.no_such_module", "f",
+                                            lambda w, i, a, k: w(*a, **k))])
+    from pdpatch.patches import read_guard
+
+    monkeypatch.setattr(patches, "all_patches", lambda: [never, read_guard.PATCH])
+    importlib.import_module(PULL)                 # read_guard's module is already imported
+    fresh_pdpatch.install()
+    line = fresh_pdpatch.summary_line()
+    assert "patched=[read_guard] armed=[never] skipped=[]" in line, line
+    assert fresh_pdpatch.status()["patches"]["never"]["targets"] == {
+        "vllm.no_such_module:f": ("armed", "")}
+
+
 def _inherited_target_patch() -> Patch:
     # NixlPullConnectorWorker inherits register_kv_caches from NixlBaseConnectorWorker:
     # wrapping it on the subclass would miss the push worker, so the installer refuses.

@@ -44,6 +44,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,12 +181,13 @@ def engine_env(
     side_channel_port: int | None = None,
     kv_cache_gib: int = 1,
     base: dict[str, str] | None = None,
-    extra: dict[str, str] | None = None,
+    extra: Mapping[str, str | None] | None = None,
 ) -> dict[str, str]:
     """The full environment for one engine server process.
 
     ``pdpatch`` sets ``ENABLE_PDPATCH`` explicitly either way, so an inherited value cannot
-    silently turn a baseline engine into a patched one.
+    silently turn a baseline engine into a patched one.  ``extra`` wins over everything; a
+    ``None`` value removes the variable (e.g. ``PYTHONHASHSEED``, to run with vLLM's default).
     """
     env = dict(os.environ if base is None else base)
     overlay = build_overlay()
@@ -210,6 +212,9 @@ def engine_env(
     )
     if side_channel_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
-    if extra:
-        env.update(extra)
+    for name, value in (extra or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return env

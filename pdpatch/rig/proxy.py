@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,9 +117,11 @@ def stream(
     *,
     kv_transfer_params: dict[str, Any] | None = None,
     timeout_s: float = REQUEST_TIMEOUT_S,
+    body: Mapping[str, Any] | None = None,
 ) -> Completion:
-    """A streaming completion; records when each token arrived."""
-    extra: dict[str, Any] = {"stream": True}
+    """A streaming completion; records when each token arrived.  ``body``: more request
+    fields (e.g. ``cache_salt``)."""
+    extra: dict[str, Any] = {"stream": True, **(body or {})}
     if kv_transfer_params is not None:
         extra["kv_transfer_params"] = kv_transfer_params
     req = _post(engine.url, _body(prompt, max_tokens, **extra))
@@ -223,8 +226,10 @@ def pd_request(
     *,
     measure_transfer: bool = True,
     timeout_s: float = REQUEST_TIMEOUT_S,
+    decode_body: Mapping[str, Any] | None = None,
 ) -> PDResult:
-    """Prefill on P, decode on D with P's ``kv_transfer_params`` (the proxy's job)."""
+    """Prefill on P, decode on D with P's ``kv_transfer_params`` (the proxy's job);
+    ``decode_body`` adds request fields to D's request only."""
     before = d.metrics() if measure_transfer else {}
     pre = complete(
         p, prompt, 1, kv_transfer_params=dict(PREFILL_KV_PARAMS), timeout_s=timeout_s
@@ -232,7 +237,8 @@ def pd_request(
     if not pre.kv_transfer_params:
         raise RuntimeError(f"P returned no kv_transfer_params (is it a kv_producer?): {pre}")
     dec = stream(
-        d, prompt, max_tokens, kv_transfer_params=pre.kv_transfer_params, timeout_s=timeout_s
+        d, prompt, max_tokens, kv_transfer_params=pre.kv_transfer_params, timeout_s=timeout_s,
+        body=decode_body,
     )
     ttft = pre.wall_s + (dec.ttft_s if dec.ttft_s is not None else dec.wall_s)
     stats = None

@@ -92,7 +92,7 @@ class EngineSpec:
     pdpatch: bool = True
     model: Path | None = None
     extra_args: Sequence[str] = ()
-    extra_env: Mapping[str, str] = field(default_factory=dict)
+    extra_env: Mapping[str, str | None] = field(default_factory=dict)   # None: unset
     kv_config_extra: Mapping[str, Any] = field(default_factory=dict)
     max_model_len: int = 2048
 
