@@ -53,6 +53,9 @@ fi
 bash "$here/scripts/fetch_vllm_sources.sh" >/dev/null
 bash "$here/scripts/fetch_test_extras.sh" "$venv/bin/pip"
 
+# vLLM 0.33.0's own connector tests (the do-no-harm gate of scripts/run_tests.sh).
+"$venv/bin/python" "$here/scripts/upstream_suites.py" --fetch-only >/dev/null
+
 # pdpatch itself, editable, so the .pth and the entry point come from this checkout; its C
 # block encoder must build here (the tests check both it and the pure-Python path).
 PDPATCH_REQUIRE_C_ENCODER=1 "$venv/bin/pip" install -q --no-deps -e "$here"

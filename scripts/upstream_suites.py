@@ -35,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="write the results into the table of docs/upstream_suites.md")
     ap.add_argument("--json", type=Path, help="also write the results as JSON")
     ap.add_argument("--timeout", type=int, default=300, help="per-test timeout (s)")
+    ap.add_argument("--min-stock-passed", type=int, default=1,
+                    help="fail a release whose stock run passes fewer tests (a gate that ran "
+                         "nothing must not pass)")
+    ap.add_argument("--fetch-only", action="store_true",
+                    help="fetch the releases' tests (and the model configs) and stop")
     args = ap.parse_args(argv)
 
     installed = suites.installed_release()
@@ -42,12 +47,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.all:
         releases += [v for v in suites.fetched_releases() if v != installed]
     releases = releases or [installed]
+    if args.fetch_only:
+        suites.hf_home()
+        for release in releases:
+            print(suites.fetch_tests(release))
+        return 0
     differences = suites.read_differences()
     rows, ok = [], True
     for release in releases:
         runs = suites.run_release(release, args.work, timeout=args.timeout)
         verdict = suites.compare(release, runs["stock"], runs["pdpatch"], differences)
         print(suites.describe(verdict), flush=True)
+        passed = len(runs["stock"].ids("passed"))
+        if passed < args.min_stock_passed:
+            print(f"  FAIL: stock passed {passed} tests, fewer than --min-stock-passed "
+                  f"{args.min_stock_passed}: the suite did not run", flush=True)
+            ok = False
         ok &= verdict.ok
         rows.append(suites.as_row(verdict, datetime.date.today().isoformat()))
     if args.json:

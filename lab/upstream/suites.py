@@ -147,13 +147,18 @@ def installed_release() -> str:
 
 
 def _pythonpath(version: str) -> list[str]:
-    """Where an older release's code comes from (see the module docstring)."""
+    """Where an older release's code comes from (see the module docstring); its wheel's
+    source tree is fetched when missing."""
     if version == installed_release():
         return []
+    tree = SOURCES_ROOT / version
+    if not (tree / ".complete").exists():
+        subprocess.run(["bash", str(REPO / "scripts" / "fetch_vllm_sources.sh"), version],
+                       check=True, stdout=subprocess.DEVNULL)
     sys.path.insert(0, str(REPO / "tests"))
-    from versions_harness import dist_info_dir, require_tree
+    from versions_harness import dist_info_dir
 
-    path = [str(require_tree(version)), str(dist_info_dir(version))]
+    path = [str(tree), str(dist_info_dir(version))]
     if (OLD_DEPS / ".complete").exists():
         path.append(str(OLD_DEPS))
     return path

@@ -847,7 +847,15 @@ def _make_add_remote_wrapper(version: Version) -> Wrapper:
         if meta is None or rank in getattr(instance, "_remote_agents", {}).get(
                 getattr(meta, "engine_id", None), {}):
             return wrapped(*args, **kwargs)
-        conversion = plan_peer(instance, meta, tp_size, version)
+        try:
+            conversion = plan_peer(instance, meta, tp_size, version)
+        except (AttributeError, KeyError, TypeError) as exc:
+            # a worker or metadata without what the planning reads (a stand-in): the
+            # release's own handshake decides, with its own errors
+            logger.warning("pdpatch kv_segments: peer %s not planned (%s: %s); vLLM's own "
+                           "handshake runs", getattr(meta, "engine_id", "?"),
+                           type(exc).__name__, exc)
+            conversion = None
         if conversion is None:
             return wrapped(*args, **kwargs)
         if "nixl_agent_meta" in kwargs:

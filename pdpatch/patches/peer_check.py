@@ -27,7 +27,7 @@ from typing import Any
 from packaging.version import Version
 
 from pdpatch import vllm_sites
-from pdpatch.patches.common import allowed
+from pdpatch.patches.common import allowed, arg
 from pdpatch.registry import Patch, Target
 
 NAME = "peer_check"
@@ -98,9 +98,15 @@ def problems(meta: Any) -> list[str]:
     return out
 
 
+# What every release reads from a peer's metadata before it builds descriptors.
+REQUIRED_FIELDS = ("engine_id", "num_blocks", "block_size", "kv_caches_base_addr", "block_lens")
+
+
 def check_peer(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    if allowed(NAME, instance):
-        meta = kwargs["nixl_agent_meta"] if "nixl_agent_meta" in kwargs else args[0]
+    meta = arg(args, kwargs, 0, "nixl_agent_meta", None)
+    # metadata without the fields is not a peer's (msgspec decodes every one of them): the
+    # release fails on it with its own error
+    if allowed(NAME, instance) and all(hasattr(meta, f) for f in REQUIRED_FIELDS):
         found = problems(meta)
         if found:
             raise PeerMetadataInvalid(

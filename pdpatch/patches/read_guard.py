@@ -43,7 +43,9 @@ def make_guard(version: Version) -> Wrapper:
             req_id = arg(args, kwargs, 0, "req_id")
             try:
                 vllm_sites.record_recv_failure(instance, req_id, version)
-            except vllm_sites.FailureNotRecordable as why:
+            except Exception as why:
+                # HMA before 0.30 (FailureNotRecordable), or a worker without the release's
+                # bookkeeping (a stand-in): the original error propagates as in stock vLLM
                 logger.error("pdpatch: KV load of request %s failed (%s: %s) and cannot be "
                              "failed alone: %s [read_guard]", req_id, type(exc).__name__, exc,
                              why)
