@@ -11,6 +11,7 @@ the tests compare the two).
   the release's own ``NixlAgentMetadata``: every field a peer reads, the memory registered
   with NIXL and the descriptor lists prepared.  pdpatch may add its optional geometry field
   to the wire bytes (stock decoders drop it); nothing a stock decoder reads may differ.
+  ``metadata_padded``: the same with KV views over buffers that have a sub-block tail.
 * ``hetero_tp``: a well-formed prefill peer with twice the decode TP (each decode rank reads a
   head slice from two peer ranks) is handshaken and read from as stock vLLM does.
 """
@@ -65,8 +66,8 @@ def scenario_stand_in() -> dict[str, str]:
             for p in all_patches() if version in p.versions for t in p.targets(version)}
 
 
-def scenario_metadata() -> dict[str, Any]:
-    w = rw.build_worker("engine-m", num_blocks=32)
+def scenario_metadata(padding: int = 0) -> dict[str, Any]:
+    w = rw.build_worker("engine-m", num_blocks=32, padding=padding)
     fields = dataclasses.asdict(rw.own_metadata(w))
     for per_process in ("kv_caches_base_addr", "agent_metadata"):     # fresh tensors, agent
         fields.pop(per_process)
@@ -99,5 +100,14 @@ def scenario_hetero_tp() -> dict[str, Any]:
                                  if agent.startswith("TP") for _, n in descs})}
 
 
+def scenario_metadata_padded() -> dict[str, Any]:
+    """The same, each layer's tensor a view of a buffer with a tail shorter than a block (the
+    releases that register whole storages, 0.29+, decide themselves what to make of it)."""
+    try:
+        return scenario_metadata(padding=rw.HEAD_DIM * rw.BLOCK_SIZE)
+    except Exception as exc:  # the release's own refusal is the observation
+        return {"error": f"{type(exc).__name__}: {exc}"[:400]}
+
+
 SCENARIOS = {"stand_in": scenario_stand_in, "metadata": scenario_metadata,
-             "hetero_tp": scenario_hetero_tp}
+             "metadata_padded": scenario_metadata_padded, "hetero_tp": scenario_hetero_tp}

@@ -17,7 +17,7 @@ OLD_RELEASES = [v for v in release_versions(">=0.19,<0.33") if v != "<none>"] or
 def scenarios_for(version: str) -> list[str]:
     v = Version(version)
     names = ["read_assert", "read_assert_hma", "division", "dead_peer", "stand_in", "metadata",
-             "hetero_tp"]
+             "metadata_padded", "hetero_tp"]
     if v < Version("0.22"):
         names.append("mla_notif")          # bug in 0.19/0.20; 0.21.0 is the fixed control
     if v >= Version("0.21"):

@@ -213,7 +213,7 @@ def kv_cache_config(num_blocks: int, layer_names: list[str], spec: Any,
 
 
 def kv_tensors(kind: str, kv_heads: int, num_blocks: int, layer_names: list[str],
-               local_heads: int) -> dict[str, torch.Tensor]:
+               local_heads: int, padding: int = 0) -> dict[str, torch.Tensor]:
     """One contiguous tensor per layer: MLA ``(N, bs, C)``; attention in
     :func:`kv_cache_shape`'s shape (head-major, the layout the NIXL connector asks for; from
     0.29 ``(N, H, bs, 2D)`` as the planner lays out LBHNC)."""
@@ -223,8 +223,9 @@ def kv_tensors(kind: str, kv_heads: int, num_blocks: int, layer_names: list[str]
             shape: tuple[int, ...] = (num_blocks, BLOCK_SIZE, 160)
         else:
             shape = kv_cache_shape(num_blocks, BLOCK_SIZE, local_heads, HEAD_DIM)
-        t = torch.arange(int(np.prod(shape)), dtype=torch.float32).reshape(shape)
-        out[n] = (t + 1000 * i).to(DTYPE)
+        numel = int(np.prod(shape))
+        t = (torch.arange(numel + padding, dtype=torch.float32) + 1000 * i).to(DTYPE)
+        out[n] = t[:numel].view(shape)
     return out
 
 
@@ -275,8 +276,9 @@ def fake_runtime(tp_rank: int, tp_size: int) -> Iterator[Any]:
 
 def build_worker(engine_id: str, *, role: str = "kv_consumer", num_blocks: int = 32,
                  kind: str = "llama", kv_heads: int = 2, tp_rank: int = 0, tp_size: int = 1,
-                 extra: dict | None = None, hma: bool = False) -> Any:
-    """A real worker of the running release with its KV caches registered."""
+                 extra: dict | None = None, hma: bool = False, padding: int = 0) -> Any:
+    """A real worker of the running release with its KV caches registered; ``padding``: each
+    layer's tensor is a view of a buffer that many elements longer (a sub-block tail)."""
     from vllm.config import set_current_vllm_config
 
     cfg = vllm_config(kind, kv_heads, role, tp_size, extra)
@@ -287,7 +289,8 @@ def build_worker(engine_id: str, *, role: str = "kv_consumer", num_blocks: int =
     with fake_runtime(tp_rank, tp_size), set_current_vllm_config(cfg), \
             patch("threading.Thread"):
         worker = worker_class()(cfg, engine_id, kvc)
-        worker.register_kv_caches(kv_tensors(kind, kv_heads, num_blocks, layers, local_heads))
+        worker.register_kv_caches(kv_tensors(kind, kv_heads, num_blocks, layers, local_heads,
+                                             padding))
     return worker
 
 

@@ -57,6 +57,8 @@ def test_the_scenarios_exercise_what_they_claim(ver, report_0_33):
     meta, _ = _phases(ver, report_0_33, "metadata")
     assert meta["fields"]["num_blocks"] == meta["num_blocks"] == 32
     assert meta["registered"] and meta["dlists"]
+    padded, _ = _phases(ver, report_0_33, "metadata_padded")
+    assert padded.get("fields", {}).get("num_blocks") == 32 or "error" in padded, padded
     tp, _ = _phases(ver, report_0_33, "hetero_tp")
     assert tp["errors"] == [] and tp["crash"] is None, tp
     assert tp["results"]["done_recving"] == ["r"] and len(tp["reads"]) == 2, tp
