@@ -21,8 +21,6 @@ Where the code comes from:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -30,7 +28,6 @@ import sys
 import tarfile
 import tempfile
 import time
-import urllib.request
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +35,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE.parent))
+import release_files  # noqa: E402
+
 CACHE = Path(os.environ.get("PDPATCH_CACHE_DIR", Path.home() / ".cache" / "pdpatch"))
 TESTS_ROOT = CACHE / "vllm-tests"
 HF_HOME = CACHE / "hf-home"
@@ -59,47 +59,15 @@ SNAPSHOT = "0" * 40
 # ----------------------------------------------------------------------------- fetching
 
 
-def _index_url() -> str:
-    """The index pip uses here (its configured index-url, else pip's own default)."""
-    proc = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"],
-                          capture_output=True, text=True)
-    url = proc.stdout.strip() if proc.returncode == 0 else ""
-    if not url:
-        from pip._internal.models.index import PyPI
-
-        url = PyPI.simple_url
-    return url.rstrip("/")
-
-
-def _sdist_file(version: str) -> tuple[str, str]:
-    """(url, sha256) of ``vllm-<version>.tar.gz`` from the index's JSON simple API."""
-    req = urllib.request.Request(f"{_index_url()}/vllm/",
-                                 headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        listing = json.load(resp)
-    name = f"vllm-{version}.tar.gz"
-    for entry in listing.get("files", []):
-        if entry.get("filename") == name:
-            return entry["url"], entry["hashes"]["sha256"]
-    raise LookupError(f"the package index lists no {name}")
-
-
 def fetch_tests(version: str) -> Path:
     """The release's ``tests/`` tree (and ``pyproject.toml``), fetched once into the cache."""
     root = TESTS_ROOT / version
     if (root / ".complete").exists():
         return root
-    url, sha256 = _sdist_file(version)
+    sdist = f"vllm-{version}.tar.gz"
+    _, url, sha256 = release_files.release_file("vllm", lambda n: n == sdist)
     with tempfile.TemporaryDirectory() as tmp:
-        archive = Path(tmp) / "sdist.tar.gz"
-        digest = hashlib.sha256()
-        with urllib.request.urlopen(url, timeout=600) as resp, archive.open("wb") as out:
-            while chunk := resp.read(1 << 20):
-                digest.update(chunk)
-                out.write(chunk)
-        if digest.hexdigest() != sha256:
-            raise RuntimeError(f"vllm-{version}.tar.gz: sha256 {digest.hexdigest()} is not the "
-                               f"index's {sha256}")
+        archive = release_files.download(url, Path(tmp) / sdist, sha256)
         prefix = f"vllm-{version}/"
         keep = (prefix + "tests/", prefix + "pyproject.toml")
         shutil.rmtree(root, ignore_errors=True)
