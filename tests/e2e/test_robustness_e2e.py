@@ -63,7 +63,7 @@ def assert_all_clean(outcomes: list[C.Outcome]) -> None:
 def test_pdpatch_active_where_expected(rig: EngineGroup) -> None:
     text = "\n".join(rig["D"].pdpatch_lines())
     for name in ("read_guard", "params_check", "division_checks", "spec_classify"):
-        assert re.search(rf"patched=\[[^\]]*\b{name}\b", text), (name, text)
+        assert re.search(rf"(?:patched|armed)=\[[^\]]*\b{name}\b", text), (name, text)
     assert rig["Dstock"].pdpatch_lines() == []
 
 
