@@ -144,12 +144,12 @@ BUILD_LOCAL_SPLITS = (
 )
 
 # Which per-region byte length a release divides when it reads a head slice / a smaller remote
-# block: up to 0.28 `get_backend_aware_kv_block_len(i, first_split)` (the K or V half when K|V
-# share a block), from 0.29 `block_len_per_layer[i]` (0.29 `_build_fa_remote`; 0.33 no longer
-# has the backend-aware method).
+# block: up to 0.26 `get_backend_aware_kv_block_len(i, first_split)` (the K or V half when K|V
+# share a block), from 0.27 `block_len_per_layer[i]` (0.27.1 `_build_fa_remote`; 0.27 no
+# longer has the backend-aware method).
 SPLIT_LEN_SOURCES = (
-    (VersionRange(">=0.19,<0.29"), "backend_aware"),
-    (VersionRange(">=0.29"), "block_len_per_layer"),
+    (VersionRange(">=0.19,<0.27"), "backend_aware"),
+    (VersionRange(">=0.27"), "block_len_per_layer"),
 )
 
 

@@ -8,16 +8,18 @@ import functools
 from typing import Any
 
 from packaging.version import Version
-from versions_harness import release_versions, run_in_release
+from versions_harness import releases_in, run_in_release
 
-#: Old releases under test: every extracted source tree before the installed 0.33.
-OLD_RELEASES = [v for v in release_versions(">=0.19,<0.33") if v != "<none>"] or ["<none>"]
+from pdpatch.vllm_sites import SUPPORTED
+
+#: Old releases under test: every fetched release pdpatch supports, below the installed one.
+OLD_RELEASES = releases_in(SUPPORTED)
 
 
 def scenarios_for(version: str) -> list[str]:
     v = Version(version)
     names = ["read_assert", "read_assert_hma", "division", "dead_peer", "stand_in", "metadata",
-             "metadata_padded", "hetero_tp"]
+             "metadata_padded", "hetero_tp", "transport"]
     if v < Version("0.22"):
         names.append("mla_notif")          # bug in 0.19/0.20; 0.21.0 is the fixed control
     if v >= Version("0.21"):

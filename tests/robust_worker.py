@@ -276,9 +276,11 @@ def fake_runtime(tp_rank: int, tp_size: int) -> Iterator[Any]:
 
 def build_worker(engine_id: str, *, role: str = "kv_consumer", num_blocks: int = 32,
                  kind: str = "llama", kv_heads: int = 2, tp_rank: int = 0, tp_size: int = 1,
-                 extra: dict | None = None, hma: bool = False, padding: int = 0) -> Any:
+                 extra: dict | None = None, hma: bool = False, padding: int = 0,
+                 before_register: Any = None) -> Any:
     """A real worker of the running release with its KV caches registered; ``padding``: each
-    layer's tensor is a view of a buffer that many elements longer (a sub-block tail)."""
+    layer's tensor is a view of a buffer that many elements longer (a sub-block tail);
+    ``before_register(worker)`` runs between construction and registration."""
     from vllm.config import set_current_vllm_config
 
     cfg = vllm_config(kind, kv_heads, role, tp_size, extra)
@@ -289,6 +291,8 @@ def build_worker(engine_id: str, *, role: str = "kv_consumer", num_blocks: int =
     with fake_runtime(tp_rank, tp_size), set_current_vllm_config(cfg), \
             patch("threading.Thread"):
         worker = worker_class()(cfg, engine_id, kvc)
+        if before_register is not None:
+            before_register(worker)
         worker.register_kv_caches(kv_tensors(kind, kv_heads, num_blocks, layers, local_heads,
                                              padding))
     return worker
@@ -623,7 +627,38 @@ def scenario_read_assert_hma() -> dict[str, Any]:
     return scenario_read_assert(hma=True)
 
 
+def scenario_transport() -> dict[str, Any]:
+    """``transport_check`` on the release's real ``register_kv_caches``: a decode worker whose
+    KV lives on the GPU (the worker's ``kv_buffer_device``, what the check reads; the CPU
+    registration path is unchanged) under ``UCX_TLS=tcp``, which keeps same-node KV off
+    cuda_ipc.  Returns the ``pdpatch`` warnings that registration logged."""
+    import logging
+    import os
+
+    from pdpatch.patches import transport_check
+
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda r: records.append(r.getMessage())
+    logger = logging.getLogger("pdpatch")
+    logger.addHandler(handler)
+    saved = os.environ.get("UCX_TLS")
+    os.environ["UCX_TLS"] = "tcp"
+    transport_check._reported = False
+    try:
+        build_worker("engine-t",
+                     before_register=lambda w: setattr(w, "kv_buffer_device", "cuda"))
+    finally:
+        logger.removeHandler(handler)
+        if saved is None:
+            os.environ.pop("UCX_TLS", None)
+        else:
+            os.environ["UCX_TLS"] = saved
+    return {"warnings": records}
+
+
 SCENARIOS = {
+    "transport": scenario_transport,
     "read_assert_hma": scenario_read_assert_hma,
     "dead_peer": scenario_dead_peer,
     "read_assert": scenario_read_assert,

@@ -15,11 +15,12 @@ from typing import Any
 import block_keys_scenarios as sc
 import pytest
 from packaging.version import Version
-from versions_harness import release_versions, run_in_release
+from versions_harness import releases_in, run_in_release
 
 from pdpatch import vllm_sites
+from pdpatch.patches import block_keys
 
-OLD_RELEASES = [v for v in release_versions(">=0.19,<0.33") if v != "<none>"] or ["<none>"]
+OLD_RELEASES = releases_in(block_keys.PATCH.versions)
 
 
 @functools.cache

@@ -528,18 +528,19 @@ def scenario_advert_ignored() -> dict[str, Any]:
 
 
 def scenario_globals() -> dict[str, Any]:
-    """The worker module's wire classes: vLLM's own outside a handshake, pdpatch's subclasses
-    only while one runs, vLLM's own again after ``pdpatch.uninstall()``."""
+    """The worker module's wire classes: vLLM's own outside a handshake, pdpatch's payload
+    subclass only while one runs (the metadata vLLM decodes is its own class throughout),
+    vLLM's own again after ``pdpatch.uninstall()``."""
     _reset()
     mod = rw.worker_module()
     before = (mod.NixlAgentMetadata, mod.NixlHandshakePayload)
-    seen: list[tuple[str, str]] = []
+    seen: list[tuple[str, bool]] = []
     p = build("prefill", "kv_producer", P_BACKEND, num_blocks=12, seed=1)
     d = build("decode", "kv_consumer", D_BACKEND, num_blocks=10, seed=2)
     real_add = d.worker.add_remote_agent
 
     def spy(*args: Any, **kwargs: Any) -> Any:
-        seen.append((mod.NixlAgentMetadata.__module__, type(args[0]).__module__))
+        seen.append((mod.NixlHandshakePayload.__module__, type(args[0]) is before[0]))
         return real_add(*args, **kwargs)
 
     d.worker.add_remote_agent = spy

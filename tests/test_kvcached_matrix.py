@@ -5,22 +5,38 @@ from __future__ import annotations
 
 import kvc_matrix as m
 import pytest
+from packaging.version import Version
+from versions_harness import releases_in
 
-RELEASES = ["0.19.0", "0.22.1", "0.23.0", "0.25.1", "0.28.0", "0.30.0", "0.33.0"]
-VARIANTS = {"0.19.0": ["split-half"], "0.22.1": ["split-half"],
-            "0.23.0": ["kv-interleaved"], "0.25.1": ["kv-interleaved"],
-            "0.28.0": ["per-layer"], "0.30.0": ["per-layer", "layer-interleaved"],
-            "0.33.0": ["per-layer", "layer-interleaved"]}
+from pdpatch.patches import layout, num_blocks
+
+RELEASES = [v for v in releases_in(layout.PATCH.versions) if v in
+            releases_in(num_blocks.PATCH.versions)] + [m.INSTALLED]
+
+
+def variants(version: str) -> list[str]:
+    """kvcached's memory forms each release's own descriptor code can address: K/V-first
+    tensors (FlashAttention's (2, N, ...), 0.19-0.22) only split-half, blocks-first ones
+    (0.23-0.25) K|V interleaved per block, packed pages (0.26+) per layer, and
+    layer-interleaved rows once per-region block strides exist (0.29+)."""
+    v = Version(version)
+    if v < Version("0.23"):
+        return ["split-half"]
+    if v < Version("0.26"):
+        return ["kv-interleaved"]
+    if v < Version("0.29"):
+        return ["per-layer"]
+    return ["per-layer", "layer-interleaved"]
 
 
 def expected_checks(version: str) -> set[str]:
     names = {"installed", "under_allocated_fails_clearly", "layout_classmethod",
              "layout_in_force", "layout_forced_failure_names_component"}
-    for variant in VARIANTS[version]:
+    for variant in variants(version):
         names |= {f"stock_rejects_over_allocation[{variant}]",
                   f"over_allocated_registers_the_plan[{variant}]",
                   f"peer_descriptors_resolve[{variant}]"}
-    if version == "0.19.0":
+    if Version(version) < Version("0.20"):
         names |= {"hetero_tp_token_major_rejected", "stock_accepts_hetero_tp_token_major"}
     return names
 
@@ -57,7 +73,7 @@ def test_with_kvcacheds_real_nixl_patch(order):
     assert not failed, failed
     expected = {"installed", "under_allocated_fails_clearly", "pdpatch_in_charge",
                 "layout_with_kvcached_patch"}
-    for variant in VARIANTS[m.INSTALLED]:
+    for variant in variants(m.INSTALLED):
         expected |= {f"over_allocated_registers_the_plan[{variant}]",
                      f"peer_descriptors_resolve[{variant}]"}
     if order == "kvcached-first":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+import robust_matrix
 import torch
 
 from pdpatch.patches import transport_check
@@ -30,3 +32,25 @@ def test_host_kv_buffers_have_no_findings(monkeypatch):
     worker = _Worker()
     worker.kv_buffer_device = "cpu"
     assert transport_check.findings_for(worker, {"layer0": torch.zeros(4)}) == []
+
+
+def _assert_warns_on_real_registration(stock: dict, patched: dict) -> None:
+    assert stock["warnings"] == [], stock
+    [line] = [w for w in patched["warnings"] if "ucx-tls-no-cuda-ipc" in w]
+    assert "UCX_TLS='tcp' leaves out cuda_ipc" in line and "add cuda_ipc to UCX_TLS" in line
+
+
+def test_real_registration_warns_on_0_33(fresh_pdpatch):
+    import robust_worker as rw
+
+    stock = rw.scenario_transport()
+    fresh_pdpatch.install()
+    _assert_warns_on_real_registration(stock, rw.scenario_transport())
+
+
+@pytest.mark.parametrize("ver", robust_matrix.OLD_RELEASES)
+def test_real_registration_warns_on_old_release(ver):
+    if ver == "<none>":
+        pytest.skip("no old vLLM source tree extracted (scripts/fetch_vllm_sources.sh)")
+    _assert_warns_on_real_registration(robust_matrix.scenario(ver, "stock", "transport"),
+                                       robust_matrix.scenario(ver, "patched", "transport"))

@@ -60,6 +60,7 @@ EXTRAS_ROOT = Path(os.environ.get("PDPATCH_OLD_VLLM_DEPS",
 # Third-party modules older releases import eagerly but vLLM 0.33 no longer needs.
 EXTRA_PACKAGES = ("gguf",)
 RESULT_MARK = "@@PDPATCH-RESULT@@"
+INSTALLED = "0.33.0"          # the venv's vLLM; older releases run from their source trees
 
 _extras_lock = threading.Lock()
 
@@ -68,17 +69,25 @@ def source_tree(version: str) -> Path:
     return SOURCES_ROOT / version
 
 
+def listed_releases() -> list[str]:
+    """The releases ``scripts/fetch_vllm_sources.sh`` fetches (``lab/vllm_releases.txt``)."""
+    lines = (REPO / "lab" / "vllm_releases.txt").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
 def available_versions() -> list[str]:
-    """Releases whose source tree is fully extracted (``.complete`` marker), oldest first."""
+    """The newest fetched release of each minor (trees with the ``.complete`` marker), oldest
+    first: a leftover older patch release in the cache does not run twice."""
     if not SOURCES_ROOT.is_dir():
         return []
-    found = [d.name for d in SOURCES_ROOT.iterdir()
-             if (d / ".complete").exists() and (d / "vllm" / "__init__.py").exists()]
-    return sorted(found, key=Version)
+    found = sorted(Version(d.name) for d in SOURCES_ROOT.iterdir()
+                    if (d / ".complete").exists() and (d / "vllm" / "__init__.py").exists())
+    newest = {v.release[:2]: v for v in found}
+    return [str(v) for v in sorted(newest.values())]
 
 
 def release_versions(spec: str = "") -> list[str]:
-    """Extracted releases matching ``spec`` (e.g. ``">=0.19,<0.21"``), for parametrize.
+    """Fetched releases matching ``spec`` (e.g. ``">=0.19,<0.21"``), for parametrize.
 
     An empty match is returned as one ``"<none>"`` entry so that the test is reported as
     skipped with a reason instead of silently vanishing from the run.
@@ -86,6 +95,14 @@ def release_versions(spec: str = "") -> list[str]:
     wanted = SpecifierSet(spec)
     vs = [v for v in available_versions() if wanted.contains(Version(v), prereleases=True)]
     return vs or ["<none>"]
+
+
+def releases_in(versions: Any) -> list[str]:
+    """The fetched releases below the installed one inside ``versions`` (a patch's declared
+    ``VersionRange``, or ``vllm_sites.SUPPORTED``), for parametrize (``["<none>"]`` if none)."""
+    installed = Version(INSTALLED)
+    return [v for v in available_versions()
+            if Version(v) in versions and Version(v) < installed] or ["<none>"]
 
 
 def require_tree(version: str) -> Path:

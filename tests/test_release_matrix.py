@@ -1,0 +1,59 @@
+"""The release matrix itself: every listed vLLM release is fetched and tested, one per minor
+from 0.19 to the installed 0.33, and on each of them every patch that applies wraps every
+target it declares (a target that did not resolve would leave its patch silently inert)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import robust_matrix
+from packaging.version import Version
+from versions_harness import INSTALLED, SOURCES_ROOT, listed_releases
+
+from pdpatch.vllm_sites import SUPPORTED
+
+
+def test_every_listed_release_is_fetched():
+    missing = [v for v in listed_releases() if not (SOURCES_ROOT / v / ".complete").exists()]
+    assert missing == [], f"run scripts/fetch_vllm_sources.sh (missing under {SOURCES_ROOT})"
+
+
+def test_one_release_per_minor_from_0_19_to_the_installed_one():
+    minors = [Version(v).release[:2] for v in listed_releases()]
+    first, last = min(minors), Version(INSTALLED).release[:2]
+    assert minors == [(0, m) for m in range(first[1], last[1])], minors
+    assert Version(listed_releases()[0]) in SUPPORTED and Version(INSTALLED) in SUPPORTED
+
+
+def _installed_targets() -> dict[str, dict[str, list[str]]]:
+    from pdpatch import installer
+
+    installer.uninstall()
+    try:
+        installer.install()
+        for ps in installer.status()["patches"].values():
+            for label in ps["targets"]:
+                importlib.import_module(label.split(":")[0])
+        st = installer.status()["patches"]
+        return {n: {t: list(v) for t, v in s["targets"].items()} for n, s in st.items()
+                if s["status"] == "active"}
+    finally:
+        installer.uninstall()
+
+
+@pytest.mark.parametrize("ver", [INSTALLED, *robust_matrix.OLD_RELEASES])
+def test_every_active_patch_wraps_every_target(ver):
+    if ver == "<none>":
+        pytest.skip("no old vLLM source tree extracted (scripts/fetch_vllm_sources.sh)")
+    if ver == INSTALLED:
+        targets = _installed_targets()
+    else:
+        report = robust_matrix.report(ver)
+        targets = {n: t for n, t in report["targets"].items()
+                   if report["status"][n] == "active"}
+    assert targets, ver
+    unwrapped = {n: {t: s for t, s in ts.items() if s[0] != "wrapped"}
+                 for n, ts in targets.items()}
+    assert {n: u for n, u in unwrapped.items() if u} == {}
+    assert all(ts for ts in targets.values()), targets        # no active patch without targets
