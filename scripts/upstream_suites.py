@@ -65,11 +65,11 @@ def main(argv: list[str] | None = None) -> int:
             ok = False
         ok &= verdict.ok
         rows.append(suites.as_row(verdict, datetime.date.today().isoformat()))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
-    if args.record:
-        suites.record(rows)
-        print(f"recorded {len(rows)} release(s) in {suites.DIFFERENCES}")
+        if args.json:                                # after each release: a long run that
+            args.json.write_text(json.dumps(rows, indent=2))     # stops keeps what it did
+        if args.record:
+            suites.record(rows[-1:])
+            print(f"recorded vLLM {release} in {suites.DIFFERENCES}", flush=True)
     print(f"upstream suites: {'PASS' if ok else 'FAIL'} ({len(releases)} release(s))")
     return 0 if ok else 1
 

