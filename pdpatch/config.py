@@ -36,7 +36,7 @@ EXTRA_CONFIG_KEY = "pdpatch"
 # Read by pdpatch's own scripts, rig and tests, never by a patch: accepted and ignored here so
 # that an engine started by the rig does not reject its own environment.
 TOOL_VARS = ("PDPATCH_VENV", "PDPATCH_PYTHON", "PDPATCH_VLLM_SOURCES", "PDPATCH_CACHE_DIR",
-             "PDPATCH_RIG_KERNEL_DIR", "PDPATCH_OLD_VLLM_DEPS",
+             "PDPATCH_RIG_KERNEL_DIR", "PDPATCH_RIG_VLLM_TREE", "PDPATCH_OLD_VLLM_DEPS",
              "PDPATCH_KVCACHED_SRC", "PDPATCH_BENCH_NO_CTX", "PDPATCH_BENCH_NO_IPC_DEFAULT")
 
 
