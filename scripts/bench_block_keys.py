@@ -53,7 +53,7 @@ def main() -> int:
     from vllm.v1.core import kv_cache_utils as K
     from vllm.v1.request import Request
 
-    from pdpatch.hashing import block_keys, encoders
+    from pdpatch.hashing import KeyConfig, block_keys, encoders
 
     rng = random.Random(1234)
     tokens = [rng.randrange(args.vocab) for _ in range(args.tokens)]
@@ -86,14 +86,16 @@ def main() -> int:
                           block_hasher=K.get_request_block_hasher(bs, fn))
             return req.block_hashes
 
-        def ours(algo=algo) -> list[bytes]:
-            return block_keys(tokens, algo=algo, hash_block_size=bs,
-                              pythonhashseed=args.seed, vllm_version="0.33.0")
+        config = KeyConfig(vllm_version="0.33.0", algo=algo, hash_block_size=bs,
+                           pythonhashseed=args.seed)
 
-        def ours_pure(algo=algo) -> list[bytes]:
+        def ours(config=config) -> list[bytes]:
+            return block_keys(tokens, config)
+
+        def ours_pure() -> list[bytes]:
             encoders._compiled = None
             try:
-                return ours(algo)
+                return ours()
             finally:
                 encoders._compiled = compiled
 

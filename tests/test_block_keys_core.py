@@ -83,10 +83,12 @@ def test_canonical_keys_are_vllms_chain_with_pdpatchs_own_none_hash():
     req = V.RequestInputs(PROMPT, {"lora": LoraSpec("a", "/a"), "cache_salt": "s"})
     h = req.canonical(16)
     same = KeyConfig(algo="sha256_cbor", hash_block_size=16, vllm_version="0.33.0",
-                     none_hash=V.CANONICAL_NONE_HASH).hasher(PROMPT, **req.inputs)
+                     pythonhashseed=None, none_hash=V.CANONICAL_NONE_HASH).hasher(
+        PROMPT, **req.inputs)
     assert h.keys == same.keys and len(h.keys) == 6
     # no engine's default NONE_HASH: canonical keys are never an engine's own keys
-    default = KeyConfig(algo="sha256_cbor", vllm_version="0.33.0").validate().none_hash
+    default = KeyConfig(algo="sha256_cbor", vllm_version="0.33.0", hash_block_size=16,
+                        pythonhashseed=None).validate().none_hash
     assert default != V.CANONICAL_NONE_HASH
     assert req.canonical(32).keys != h.keys and len(req.canonical(32).keys) == 3
 
@@ -158,7 +160,8 @@ def test_keys_not_computed_canonically_are_rejected():
     from pdpatch.hashing.peer_check import build_params
 
     eng = engine()
-    own = KeyConfig(pythonhashseed="0").hasher(PROMPT)       # the engine's own keys
+    own = KeyConfig(algo="sha256", vllm_version="0.33.0", hash_block_size=16,
+                    pythonhashseed="0").hasher(PROMPT)       # the engine's own keys
     peer = parse_params(json.loads(json.dumps(build_params(own, include_keys=32))))
     v = V.judge(eng, V.RequestInputs(PROMPT, {}), peer)
     assert v.status == "rejected" and v.causes == ("malformed",)

@@ -98,3 +98,26 @@ def test_items_take_lists_and_tuples_only(encode) -> None:
 def test_items_refuse_impossible_requests(encode, tokens, count, bs) -> None:
     with pytest.raises(ValueError):
         encode()(tokens, count, bs)
+
+
+def _first_non_id_reference(tokens: list) -> int:
+    for i, t in enumerate(tokens):
+        if type(t) is not int or not 0 <= t < 2**64:
+            return i
+    return -1
+
+
+any_item = st.one_of(token, st.integers(-(2**70), 2**70), st.sampled_from(
+    [*EITHER_BAD, -1, 2**63, 2**64 - 1, 2**60 - 1, 2**60, -(2**60), 2**30, -(2**30)]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(any_item, max_size=12))
+def test_first_non_id_is_the_input_check(tokens) -> None:
+    """The C loop of pdpatch.hashing.inputs.token_ids: the first item that is not an exact int
+    in [0, 2**64), whatever its width."""
+    assert encoders.C_ENCODER
+    first = encoders._compiled.first_non_id
+    assert first(tokens) == first(tuple(tokens)) == _first_non_id_reference(tokens)
+    with pytest.raises(TypeError):
+        first(iter(tokens))

@@ -16,6 +16,7 @@ import pytest
 
 from pdpatch.hashing import (
     BlockKeyHasher,
+    KeyConfig,
     LoraSpec,
     MMItem,
     PromptEmbeds,
@@ -66,13 +67,14 @@ def hasher_for(release: str, case: dict[str, Any]) -> BlockKeyHasher:
     if case.get("prompt_embeds"):
         pe = embeds_of(case["prompt_embeds"])
         prompt = [0] * case["prompt_embeds"]["rows"]
+    config = KeyConfig(vllm_version=release, algo=case["algo"],
+                       hash_block_size=case["block_size"], pythonhashseed=case["seed"],
+                       lookahead=case.get("lookahead", 0))
     return BlockKeyHasher(
-        algo=case["algo"], hash_block_size=case["block_size"], vllm_version=release,
-        pythonhashseed=case["seed"],
+        config, prompt,
         lora=LoraSpec(lora["name"], lora["path"], lora["id"]) if lora else None,
         mm=[MMItem(i, o, n) for i, o, n in case.get("mm") or []],
-        cache_salt=case.get("cache_salt"), prompt_embeds=pe,
-        lookahead=case.get("lookahead", 0), prompt=prompt)
+        cache_salt=case.get("cache_salt"), prompt_embeds=pe)
 
 
 def test_every_boundary_release_has_fixtures() -> None:
@@ -109,11 +111,13 @@ def test_unseeded_refusal_matches_vllm_randomness(release: str) -> None:
     """We refuse exactly where the real release drew a random NONE_HASH twice."""
     data = load(release)
     for algo, was_random in data["unseeded_random"].items():
+        config = KeyConfig(vllm_version=release, algo=algo, hash_block_size=16,
+                           pythonhashseed=None)
         if was_random:
             with pytest.raises(UnreproducibleSeedError, match="PYTHONHASHSEED"):
-                BlockKeyHasher(algo=algo, vllm_version=release, pythonhashseed=None)
+                config.validate()
         else:
-            h = BlockKeyHasher(algo=algo, vllm_version=release, pythonhashseed=None)
+            h = config.validate()
             unset = [c for c in data["cases"] if c["algo"] == algo and c["seed"] is None]
             assert unset and h.none_hash.hex() == unset[0]["none_hash"]
 

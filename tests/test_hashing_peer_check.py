@@ -11,7 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdpatch.hashing import BlockKeyHasher, LoraSpec, MMItem, PeerParamsError, PromptEmbeds
+from pdpatch.hashing import (
+    BlockKeyHasher,
+    KeyConfig,
+    LoraSpec,
+    MMItem,
+    PeerParamsError,
+    PromptEmbeds,
+)
 from pdpatch.hashing.peer_check import (
     Limits,
     build_params,
@@ -26,9 +33,13 @@ BASE = dict(algo="sha256_cbor", hash_block_size=16, vllm_version="0.33.0", pytho
             mm=[MMItem("img", 4, 20)])
 
 
+CONFIG_FIELDS = ("vllm_version", "algo", "hash_block_size", "pythonhashseed")
+
+
 def hasher(**over) -> BlockKeyHasher:
     kw = {**BASE, **over}
-    return BlockKeyHasher(prompt=kw.pop("prompt", PROMPT), **kw)
+    config = KeyConfig(**{k: kw.pop(k) for k in CONFIG_FIELDS})
+    return BlockKeyHasher(config, kw.pop("prompt", PROMPT), **kw)
 
 
 def roundtrip(h: BlockKeyHasher, **kw):

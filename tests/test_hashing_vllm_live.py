@@ -45,6 +45,12 @@ from pdpatch.hashing.peer_check import build_params, compare, parse_params  # no
 from pdpatch.hashing.request_adapter import hasher_for_request  # noqa: E402
 
 VERSION = "0.33.0"
+
+
+def cfg(algo: str, bs: int, seed: str | None = "0", **over) -> KeyConfig:
+    return KeyConfig(vllm_version=VERSION, algo=algo, hash_block_size=bs, pythonhashseed=seed,
+                     **over)
+
 LIVE = settings(max_examples=60, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
@@ -89,7 +95,7 @@ def vllm_request(algo: str, pythonhashseed: str | None, bs: int, tokens: list[in
     return Request(
         request_id="r", prompt_token_ids=tokens, prompt_embeds=embeds,
         sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
-        lora_request=(LoRARequest(lora_name=lora.name, lora_int_id=lora.int_id,
+        lora_request=(LoRARequest(lora_name=lora.name, lora_int_id=lora.int_id or 1,
                                   lora_path=lora.path) if lora else None),
         cache_salt=salt, mm_features=feats or None, block_hasher=hasher)
 
@@ -119,9 +125,8 @@ def test_random_requests_match_vllm(algo, pythonhashseed, bs, data) -> None:
     appends = data.draw(st.lists(st.lists(token, min_size=1, max_size=2 * bs), max_size=4))
 
     req = vllm_request(algo, pythonhashseed, bs, list(prompt), lora=lora, salt=salt, mm=mm)
-    ours = BlockKeyHasher(algo=algo, hash_block_size=bs, vllm_version=VERSION,
-                          pythonhashseed=pythonhashseed, lora=lora, mm=mm, cache_salt=salt,
-                          prompt=prompt)
+    ours = BlockKeyHasher(cfg(algo, bs, pythonhashseed), prompt, lora=lora, mm=mm,
+                          cache_salt=salt)
     assert ours.none_hash == K.NONE_HASH
     assert ours.keys == req.block_hashes
     for chunk in appends:
@@ -131,8 +136,7 @@ def test_random_requests_match_vllm(algo, pythonhashseed, bs, data) -> None:
         assert ours.keys == req.block_hashes
     # incremental == from scratch (0.31+), and == vLLM
     all_tokens = list(prompt) + [t for c in appends for t in c]
-    assert block_keys(all_tokens, algo=algo, hash_block_size=bs, vllm_version=VERSION,
-                      pythonhashseed=pythonhashseed, lora=lora, mm=mm,
+    assert block_keys(all_tokens, cfg(algo, bs, pythonhashseed), lora=lora, mm=mm,
                       cache_salt=salt) == req.block_hashes
 
 
@@ -145,9 +149,7 @@ def test_lookahead_keys_match_vllm(algo, bs, lookahead, data) -> None:
     lora = data.draw(st.none() | st.builds(LoraSpec, name, name))
     appends = data.draw(st.lists(st.lists(token, min_size=1, max_size=bs + 2), max_size=3))
     req = vllm_request(algo, "0", bs, list(prompt), lora=lora, mm=mm, lookahead=lookahead)
-    ours = BlockKeyHasher(algo=algo, hash_block_size=bs, vllm_version=VERSION,
-                          pythonhashseed="0", lora=lora, mm=mm, lookahead=lookahead,
-                          prompt=prompt)
+    ours = BlockKeyHasher(cfg(algo, bs, lookahead=lookahead), prompt, lora=lora, mm=mm)
     assert ours.keys == req.block_hashes
     for chunk in appends:
         req.append_output_token_ids(list(chunk))
@@ -164,8 +166,7 @@ def test_prompt_embeds_match_vllm(algo, bs, rows, cols, dtype, appends) -> None:
     embeds = torch.randn(max(rows, 1), cols, generator=gen).to(getattr(torch, dtype))
     req = vllm_request(algo, "0", bs, None, embeds=embeds)
     pe = PromptEmbeds(bytes(tensor_data(embeds)), cols * embeds.element_size())
-    ours = BlockKeyHasher(algo=algo, hash_block_size=bs, vllm_version=VERSION,
-                          pythonhashseed="0", prompt_embeds=pe, prompt=[0] * embeds.shape[0])
+    ours = BlockKeyHasher(cfg(algo, bs), [0] * embeds.shape[0], prompt_embeds=pe)
     assert ours.keys == req.block_hashes
     req.append_output_token_ids(list(appends))
     ours.extend(appends)
@@ -177,7 +178,7 @@ def test_default_seed_matches_vllm(algo: str) -> None:
     toks = list(range(1000, 1100))
     req = vllm_request(algo, None, 16, toks)
     assert K.get_none_hash_seed() == "vllm-none-hash"
-    assert block_keys(toks, algo=algo, pythonhashseed=None) == req.block_hashes
+    assert block_keys(toks, cfg(algo, 16, None)) == req.block_hashes
 
 
 @pytest.mark.parametrize("algo", ALGORITHMS)
@@ -185,8 +186,7 @@ def test_reported_none_hash_reproduces_a_random_seed(algo: str) -> None:
     """A peer that reports its in-process NONE_HASH (even a random one) can be reproduced."""
     toks = list(range(50))
     req = vllm_request(algo, None, 8, toks)
-    assert block_keys(toks, algo=algo, hash_block_size=8, none_hash=K.NONE_HASH) == \
-        req.block_hashes
+    assert block_keys(toks, cfg(algo, 8, None, none_hash=K.NONE_HASH)) == req.block_hashes
 
 
 @pytest.mark.parametrize("algo", ALGORITHMS)
@@ -194,8 +194,7 @@ def test_coarse_event_ints_and_event_extra_keys_match_vllm(algo: str) -> None:
     toks = [(i * 7919) % 200000 for i in range(200)]
     lora, mm = LoraSpec("ad", "/p/ad"), [MMItem("img" + "x" * 5, 3, 40)]
     req = vllm_request(algo, "0", 8, toks, lora=lora, salt="t", mm=mm)
-    ours = BlockKeyHasher(algo=algo, hash_block_size=8, pythonhashseed="0", lora=lora, mm=mm,
-                          cache_salt="t", prompt=toks)
+    ours = BlockKeyHasher(cfg(algo, 8), toks, lora=lora, mm=mm, cache_salt="t")
     assert ours.keys == req.block_hashes
     for factor in (2, 3, 5):
         view = K.BlockHashListWithBlockSize(req.block_hashes, 8, 8 * factor)
@@ -220,7 +219,7 @@ def test_request_adapter_reads_real_requests(algo, bs, data) -> None:
     salt = data.draw(st.none() | name)
     mm = data.draw(mm_items(len(prompt)))
     req = vllm_request(algo, "0", bs, list(prompt), lora=lora, salt=salt, mm=mm)
-    config = KeyConfig(algo=algo, hash_block_size=bs, vllm_version=VERSION, pythonhashseed="0")
+    config = cfg(algo, bs)
     req.append_output_token_ids([1, 2, 3])  # P has sampled a token: not part of the prompt
     prompt_blocks = len(prompt) // bs
     assert hasher_for_request(config, req).keys == req.block_hashes[:prompt_blocks]
@@ -229,7 +228,7 @@ def test_request_adapter_reads_real_requests(algo, bs, data) -> None:
 def test_request_adapter_prompt_embeds() -> None:
     embeds = torch.arange(24 * 3, dtype=torch.float32).reshape(24, 3).to(torch.bfloat16)
     req = vllm_request("sha256", "0", 4, None, embeds=embeds)
-    config = KeyConfig(algo="sha256", hash_block_size=4, pythonhashseed="0")
+    config = cfg("sha256", 4)
     with pytest.raises(ValueError, match="embeds_bytes"):
         hasher_for_request(config, req)
     h = hasher_for_request(config, req, embeds_bytes=lambda t: bytes(tensor_data(t)))
@@ -240,7 +239,7 @@ def test_peer_check_between_real_requests() -> None:
     """P's params (built from its real Request) checked by D against D's real Request."""
     toks = [(i * 104729) % 151000 for i in range(300)]
     lora = LoraSpec("ad", "/adapters/ad")
-    p_cfg = KeyConfig(algo="xxhash_cbor", hash_block_size=16, pythonhashseed="0")
+    p_cfg = cfg("xxhash_cbor", 16)
     p_req = vllm_request("xxhash_cbor", "0", 16, toks, lora=lora, salt="t")
     params = json.loads(json.dumps(build_params(hasher_for_request(p_cfg, p_req))))
     peer = parse_params(params)
@@ -248,5 +247,36 @@ def test_peer_check_between_real_requests() -> None:
     assert compare(hasher_for_request(p_cfg, d_req), peer) == []
     other_salt = vllm_request("xxhash_cbor", "0", 16, list(toks), lora=lora, salt="u")
     assert compare(hasher_for_request(p_cfg, other_salt), peer) == ["cache_salt"]
-    d_cfg = KeyConfig(algo="xxhash_cbor", hash_block_size=16, pythonhashseed="1")
+    d_cfg = cfg("xxhash_cbor", 16, "1")
     assert compare(hasher_for_request(d_cfg, d_req), peer) == ["seed"]
+
+
+@pytest.mark.parametrize("algo", ALGORITHMS)
+def test_string_identity_what_a_router_must_do(algo: str) -> None:
+    """The same image twice in one block: vLLM holds two identifier objects (computed per item,
+    or decoded from the request's JSON), and so does ``pdpatch hash`` (its JSON input); one
+    shared object gives other keys under the pickle algorithms only."""
+    import io
+    import sys as _sys
+
+    from pdpatch.hashing import commands
+
+    toks = [(i * 7919) % 150000 for i in range(64)]
+    ident = "0123456789abcdef" * 4
+    fresh = [MMItem("".join(list(ident)), 2, 4), MMItem("".join(list(ident)), 8, 4)]
+    req = vllm_request(algo, "0", 16, toks, mm=fresh, lora=LoraSpec("ad", "/ad"))
+    doc = json.dumps({"prompt_token_ids": toks, "lora": {"name": "ad", "path": "/ad"},
+                      "mm": [{"identifier": ident, "offset": 2, "length": 4},
+                             {"identifier": ident, "offset": 8, "length": 4}]})
+    out, old = io.StringIO(), (_sys.stdin, _sys.stdout)
+    _sys.stdin, _sys.stdout = io.StringIO(doc), out
+    try:
+        assert commands.main(["hash", "--vllm-version", VERSION, "--algo", algo,
+                              "--block-size", "16", "--seed", "0"]) == 0
+    finally:
+        _sys.stdin, _sys.stdout = old
+    assert out.getvalue().split() == [k.hex() for k in req.block_hashes]
+    shared = [MMItem(ident, 2, 4), MMItem(ident, 8, 4)]
+    differs = block_keys(toks, cfg(algo, 16), mm=shared,
+                         lora=LoraSpec("ad", "/ad")) != req.block_hashes
+    assert differs is (algo in ("sha256", "xxhash"))

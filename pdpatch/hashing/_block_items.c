@@ -15,6 +15,10 @@
  * the serializers do -- for anything but a list/tuple of exact ints in their range (CBOR:
  * [0, 2**63); pickle: int32): bools, int subclasses, numpy scalars, larger ids.  They never
  * call back into Python while they read the sequence, so it cannot change under them.
+ *
+ *   first_non_id: where the input check of pdpatch.hashing.inputs must look closer -- the
+ *                 index of the first item that is not an exact int in [0, 2**64), so that a
+ *                 32k-token prompt of plain ids is checked in one C loop.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -143,6 +147,44 @@ static PyObject *pickle_items(PyObject *self, PyObject *args)
     return encode_blocks(args, "Onn:pickle_items", put_pickle);
 }
 
+static PyObject *first_non_id(PyObject *self, PyObject *tokens)
+{
+    if (!PyList_CheckExact(tokens) && !PyTuple_CheckExact(tokens)) {
+        PyErr_SetString(PyExc_TypeError, "first_non_id wants a list or a tuple");
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(tokens);
+    PyObject **items = PySequence_Fast_ITEMS(tokens);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyLong_CheckExact(items[i]))
+            return PyLong_FromSsize_t(i);
+#if PY_VERSION_HEX < 0x030C0000
+        /* up to 3.11 an int's size is its signed digit count: one or two digits are an id
+         * (< 2**60) without a conversion call */
+        Py_ssize_t digits = Py_SIZE(items[i]);
+        if (digits >= 0 && digits <= 2)
+            continue;
+#endif
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+        if (overflow < 0 || (overflow == 0 && v < 0))
+            return PyLong_FromSsize_t(i);
+        if (overflow > 0) {     /* >= 2**63: an id while it fits 64 bits unsigned */
+            PyLong_AsUnsignedLongLong(items[i]);
+            if (PyErr_Occurred()) {
+                PyErr_Clear();
+                return PyLong_FromSsize_t(i);
+            }
+        }
+    }
+    return PyLong_FromSsize_t(-1);
+}
+
+PyDoc_STRVAR(first_non_id_doc,
+"first_non_id(tokens) -> int\n\n"
+"The index of the first item of a list or tuple that is not an exact int in [0, 2**64),\n"
+"or -1 when every item is one.");
+
 PyDoc_STRVAR(cbor_items_doc,
 "cbor_items(tokens, count, block_size) -> list[bytes] | None\n\n"
 "The CBOR items (no array header) of the ids of each of the first ``count`` blocks of\n"
@@ -156,6 +198,7 @@ PyDoc_STRVAR(pickle_items_doc,
 static PyMethodDef methods[] = {
     {"cbor_items", cbor_items, METH_VARARGS, cbor_items_doc},
     {"pickle_items", pickle_items, METH_VARARGS, pickle_items_doc},
+    {"first_non_id", first_non_id, METH_O, first_non_id_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import cbor2
 
-from pdpatch.hashing.errors import HashingError, XxhashUnavailableError
+from pdpatch.hashing.errors import KeyConfigError, XxhashUnavailableError
 
 ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
@@ -93,7 +93,7 @@ def get_algorithm(name: str) -> Algorithm:
     """Like vLLM's ``get_hash_fn_by_name``; raises XxhashUnavailableError for xxhash* without
     the ``xxhash`` package (vLLM would only fail on the first request)."""
     if name not in ALGORITHMS:
-        raise HashingError(
+        raise KeyConfigError(
             f"unknown block-hash algorithm {name!r}; vLLM offers {', '.join(ALGORITHMS)}")
     serializer: Literal["pickle", "cbor"] = "cbor" if name.endswith("_cbor") else "pickle"
     if name.startswith("xxhash"):

@@ -6,26 +6,32 @@
 changed in 0.12, 0.17, 0.19 and 0.31 (see :mod:`pdpatch.hashing.formats`).
 
 The multimodal part is a line-by-line port of vLLM's stateful scan (``_gen_mm_extra_hash_keys``)
-rather than the simpler "overlap" rule, so that odd inputs (zero-length or touching items) and
-the decode-time quirks of releases <= 0.30 come out exactly as vLLM computes them.
+rather than the simpler "overlap" rule, so that touching items (two images back to back) and the
+decode-time quirks of releases <= 0.30 come out exactly as vLLM computes them.
 
-Pickle (algorithms ``sha256`` and ``xxhash``) memoizes objects by identity: an identifier object
-that appears twice in one block pickles differently from two equal strings.  The tags
-(``"lora"``, ``"mm"``, ...) are code constants here as in vLLM; every other object is used as
-given, so pass the very objects vLLM holds (``request.lora_request.lora_name``, ...) when
-identity could matter.
+Pickle (algorithms ``sha256`` and ``xxhash``) memoizes objects by identity: inside one block's
+extra keys, an object that appears twice is written once and then referenced, so such a key
+depends on whether two equal strings are one object or two.  A vLLM server holds a separate
+string object for every string field of a request (its JSON decoder makes one per occurrence;
+multimodal hashes are computed per item): the LoRA name and path, each multimodal identifier,
+the salt -- except the empty string and one-character Latin-1 strings, which CPython shares in
+every process.  To match it, give every field its own object (a JSON decoder's output, or
+strings built one by one, as ``pdpatch hash`` does), never one cached or interned object for
+two fields (e.g. the identifier of an image that occurs twice in a prompt).  The tags
+(``"lora"``, ``"mm"``, ...) are code constants, one object each, here as in vLLM.  The CBOR
+algorithms (``sha256_cbor``, ``xxhash_cbor``) do not depend on identity.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdpatch.hashing.errors import HashingError
+from pdpatch.hashing import inputs
+from pdpatch.hashing.errors import HashingError, InputError
 from pdpatch.hashing.formats import HashFormat
 
 
@@ -33,14 +39,19 @@ from pdpatch.hashing.formats import HashFormat
 class LoraSpec:
     """A LoRA adapter as the *prefill server registered it*.
 
-    ``path`` is hashed verbatim by vLLM >= 0.31 (the string given to ``--lora-modules
-    name=path`` or ``load_lora_adapter``, not normalised); ``int_id`` only by <= 0.11, where it
-    depends on registration order.
+    Which fields count depends on the release, and the one it hashes is required:
+
+    * ``name`` (every release): the adapter name a request selects (the ``model`` field);
+    * ``path`` (hashed by 0.31+): the string given to ``--lora-modules name=path`` or
+      ``load_lora_adapter``, verbatim (not normalised); every vLLM since 0.14 asserts it is
+      non-empty, so no server ever hashes an empty one;
+    * ``int_id`` (hashed by <= 0.11 instead of the name): ``lora_int_id``, which depends on the
+      order in which the server registered its adapters (the first is 1).
     """
 
     name: str
-    path: str = ""
-    int_id: int = 1
+    path: str | None = None
+    int_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,8 +84,18 @@ class PromptEmbeds:
     _digests: dict[tuple[int, int], bytes] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if self.row_bytes <= 0 or len(self.data) % self.row_bytes:
-            raise HashingError("PromptEmbeds: data must be a whole number of rows of row_bytes")
+        if not isinstance(self.data, (bytes, bytearray, memoryview)):
+            raise InputError("PromptEmbeds: data must be the tensor's bytes, got "
+                             f"{type(self.data).__name__}")
+        if isinstance(self.data, memoryview) and self.data.format != "B":
+            try:  # lengths and slices below count bytes
+                self.data = self.data.cast("B")
+            except TypeError:
+                raise InputError("PromptEmbeds: data must be contiguous") from None
+        inputs.positive_int(self.row_bytes, "PromptEmbeds: row_bytes")
+        if not self.data or len(self.data) % self.row_bytes:
+            raise InputError("PromptEmbeds: data must be a whole number (at least one) of rows "
+                             f"of row_bytes={self.row_bytes}, got {len(self.data)} bytes")
 
     @property
     def num_rows(self) -> int:
@@ -93,39 +114,72 @@ class PromptEmbeds:
         return d
 
 
-def _check_mm(items: Sequence[MMItem]) -> tuple[MMItem, ...]:
+def _check_mm(items: Sequence[MMItem] | None, prompt_length: int) -> tuple[MMItem, ...]:
+    if items is None:  # vLLM's own "no items" (mm_features=None)
+        return ()
+    if isinstance(items, (str, bytes, MMItem)) or not isinstance(items, Sequence):
+        raise InputError(f"multimodal items must be a sequence of MMItem, got "
+                         f"{type(items).__name__}")
     out = []
-    for it in items:
+    for i, it in enumerate(items):
         if not isinstance(it, MMItem):
-            raise HashingError(f"multimodal items must be MMItem, got {type(it).__name__}")
-        if it.identifier is None:
-            raise HashingError("a multimodal item needs an identifier (vLLM asserts it)")
+            raise InputError(f"multimodal items must be MMItem, got {type(it).__name__}")
         # plain ints (offsets end up in the keys), the identifier object itself kept as given
-        out.append(MMItem(it.identifier, operator.index(it.offset), operator.index(it.length)))
+        out.append(MMItem(inputs.text(it.identifier, f"multimodal item #{i}: identifier",
+                                      empty=False),
+                          inputs.positive_int(it.offset, f"multimodal item #{i}: offset",
+                                              minimum=0),
+                          inputs.positive_int(it.length, f"multimodal item #{i}: length")))
+    inputs.mm_ranges([(it.offset, it.length) for it in out], prompt_length)
     return tuple(out)
+
+
+def _lora_keys(fmt: HashFormat, lora: LoraSpec | None) -> list[Any]:
+    if lora is None:
+        return []
+    if not isinstance(lora, LoraSpec):
+        raise InputError(f"lora must be a LoraSpec, got {type(lora).__name__}")
+    name = inputs.text(lora.name, "LoRA name", empty=False)
+    path = None if lora.path is None else inputs.text(lora.path, "LoRA path")
+    int_id = None if lora.int_id is None else inputs.positive_int(lora.int_id, "LoRA int_id")
+    if fmt.lora_key == "tagged":
+        if not path:
+            raise InputError(
+                f"vLLM {fmt.release} hashes the LoRA adapter's path: give the path the server "
+                "registered it with (--lora-modules NAME=PATH), verbatim; every vLLM since "
+                "0.14 refuses an empty path, so keys without it never match")
+        return [("lora", name, path)]
+    if fmt.lora_key == "name":
+        return [name]
+    if int_id is None:
+        raise InputError(
+            f"vLLM {fmt.release} hashes the LoRA adapter's lora_int_id, not its name: give "
+            "the id the server assigned (its registration order, the first adapter is 1)")
+    return [int_id]
 
 
 class ExtraKeys:
     """``generate_block_hash_extra_keys`` of one release, for one request's fixed inputs."""
 
-    def __init__(self, fmt: HashFormat, *, lora: LoraSpec | None = None,
-                 mm: Sequence[MMItem] = (), cache_salt: str | None = None,
+    def __init__(self, fmt: HashFormat, *, prompt_length: int, lora: LoraSpec | None = None,
+                 mm: Sequence[MMItem] | None = (), cache_salt: str | None = None,
                  prompt_embeds: PromptEmbeds | None = None) -> None:
         self.fmt = fmt
-        self.mm = _check_mm(mm)
-        self.cache_salt = cache_salt
+        self.mm = _check_mm(mm, prompt_length)
+        self.cache_salt = None if cache_salt is None else inputs.text(cache_salt, "cache_salt")
+        if prompt_embeds is not None:
+            if not isinstance(prompt_embeds, PromptEmbeds):
+                raise InputError(f"prompt_embeds must be PromptEmbeds, got "
+                                 f"{type(prompt_embeds).__name__}")
+            if prompt_embeds.num_rows != prompt_length:
+                raise InputError(
+                    f"prompt_embeds has {prompt_embeds.num_rows} rows for a prompt of "
+                    f"{prompt_length} tokens: vLLM's prompt is one position per row (give "
+                    "token id 0 for each)")
         # <= 0.11 hashed an embeddings prompt as its placeholder token ids (0) alone, so two
         # different embeddings prompts collide there; reproduce that rather than refuse.
         self.prompt_embeds = prompt_embeds if fmt.embeds_key != "none" else None
-        self.lora_keys: list[Any]
-        if not lora:
-            self.lora_keys = []
-        elif fmt.lora_key == "tagged":
-            self.lora_keys = [("lora", lora.name, lora.path)]
-        elif fmt.lora_key == "name":
-            self.lora_keys = [lora.name]
-        else:
-            self.lora_keys = [operator.index(lora.int_id)]
+        self.lora_keys: list[Any] = _lora_keys(fmt, lora)
 
     @property
     def constant(self) -> bool:

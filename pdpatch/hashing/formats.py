@@ -4,7 +4,8 @@ Every rule here was read from the wheels' own ``vllm/v1/core/kv_cache_utils.py``
 ``vllm/utils/hashing.py`` (every release 0.10.2 .. 0.33.0; see
 ``shared/research/vllm_block_hash_spec.md`` §3 and ``scripts/make_hash_fixtures.py``).  A peer's
 keys can only be reproduced with the rules of the release it runs, so every entry point takes a
-``vllm_version`` and resolves it here once.
+``vllm_version`` (there is no default: a wrong release gives keys that look right and never
+match) and resolves it here once.
 
 Releases before 0.10.2 (integer-valued hashes, the ``builtin`` algorithm) are not supported.
 Releases newer than the last one verified use its rules and say so through ``verified``.
@@ -19,13 +20,12 @@ from typing import Literal
 
 from packaging.version import InvalidVersion, Version
 
-from pdpatch.hashing.errors import HashingError
+from pdpatch.hashing.errors import KeyConfigError, shown
 
 logger = logging.getLogger("pdpatch.hashing")
 
 FIRST_SUPPORTED = Version("0.10.2")
 LAST_VERIFIED = Version("0.33.0")
-DEFAULT_VLLM_VERSION = "0.33.0"
 
 LoraKey = Literal["int_id", "name", "tagged"]
 MMKey = Literal["bare", "pair", "tagged"]
@@ -99,18 +99,21 @@ def parse_release(vllm_version: str | Version) -> Version:
     """``0.33.0``, ``v0.33``, ``0.33.0+cpu`` or ``0.34.0rc1`` -> the bare release."""
     if isinstance(vllm_version, Version):
         v = vllm_version
+    elif not isinstance(vllm_version, str) or len(vllm_version) > 64:
+        raise KeyConfigError(f"the vLLM release must be a string like '0.33.0', got "
+                             f"{shown(vllm_version)}")
     else:
         try:
-            v = Version(str(vllm_version).strip().lstrip("vV"))
+            v = Version(vllm_version.strip().lstrip("vV"))
         except InvalidVersion as e:
-            raise HashingError(f"not a vLLM version: {vllm_version!r}") from e
+            raise KeyConfigError(f"not a vLLM version: {shown(vllm_version)}") from e
     return Version(".".join(str(p) for p in (*v.release, 0, 0)[:3]))
 
 
 @lru_cache(maxsize=64)
 def _format_for(release: Version) -> HashFormat:
     if release < FIRST_SUPPORTED:
-        raise HashingError(
+        raise KeyConfigError(
             f"vLLM {release} hashes blocks to integers (releases before 0.10.2); "
             "pdpatch reproduces the bytes-valued keys of 0.10.2 and later only")
     verified = release < Version("0.34")
@@ -139,6 +142,6 @@ def _format_for(release: Version) -> HashFormat:
     )
 
 
-def format_for(vllm_version: str | Version | None = None) -> HashFormat:
-    """The rules of ``vllm_version`` (default: the first-class release, 0.33.0)."""
-    return _format_for(parse_release(vllm_version or DEFAULT_VLLM_VERSION))
+def format_for(vllm_version: str | Version) -> HashFormat:
+    """The rules of ``vllm_version``."""
+    return _format_for(parse_release(vllm_version))

@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pdpatch.hashing.config import KeyConfig
+from pdpatch.hashing.errors import InputError
 from pdpatch.hashing.extra_keys import LoraSpec, MMItem, PromptEmbeds
-from pdpatch.hashing.keys import BlockKeyHasher, KeyConfig
+from pdpatch.hashing.keys import BlockKeyHasher
 
 
 def prompt_tokens(request: Any) -> list[int]:
@@ -40,7 +42,7 @@ def request_inputs(request: Any, *, embeds_bytes: Callable[[Any], bytes] | None 
     embeds = None
     if pe is not None:
         if embeds_bytes is None:
-            raise ValueError("an embeddings prompt needs embeds_bytes to read the tensor")
+            raise InputError("an embeddings prompt needs embeds_bytes to read the tensor")
         data = embeds_bytes(pe)
         rows = len(pe)
         embeds = PromptEmbeds(data, len(data) // rows if rows else 1)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pdpatch.hashing.algorithms import Algorithm
-from pdpatch.hashing.errors import HashingError, UnreproducibleSeedError
+from pdpatch.hashing.errors import KeyConfigError, UnreproducibleSeedError
 from pdpatch.hashing.formats import HashFormat
 
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
@@ -48,7 +48,7 @@ def resolve_seed(algorithm: Algorithm, fmt: HashFormat, pythonhashseed: str | No
     """
     if pythonhashseed is not None:
         if not isinstance(pythonhashseed, str):
-            raise HashingError(
+            raise KeyConfigError(
                 f"PYTHONHASHSEED is a string in vLLM's environment, got {pythonhashseed!r}")
         return ResolvedSeed(pythonhashseed, "PYTHONHASHSEED")
     if algorithm.crypto and fmt.default_seed_for_crypto:

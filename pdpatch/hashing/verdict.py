@@ -23,16 +23,16 @@ The ``block_keys`` patch (:mod:`pdpatch.patches.block_keys`) translates vLLM's o
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pdpatch.hashing.algorithms import get_algorithm
+from pdpatch.hashing.config import KeyConfig
 from pdpatch.hashing.errors import UnreproducibleSeedError
 from pdpatch.hashing.fingerprint import Fingerprint, fingerprint_diff, fingerprint_of
 from pdpatch.hashing.formats import HashFormat, format_for
-from pdpatch.hashing.keys import BlockKeyHasher, KeyConfig
+from pdpatch.hashing.keys import BlockKeyHasher
 from pdpatch.hashing.peer_check import (
     PeerBlockKeys,
     build_params,
@@ -48,8 +48,13 @@ CANONICAL_FORMAT = "0.33.0"
 """The key format of the canonical keys: the newest, which hashes the most of each input (the
 LoRA path as well as its name)."""
 CANONICAL_NONE_HASH = derive_none_hash(get_algorithm(CANONICAL_ALGO), "pdpatch/block-keys/v2")
-CANONICAL = KeyConfig(algo=CANONICAL_ALGO, vllm_version=CANONICAL_FORMAT,
-                      none_hash=CANONICAL_NONE_HASH)
+
+
+def canonical_config(hash_block_size: int) -> KeyConfig:
+    """The configuration of canonical keys at ``hash_block_size`` (no seed: its own NONE_HASH)."""
+    return KeyConfig(vllm_version=CANONICAL_FORMAT, algo=CANONICAL_ALGO,
+                     hash_block_size=hash_block_size, pythonhashseed=None,
+                     none_hash=CANONICAL_NONE_HASH)
 
 
 @dataclass(frozen=True)
@@ -97,8 +102,8 @@ def engine_keys(*, algo: str, hash_block_size: int, vllm_version: str, none_hash
         label = fp.seed_source
     else:
         live = KeyConfig(algo=algo, hash_block_size=hash_block_size,
-                         vllm_version=vllm_version, none_hash=none_hash,
-                         lookahead=lookahead).validate()
+                         vllm_version=vllm_version, pythonhashseed=pythonhashseed,
+                         none_hash=none_hash, lookahead=lookahead).validate()
         fp = fingerprint_of(live)
         label = "random" if derived is None else "reported"
     return EngineKeys(fp, format_for(vllm_version), label)
@@ -114,8 +119,7 @@ class RequestInputs:
 
     def canonical(self, hash_block_size: int) -> BlockKeyHasher:
         """The request's canonical keys at ``hash_block_size``."""
-        return dataclasses.replace(CANONICAL, hash_block_size=hash_block_size).hasher(
-            self.tokens, **self.inputs)
+        return canonical_config(hash_block_size).hasher(self.tokens, **self.inputs)
 
 
 def build_p_params(engine: EngineKeys, req: RequestInputs, include_keys: int) -> dict[str, Any]:
@@ -139,7 +143,7 @@ class Verdict:
 
 def is_canonical(fingerprint: Mapping[str, Any]) -> bool:
     """Whether ``fingerprint`` describes canonical keys (at any hash block size)."""
-    probe = fingerprint_of(CANONICAL.validate()).to_dict()
+    probe = fingerprint_of(canonical_config(1).validate()).to_dict()
     return all(fingerprint.get(k) == probe[k] for k in ("algo", "nh", "kf", "vllm", "la"))
 
 
