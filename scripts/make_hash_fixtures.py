@@ -20,16 +20,9 @@ How each release runs (a child process per release, ``--capture`` mode):
   ~/.cache/pdpatch/old-vllm-deps`` and appended to the child's PYTHONPATH (the venv itself is
   not touched).  No compiled vLLM code is needed: hashing is pure Python.
 
-In the child, every key comes from vLLM's own objects: ``get_hash_fn_by_name`` (from
-``vllm.utils`` <= 0.11, ``vllm.utils.hashing`` after), ``init_none_hash`` under the case's
-``PYTHONHASHSEED`` (it reads ``os.environ`` at call time), ``get_request_block_hasher``, a real
-``vllm.v1.request.Request`` with real ``LoRARequest`` / ``MultiModalFeatureSpec`` /
-``PlaceholderRange`` / prompt-embeds tensor, ``Request.append_output_token_ids`` for decode
-appends, ``BlockHashListWithBlockSize`` for coarse keys, ``maybe_convert_block_hash`` for the
-KV-event ints and ``to_event_extra_keys`` (0.31+).  Nothing is copied from the spec.
-
-Every string handed to vLLM is a fresh object, so that pickle's identity memo sees the same
-structure as a JSON-decoded replay (see ``pdpatch.hashing.extra_keys``).
+In the child, every key comes from vLLM's own objects, driven by ``tests/release_hashing.py``
+(shared with the live differential test ``tests/test_hashing_releases.py``): nothing is copied
+from the spec or from pdpatch.
 """
 
 from __future__ import annotations
@@ -47,11 +40,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "tests" / "fixtures" / "hash"
 # every release on either side of a change in the hashing rules (see pdpatch/hashing/formats.py)
-DEFAULT_RELEASES = ("0.10.2", "0.11.0", "0.12.0", "0.13.0", "0.16.0", "0.17.0", "0.18.0",
+DEFAULT_RELEASES = ("0.10.2", "0.11.0", "0.11.1", "0.12.0", "0.13.0", "0.16.0", "0.17.0", "0.18.0",
                     "0.19.0", "0.23.0", "0.24.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0",
                     "0.32.0", "0.33.0")
 OLD_TREE_DEPS = ("diskcache", "gguf")
-ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 # §4.1 of the research note: every CBOR/pickle integer width, a 2-block prompt and a tail
 GOLDEN_TOKENS = [1, 23, 24, 255, 256, 65535, 65536, 128000, 151643, 0, 7, 42, 1000, 2000, 30000,
@@ -147,138 +139,26 @@ def named_cases(algo: str, release: tuple[int, ...]) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------- capture (child)
-def _fresh(s: str) -> str:
-    """An equal str that is a new object (1-char and empty strings are CPython singletons
-    anyway, in vLLM and in a JSON-decoded replay alike)."""
-    return "".join(list(s)) if len(s) > 1 else s
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, bytes):
-        return {"hex": x.hex()}
-    if isinstance(x, (tuple, list)):
-        return [_jsonable(i) for i in x]
-    return x
-
-
 def capture() -> dict[str, Any]:
-    import dataclasses
-    import inspect
-
     import cbor2
     import torch
     import vllm
     import xxhash
-    from vllm import SamplingParams
-    from vllm.lora.request import LoRARequest
-    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-    from vllm.v1.core import kv_cache_utils as K
-    from vllm.v1.request import Request
 
-    try:
-        from vllm.utils.hashing import get_hash_fn_by_name
-    except ImportError:  # <= 0.11
-        from vllm.utils import get_hash_fn_by_name
+    sys.path.insert(0, str(ROOT / "tests"))
+    from release_hashing import ReleaseHasher
 
+    rh = ReleaseHasher()
     release = tuple(int(p) for p in vllm.__version__.split("+")[0].split(".")[:2])
-    req_params = inspect.signature(Request.__init__).parameters
-    mm_fields = {f.name for f in dataclasses.fields(MultiModalFeatureSpec)}
-    hasher_params = inspect.signature(K.get_request_block_hasher).parameters
-
-    def set_seed(seed: str | None) -> None:
-        if seed is None:
-            os.environ.pop("PYTHONHASHSEED", None)
-        else:
-            os.environ["PYTHONHASHSEED"] = seed
-
-    algos = []
-    for algo in ALGOS:
-        try:
-            get_hash_fn_by_name(algo)
-            algos.append(algo)
-        except ValueError:
-            pass
-
-    def embeds(spec: dict[str, int]) -> torch.Tensor:
-        rows, cols = spec["rows"], spec["cols"]
-        return (torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) / 7
-                ).to(torch.float16)
-
-    def run(case: dict[str, Any]) -> dict[str, Any]:
-        fn = get_hash_fn_by_name(case["algo"])
-        set_seed(case["seed"])
-        K.init_none_hash(fn)
-        bs = case["block_size"]
-        kwargs: dict[str, Any] = {}
-        if case.get("lookahead"):
-            kwargs["num_hash_lookahead_tokens"] = case["lookahead"]
-        hasher = K.get_request_block_hasher(bs, fn, **kwargs)
-        kw: dict[str, Any] = dict(request_id="r", sampling_params=SamplingParams(max_tokens=1),
-                                  pooling_params=None, block_hasher=hasher)
-        if "eos_token_id" in req_params:
-            kw["eos_token_id"] = None
-        if case.get("prompt_embeds"):
-            pe = embeds(case["prompt_embeds"])
-            kw["prompt_token_ids"], kw["prompt_embeds"] = None, pe
-        else:
-            kw["prompt_token_ids"] = list(case["prompt"])
-        if case.get("lora"):
-            lo = case["lora"]
-            kw["lora_request"] = LoRARequest(lora_name=_fresh(lo["name"]), lora_int_id=lo["id"],
-                                             lora_path=_fresh(lo["path"]))
-        if case.get("cache_salt") is not None:
-            kw["cache_salt"] = _fresh(case["cache_salt"])
-        if case.get("mm"):
-            feats = []
-            for ident, off, length in case["mm"]:
-                f = dict(data=None, modality="image", identifier=_fresh(ident),
-                         mm_position=PlaceholderRange(offset=off, length=length))
-                if "mm_hash" in mm_fields:
-                    f["mm_hash"] = f["identifier"]
-                feats.append(MultiModalFeatureSpec(**f))
-            kw["mm_features"] = feats
-        req = Request(**kw)
-        after_prompt = len(req.block_hashes)
-        for chunk in case.get("appends", []):
-            req.append_output_token_ids(list(chunk))
-        keys = list(req.block_hashes)
-        out = {**case, "none_hash": K.NONE_HASH.hex(), "keys": [k.hex() for k in keys],
-               "keys_after_prompt": after_prompt}
-        if case.get("event_ints"):
-            out["event_ints"] = [K.maybe_convert_block_hash(k) for k in keys]
-        if case.get("coarse") and hasattr(K, "BlockHashListWithBlockSize"):
-            out["coarse"] = {str(f): [k.hex() for k in K.BlockHashListWithBlockSize(
-                keys, bs, f * bs)] for f in case["coarse"]}
-        elif "coarse" in out:
-            del out["coarse"]
-        if case.get("event_extra_keys") and hasattr(K, "to_event_extra_keys"):
-            extras, idx = [], 0
-            for s in range(0, after_prompt * bs, bs):
-                e, idx = K.generate_block_hash_extra_keys(req, s, s + bs, idx)
-                extras.append(e)
-            out["event_extra_keys"] = _jsonable(K.to_event_extra_keys(extras))
-        elif "event_extra_keys" in out:
-            del out["event_extra_keys"]
-        return out
-
-    # Unseeded: is NONE_HASH random in this release (two inits differ)?
-    unseeded_random = {}
-    set_seed(None)
-    for algo in algos:
-        fn = get_hash_fn_by_name(algo)
-        K.init_none_hash(fn)
-        first = K.NONE_HASH
-        K.init_none_hash(fn)
-        unseeded_random[algo] = first != K.NONE_HASH
-
+    unseeded_random = rh.unseeded_random()
     cases = []
-    for algo in algos:
+    for algo in rh.algorithms:
         for case in named_cases(algo, release):
             if case["seed"] is None and unseeded_random[algo]:
                 continue  # nothing reproducible to record; the refusal is tested instead
-            cases.append(run(case))
-        cases.extend(run(c) for c in random_cases(algo))
-    set_seed(None)
+            cases.append(rh.run(case))
+        cases.extend(rh.run(c) for c in random_cases(algo))
+    os.environ.pop("PYTHONHASHSEED", None)
     return {
         "vllm": vllm.__version__,
         "vllm_file": str(Path(vllm.__file__).parent),
@@ -287,8 +167,8 @@ def capture() -> dict[str, Any]:
         "xxhash": xxhash.VERSION,
         "torch": torch.__version__,
         "pickle_protocol": __import__("pickle").HIGHEST_PROTOCOL,
-        "lookahead_supported": "num_hash_lookahead_tokens" in hasher_params,
-        "algorithms": algos,
+        "lookahead_supported": "num_hash_lookahead_tokens" in rh.hasher_params,
+        "algorithms": rh.algorithms,
         "unseeded_random": unseeded_random,
         "cases": cases,
     }

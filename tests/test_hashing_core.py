@@ -43,7 +43,8 @@ def cfg(**over) -> KeyConfig:
 
 
 @pytest.mark.parametrize(("release", "era"), [
-    ("0.10.2", "0.10.2"), ("0.11.0", "0.10.2"), ("0.12.0", "0.12"), ("0.16.1", "0.12"),
+    ("0.10.2", "0.10.2"), ("0.11.0", "0.10.2"), ("0.11.1", "0.11.1"), ("0.12.0", "0.11.1"),
+    ("0.16.1", "0.11.1"),
     ("0.17.0", "0.17"), ("0.18.0", "0.17"), ("0.19.0", "0.19"), ("0.30.0", "0.19"),
     ("0.31.0", "0.31"), ("0.33.0", "0.31")])
 def test_key_format_eras(release: str, era: str) -> None:
@@ -315,8 +316,8 @@ def test_event_int_group_id_and_coarse() -> None:
             coarse_keys(keys, factor, "0.33.0")  # type: ignore[arg-type]
 
 
-def test_prompt_embeds_ignored_before_0_12() -> None:
-    """vLLM <= 0.11 hashed embeddings prompts as their zero token ids only."""
+def test_prompt_embeds_ignored_before_0_11_1() -> None:
+    """vLLM <= 0.11.0 hashed embeddings prompts as their zero token ids only."""
     pe = PromptEmbeds(bytes(range(64)), 4)
     old, new = cfg(hash_block_size=4, vllm_version="0.11.0"), cfg(hash_block_size=4,
                                                                   vllm_version="0.12.0")
@@ -380,7 +381,7 @@ json_like = st.recursive(
 @settings(max_examples=300, deadline=None)
 @given(field=st.sampled_from(["prompt", "lora", "mm", "cache_salt", "prompt_embeds"]),
        value=st.one_of(json_like, st.lists(st.integers(-5, 2**65), max_size=40)),
-       release=st.sampled_from(["0.10.2", "0.12.0", "0.19.0", "0.33.0"]))
+       release=st.sampled_from(["0.10.2", "0.11.1", "0.19.0", "0.33.0"]))
 def test_fuzz_any_input_gives_keys_or_a_hashing_error(field, value, release) -> None:
     """Whatever a caller passes as one input, the library answers with keys or an
     InputError -- never a TypeError, a KeyError or a key from a silently coerced value."""

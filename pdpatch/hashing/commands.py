@@ -75,7 +75,7 @@ separated by spaces or commas, a JSON list, or a JSON object with vLLM's field n
                   tokens included): integers >= 0
   lora            the adapter as the server registered it (none by default): name (what the
                   request's model field selects); path, hashed verbatim by vLLM 0.31+ (PATH
-                  of --lora-modules NAME=PATH); id, hashed instead of the name by <= 0.11
+                  of --lora-modules NAME=PATH); id, hashed instead of the name by <= 0.11.0
                   (lora_int_id: the order the server registered its adapters in, first 1)
   cache_salt      the request's cache_salt (none by default)
   mm              each multimodal item, in prompt order: identifier (the server's hash of the
@@ -284,7 +284,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_config_args(h)
     h.add_argument("--lora-name", help="the LoRA adapter's name as the server registered it")
     h.add_argument("--lora-path", help="the PATH of --lora-modules NAME=PATH (vLLM >= 0.31)")
-    h.add_argument("--lora-id", type=int, help="lora_int_id (vLLM <= 0.11)")
+    h.add_argument("--lora-id", type=int, help="lora_int_id (vLLM <= 0.11.0)")
     h.add_argument("--cache-salt", help="the request's cache_salt")
     h.add_argument("--mm", action="append", metavar="ID:OFFSET:LENGTH",
                    help="a multimodal item (repeatable, in prompt order)")

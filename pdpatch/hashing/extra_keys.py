@@ -3,7 +3,7 @@
 ``E_i`` is the third element of each hashed 3-tuple.  vLLM builds it in
 ``generate_block_hash_extra_keys``: LoRA keys, then multimodal keys, then the cache salt (block
 0, non-empty salt only), then prompt-embeds keys; ``None`` when all four are empty.  The shapes
-changed in 0.12, 0.17, 0.19 and 0.31 (see :mod:`pdpatch.hashing.formats`).
+changed in 0.11.1, 0.17, 0.19 and 0.31 (see :mod:`pdpatch.hashing.formats`).
 
 The multimodal part is a line-by-line port of vLLM's stateful scan (``_gen_mm_extra_hash_keys``)
 rather than the simpler "overlap" rule, so that touching items (two images back to back) and the
@@ -45,7 +45,7 @@ class LoraSpec:
     * ``path`` (hashed by 0.31+): the string given to ``--lora-modules name=path`` or
       ``load_lora_adapter``, verbatim (not normalised); every vLLM since 0.14 asserts it is
       non-empty, so no server ever hashes an empty one;
-    * ``int_id`` (hashed by <= 0.11 instead of the name): ``lora_int_id``, which depends on the
+    * ``int_id`` (hashed by <= 0.11.0 instead of the name): ``lora_int_id``, which depends on the
       order in which the server registered its adapters (the first is 1).
     """
 
@@ -74,7 +74,7 @@ class PromptEmbeds:
     """A prompt given as embeddings: the tensor's flattened, contiguous CPU bytes (what
     vLLM's ``tensor_data`` views as uint8) and the bytes of one position (hidden * itemsize).
 
-    vLLM hashes ``prompt_embeds[s:e]`` per block: the raw bytes (0.12-0.16) or their sha256
+    vLLM hashes ``prompt_embeds[s:e]`` per block: the raw bytes (0.11.1-0.16) or their sha256
     (0.17+); a block past the prompt hashes the empty slice.  Positions given as embeddings
     hold token id 0 in the token sequence.
     """
@@ -176,7 +176,7 @@ class ExtraKeys:
                     f"prompt_embeds has {prompt_embeds.num_rows} rows for a prompt of "
                     f"{prompt_length} tokens: vLLM's prompt is one position per row (give "
                     "token id 0 for each)")
-        # <= 0.11 hashed an embeddings prompt as its placeholder token ids (0) alone, so two
+        # <= 0.11.0 hashed an embeddings prompt as its placeholder token ids (0) alone, so two
         # different embeddings prompts collide there; reproduce that rather than refuse.
         self.prompt_embeds = prompt_embeds if fmt.embeds_key != "none" else None
         self.lora_keys: list[Any] = _lora_keys(fmt, lora)

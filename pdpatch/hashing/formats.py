@@ -45,7 +45,7 @@ class HashFormat:
     """False for a release newer than the last one whose source was checked."""
     algorithms: frozenset[str]
     lora_key: LoraKey
-    """``int_id``: ``lora_int_id`` (<=0.11); ``name``: ``lora_name`` (0.12-0.30);
+    """``int_id``: ``lora_int_id`` (<=0.11.0); ``name``: ``lora_name`` (0.11.1-0.30);
     ``tagged``: ``("lora", name, path)`` (0.31+)."""
     mm_key: MMKey
     """``bare``: identifier (<=0.18); ``pair``: ``(identifier, off - s)`` (0.19-0.30);
@@ -57,7 +57,7 @@ class HashFormat:
     only (<=0.30) or the items overlapping the window (0.31+)."""
     salt_key: SaltKey
     embeds_key: EmbedsKey
-    """``raw``: the slice's bytes (0.12-0.16); ``digest``: sha256 of them (0.17-0.30);
+    """``raw``: the slice's bytes (0.11.1-0.16); ``digest``: sha256 of them (0.17-0.30);
     ``tagged``: ``("prompt_embeds", digest)`` (0.31+)."""
     coarse_view: CoarseView
     """How a KV-cache group with block size k*hash_block_size keys block j: the k fine hashes
@@ -83,7 +83,7 @@ class HashFormat:
 
 _KEY_FORMAT_ERAS: tuple[tuple[str, tuple[str, str, bool, str, str]], ...] = (
     ("0.10.2", ("int_id", "bare", False, "bare", "none")),
-    ("0.12", ("name", "bare", False, "bare", "raw")),
+    ("0.11.1", ("name", "bare", False, "bare", "raw")),
     ("0.17", ("name", "bare", False, "bare", "digest")),
     ("0.19", ("name", "pair", True, "bare", "digest")),
     ("0.31", ("tagged", "tagged", True, "tagged", "tagged")),
@@ -129,13 +129,13 @@ def _format_for(release: Version) -> HashFormat:
         release=str(release),
         verified=verified,
         algorithms=_ALL if at_least("0.13") else _SHA,
-        lora_key="tagged" if tagged else "name" if at_least("0.12") else "int_id",
+        lora_key="tagged" if tagged else "name" if at_least("0.11.1") else "int_id",
         mm_key="tagged" if tagged else "pair" if at_least("0.19") else "bare",
         mm_strict_bounds=at_least("0.19"),
         mm_resume="window" if tagged else "last_item",
         salt_key="tagged" if tagged else "bare",
         embeds_key=("tagged" if tagged else "digest" if at_least("0.17")
-                    else "raw" if at_least("0.12") else "none"),
+                    else "raw" if at_least("0.11.1") else "none"),
         coarse_view="last" if at_least("0.24") else "concat" if at_least("0.12") else "none",
         default_seed_for_crypto=at_least("0.29"),
         lookahead=at_least("0.33"),

@@ -1,0 +1,219 @@
+"""pdpatch.hashing against the REAL block hasher of every vLLM release 0.10.2-0.32, live.
+
+Every run draws fresh random requests for each release -- every algorithm it offers, every
+extra-key kind (LoRA, multimodal items, cache salt, prompt embeddings), odd block sizes, every
+integer width, seeds set and unset, decode appends (the releases' decode-time multimodal
+quirks), coarse keys, KV-event ints and extra keys where the release has them -- runs them
+through the release's own code (``tests/release_hashing.py``: a real ``Request`` with the
+``get_request_block_hasher`` of the release's wheel source tree) and demands byte-identical
+results from :mod:`pdpatch.hashing`.  All cases of one release run in one child process,
+forked from a pool that imported the shared third-party packages once
+(``tests/release_pool.py``).  vLLM 0.33 (installed) is checked live by
+``test_hashing_vllm_live.py``; the golden fixtures (``test_hashing_fixtures.py``) need no
+source tree.
+
+A failure prints the release, the random seed of the run and the case as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+from packaging.version import Version
+from release_pool import run_releases
+from versions_harness import REPO, SOURCES_ROOT, listed_releases
+
+from pdpatch.hashing import (
+    ALGORITHMS,
+    BlockKeyHasher,
+    KeyConfig,
+    KeyConfigError,
+    LoraSpec,
+    MMItem,
+    PromptEmbeds,
+    UnreproducibleSeedError,
+    coarse_keys,
+    format_for,
+    to_event_extra_keys,
+    to_event_int,
+)
+
+CASES_PER_ALGO = 14
+WIDTHS = [(0, 23), (24, 255), (256, 65535), (65536, 2**31 - 1), (2**31, 2**32 - 1),
+          (2**32, 2**63 - 1), (2**63, 2**64 - 1)]
+# strings a server could hold: one-character ones (shared objects in CPython when Latin-1),
+# non-ASCII, long hex hashes; equal values recur so that two fields can hold equal strings
+STRINGS = ["a", "é", "€", "img", "x" * 40, "0123456789abcdef" * 4, "tenant-ä", "l", "/p/a"]
+EMBEDS_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def older_releases() -> list[str]:
+    lines = (REPO / "scripts" / "block_key_releases.txt").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+RELEASES = older_releases() + listed_releases()
+
+
+def fetched(release: str) -> bool:
+    return (SOURCES_ROOT / release / ".complete").exists()
+
+
+# ---------------------------------------------------------------------------- random requests
+
+
+def token(rng: random.Random) -> int:
+    lo, hi = WIDTHS[min(int(rng.expovariate(0.7)), len(WIDTHS) - 1)]
+    return rng.choice([lo, hi, rng.randint(lo, hi)])
+
+
+def text(rng: random.Random) -> str:
+    if rng.random() < 0.7:
+        return rng.choice(STRINGS)
+    return "".join(rng.choice("ab0é€\u4e2d-_/") for _ in range(rng.randint(1, 9)))
+
+
+def mm_items(rng: random.Random, n: int, bs: int) -> list[list[Any]]:
+    """Items in prompt order, touching or apart, often starting or ending on a block
+    boundary (where the releases' strict and loose bounds differ)."""
+    items, pos = [], rng.choice([0, rng.randint(0, max(0, n // 2)), bs])
+    for _ in range(rng.randint(1, 4)):
+        length = rng.choice([1, bs, 2 * bs, rng.randint(1, 3 * bs)])
+        if rng.random() < 0.3:
+            length = max(1, -(-(pos + 1) // bs) * bs - pos)  # end on a block boundary
+        if pos + length > n:
+            break
+        items.append([text(rng), pos, length])
+        pos += length + rng.choice([0, 0, 1, bs, rng.randint(0, 2 * bs)])
+    return items
+
+
+def random_case(rng: random.Random, algo: str) -> dict[str, Any]:
+    bs = rng.choice([1, 2, 3, 4, 5, 7, 8, 16, 16, 16, 17, 32])
+    n = rng.randint(0, 5 * bs + 6)
+    case: dict[str, Any] = {
+        "algo": algo, "block_size": bs,
+        "seed": rng.choice(["0", "0", "", "random", "00", "12345", None]),
+        "prompt": [token(rng) for _ in range(n)],
+        "appends": [[token(rng) for _ in range(rng.randint(1, 2 * bs + 1))]
+                    for _ in range(rng.choice([0, 1, 1, 2, 4]))],
+        "event_ints": True, "coarse": [2, 3], "event_extra_keys": True,
+    }
+    if rng.random() < 0.4:
+        case["lora"] = {"name": text(rng), "path": text(rng), "id": rng.randint(1, 9)}
+    if rng.random() < 0.4:
+        case["cache_salt"] = rng.choice(["", text(rng)])
+    if rng.random() < 0.2:
+        rows, cols = rng.randint(1, 4 * bs + 3), rng.randint(1, 5)
+        dtype = rng.choice(list(EMBEDS_DTYPES))
+        size = rows * cols * EMBEDS_DTYPES[dtype]
+        case["prompt"] = None
+        case["prompt_embeds"] = {"rows": rows, "cols": cols, "dtype": dtype,
+                                 "hex": rng.randbytes(size).hex()}
+    elif n and rng.random() < 0.5:
+        case["mm"] = mm_items(rng, n, bs)
+    return case
+
+
+def cases_for(rng: random.Random) -> list[dict[str, Any]]:
+    return [random_case(rng, algo) for algo in ALGORITHMS for _ in range(CASES_PER_ALGO)]
+
+
+# ---------------------------------------------------------------------------- pdpatch's side
+
+
+def ours(release: str, case: dict[str, Any]) -> dict[str, Any]:
+    """What pdpatch computes for ``case`` (strings decoded from JSON, as vLLM's are)."""
+    case = json.loads(json.dumps(case))
+    config = KeyConfig(vllm_version=release, algo=case["algo"],
+                       hash_block_size=case["block_size"], pythonhashseed=case["seed"])
+    lora, embeds = case.get("lora"), case.get("prompt_embeds")
+    prompt = case["prompt"]
+    pe = None
+    if embeds:
+        pe = PromptEmbeds(bytes.fromhex(embeds["hex"]),
+                          embeds["cols"] * EMBEDS_DTYPES[embeds["dtype"]])
+        prompt = [0] * embeds["rows"]
+    h = BlockKeyHasher(config, prompt,
+                       lora=LoraSpec(lora["name"], lora["path"], lora["id"]) if lora else None,
+                       mm=[MMItem(i, o, n) for i, o, n in case.get("mm") or []],
+                       cache_salt=case.get("cache_salt"), prompt_embeds=pe)
+    after_prompt = len(h.keys)
+    for chunk in case["appends"]:
+        h.extend(chunk)
+    out = {"none_hash": h.none_hash.hex(), "keys": [k.hex() for k in h.keys],
+           "keys_after_prompt": after_prompt, "event_ints": [to_event_int(k) for k in h.keys]}
+    fmt = format_for(release)
+    if fmt.coarse_view != "none":
+        out["coarse"] = {str(f): [k.hex() for k in coarse_keys(h.keys, f, release)]
+                         for f in case["coarse"]}
+    if fmt.key_format == "0.31":
+        extras = to_event_extra_keys(h.extras_for(0, after_prompt))
+        out["event_extra_keys"] = json.loads(json.dumps(extras, default=lambda b: {
+            "hex": b.hex()}))
+    return out
+
+
+# ---------------------------------------------------------------------------- the tests
+
+
+@pytest.fixture(scope="module")
+def runs() -> tuple[int, dict[str, Any], dict[str, Any]]:
+    present = [v for v in RELEASES if fetched(v)]
+    if not present:
+        pytest.skip(f"no vLLM source tree under {SOURCES_ROOT} (scripts/fetch_vllm_sources.sh)")
+    seed = random.SystemRandom().randrange(2**32)
+    rng = random.Random(seed)
+    payloads = {v: {"cases": cases_for(rng)} for v in present}
+    return seed, payloads, run_releases(present, "release_hashing", "drive", payloads)
+
+
+def test_every_minor_from_0_10_2_is_listed() -> None:
+    minors = sorted(Version(v).release[:2] for v in RELEASES)
+    assert minors == [(0, m) for m in range(10, 33)], minors
+    assert RELEASES[0] == "0.10.2"
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_random_requests_match_the_releases_own_hasher(release, runs) -> None:
+    if not fetched(release):
+        pytest.skip(f"vLLM {release} source tree not fetched (scripts/fetch_vllm_sources.sh)")
+    seed, payloads, results = runs
+    got = results[release].check()
+    assert got["vllm"].split("+")[0] == release
+    assert sorted(got["algorithms"]) == sorted(format_for(release).algorithms)
+    compared = 0
+    for case, theirs in zip(payloads[release]["cases"], got["results"], strict=True):
+        where = f"vLLM {release}, run seed {seed}, case {json.dumps(case)}"
+        assert "error" not in theirs, f"{where}: vLLM raised {theirs['error']}"
+        if theirs.get("skipped"):
+            if case["algo"] not in got["algorithms"]:
+                with pytest.raises(KeyConfigError):
+                    ours(release, case)
+            continue
+        if case["seed"] is None and got["unseeded_random"][case["algo"]]:
+            with pytest.raises(UnreproducibleSeedError):
+                ours(release, case)
+            continue
+        mine = ours(release, case)
+        assert {k: theirs.get(k) for k in mine} == mine, where
+        compared += 1
+    assert compared >= len(ALGORITHMS) * CASES_PER_ALGO // 3
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_unset_seed_is_refused_exactly_where_the_release_is_random(release, runs) -> None:
+    if not fetched(release):
+        pytest.skip(f"vLLM {release} source tree not fetched (scripts/fetch_vllm_sources.sh)")
+    got = runs[2][release].check()
+    for algo, random_none_hash in got["unseeded_random"].items():
+        config = KeyConfig(vllm_version=release, algo=algo, hash_block_size=16,
+                           pythonhashseed=None)
+        if random_none_hash:
+            with pytest.raises(UnreproducibleSeedError):
+                config.validate()
+        else:
+            assert config.validate().seed.source == "default"
