@@ -278,6 +278,32 @@ def kvcached_views(layer_names: list[str], num_blocks: int, variant: str,
     raise ValueError(variant)
 
 
+@contextlib.contextmanager
+def kvcached_running(virtual_blocks: int) -> Iterator[None]:
+    """kvcached's module globals as ``init_kvcached()`` and its allocation leave them in a
+    worker -- the state pdpatch reads (:mod:`pdpatch.kvcached`); kvcached's own module needs a
+    CUDA driver to import, so its globals stand in here, as nowhere else."""
+    import sys
+    import types
+
+    from pdpatch import kvcached
+
+    mod = types.ModuleType(kvcached.INTERFACES_MODULE)
+    mod._kvcached_initialized = True
+    mod._is_worker = True
+    mod._contiguous_layout = False
+    mod._created_kv_tensor_capacity = {0: {"num_blocks": virtual_blocks}}
+    saved = sys.modules.get(kvcached.INTERFACES_MODULE)
+    sys.modules[kvcached.INTERFACES_MODULE] = mod
+    try:
+        yield
+    finally:
+        if saved is None:
+            sys.modules.pop(kvcached.INTERFACES_MODULE, None)
+        else:
+            sys.modules[kvcached.INTERFACES_MODULE] = saved
+
+
 def variants_for(version) -> list[str]:
     """The kvcached variants a release's own NIXL descriptor code can address at all: K/V-first
     tensors only split-half; packed pages per layer, and layer-interleaved rows only once

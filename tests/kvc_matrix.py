@@ -125,6 +125,7 @@ def _main(version: str, kvcached_order: str | None) -> dict[str, str]:
 
         check("kvcached_patch_alone_refused", alone)
     # ---------------------------------------------------------------- stock behaviour
+    stock_under = None if kvcached_order else _under_outcome(h, v, variants[0])
     if not kvcached_order:
         for variant in variants:
             def stock(variant=variant):
@@ -159,7 +160,8 @@ def _main(version: str, kvcached_order: str | None) -> dict[str, str]:
 
         def sliced(variant=variant, regs=regs):
             alloc = h.kvcached_views(NAMES, VIRTUAL, variant)
-            reg = h.register(alloc, PLANNED, v)
+            with h.kvcached_running(VIRTUAL):
+                reg = h.register(alloc, PLANNED, v)
             regs["reg"] = reg
             adv = num_blocks.advertised(reg.worker)
             assert adv["num_blocks"] == PLANNED, adv
@@ -176,7 +178,9 @@ def _main(version: str, kvcached_order: str | None) -> dict[str, str]:
             if "reg" not in regs:
                 raise _Skip("registration failed")
             reg = regs["reg"]
-            other = h.register(h.kvcached_views(NAMES, 10, variant), 10, v, engine_id="peer")
+            with h.kvcached_running(10):            # the peer: kvcached memory, exactly planned
+                other = h.register(h.kvcached_views(NAMES, 10, variant), 10, v,
+                                   engine_id="peer")
             meta = h.decoded_metadata(reg.worker)
             remote = h.peer_remote_descs(other, meta, v)
             # <= 0.29 advertise one count; blocks-first releases split each region into a K
@@ -190,13 +194,21 @@ def _main(version: str, kvcached_order: str | None) -> dict[str, str]:
 
     def under():
         try:
-            h.register(h.kvcached_views(NAMES, PLANNED - 4, variants[0]), PLANNED, v)
+            with h.kvcached_running(PLANNED - 4):
+                h.register(h.kvcached_views(NAMES, PLANNED - 4, variants[0]), PLANNED, v)
         except block_counts.UnderAllocatedError as exc:
             assert "fewer blocks than the engine planned" in str(exc)
             return None
         raise AssertionError("under-allocated views were registered")
 
     check("under_allocated_fails_clearly", under)
+    if not kvcached_order:
+        def under_without_kvcached():
+            got = _under_outcome(h, v, variants[0])
+            assert got == stock_under, {"stock": stock_under, "pdpatch": got}
+            return got
+
+        check("under_allocated_without_kvcached_is_the_releases_own", under_without_kvcached)
     if kvcached_order:
         check("layout_with_kvcached_patch", lambda: _kvcached_layout(h, pdpatch=True))
 
@@ -336,6 +348,16 @@ def _layout_failure(v, h, token_major: str, head_major: str) -> str:
         assert "attention backend" in str(exc), exc
         return str(exc)[:160]
     raise AssertionError("a head-major-only attention backend was not reported")
+
+
+def _under_outcome(h, v, variant: str) -> str:
+    """What registering views with fewer blocks than planned does, without kvcached running:
+    the release's own answer (its refusal, or what it registers)."""
+    try:
+        reg = h.register(h.kvcached_views(NAMES, PLANNED - 4, variant), PLANNED, v)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return f"registered {sorted(int(d[1]) for descs in reg.nixl.registered for d in descs)}"
 
 
 def _hetero_tp(v, h) -> str:

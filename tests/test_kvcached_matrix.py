@@ -38,7 +38,7 @@ def expected_checks(version: str) -> set[str]:
                   f"peer_descriptors_resolve[{variant}]"}
     if Version(version) < Version("0.20"):
         names |= {"hetero_tp_token_major_rejected", "stock_accepts_hetero_tp_token_major"}
-    return names
+    return names | {"under_allocated_without_kvcached_is_the_releases_own"}
 
 
 def _run(version: str, order: str | None = None) -> dict[str, str]:

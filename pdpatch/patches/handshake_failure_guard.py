@@ -32,9 +32,9 @@ NAME = "handshake_failure_guard"
 
 def make_guard(version: Version) -> Wrapper:
     def guard_get_finished(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        if not allowed(NAME, instance):
-            return wrapped(*args, **kwargs)
-        failed: set[str] = instance._failed_recv_reqs
+        failed = getattr(instance, "_failed_recv_reqs", None)
+        if not allowed(NAME, instance) or not isinstance(failed, set):
+            return wrapped(*args, **kwargs)        # not the release's worker state: its own code
         orphans = set()
         for req_id in list(failed):
             meta = instance._recving_metadata.get(req_id)
