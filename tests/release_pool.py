@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -76,14 +77,20 @@ def run_releases(versions: list[str], module: str, function: str,
         request.write_text(json.dumps({"module": module, "function": function, "jobs": jobs}))
         env = {k: v for k, v in child_env(versions[0]).items() if k != "PYTHONPATH"}
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS)])
-        proc = subprocess.run([sys.executable, __file__, str(request)], env=env, cwd=str(REPO),
-                              capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.Popen([sys.executable, __file__, str(request)], env=env, cwd=str(REPO),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:  # the pool and every child it forked
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
         runs = {}
         for job in jobs:
             out = Path(job["result"])
             done = json.loads(out.read_text()) if out.exists() else {"error": "no result"}
             error = done.get("error", "") + f"\n--- pool (rc={proc.returncode}) ---\n" \
-                + proc.stdout[-2000:] + proc.stderr[-3000:]
+                + stdout[-2000:] + stderr[-3000:]
             runs[job["version"]] = PoolRun(job["version"], done.get("result"), error,
                                            done.get("seconds"), done.get("import_seconds"))
         return runs
