@@ -91,6 +91,20 @@ def mm_items(rng: random.Random, n: int, bs: int) -> list[list[Any]]:
     return items
 
 
+def decode_block_items(rng: random.Random, bs: int) -> tuple[int, list[list[Any]]]:
+    """A prompt length and items such that the prompt's partial last block -- completed by
+    decode tokens -- overlaps two items, or follows an item that ends exactly where it starts
+    (where releases <= 0.30 key decode-completed blocks unlike a prompt block, and <= 0.18 unlike
+    0.19+)."""
+    start = rng.randint(1, 3) * bs
+    n = start + rng.randint(2, bs - 1)
+    a_off = rng.randint(0, start - 1)
+    if rng.random() < 0.5:
+        return n, [[text(rng), a_off, start - a_off]]
+    return n, [[text(rng), a_off, start + 1 - a_off],
+               [text(rng), start + 1, rng.randint(1, n - start - 1)]]
+
+
 def random_case(rng: random.Random, algo: str) -> dict[str, Any]:
     bs = rng.choice([1, 2, 3, 4, 5, 7, 8, 16, 16, 16, 17, 32])
     n = rng.randint(0, 5 * bs + 6)
@@ -113,7 +127,11 @@ def random_case(rng: random.Random, algo: str) -> dict[str, Any]:
         case["prompt"] = None
         case["prompt_embeds"] = {"rows": rows, "cols": cols, "dtype": dtype,
                                  "hex": rng.randbytes(size).hex()}
-    elif n and rng.random() < 0.5:
+    elif bs >= 3 and rng.random() < 0.15:
+        n, case["mm"] = decode_block_items(rng, bs)
+        case["prompt"] = [token(rng) for _ in range(n)]
+        case["appends"].insert(0, [token(rng) for _ in range(bs)])
+    elif n and rng.random() < 0.4:
         case["mm"] = mm_items(rng, n, bs)
     return case
 
