@@ -13,8 +13,8 @@ interleaved (vLLM, pdpatch, vLLM, ...); times are this process's CPU time
 ratio = vLLM / pdpatch.
 
 pdpatch runs with its compiled block encoder (built by the wheel's build hook; the header says
-whether it is present) and, in the last column, with its pure-Python encoders only (what a
-build without a C compiler gets), both in the same interleaved runs.
+whether it is present) and, in the last column, with its pure-Python encoders and input checks
+only (what a build without a C compiler gets), both in the same interleaved runs.
 
 A second baseline, vLLM's full request path (a real ``Request`` with
 ``get_request_block_hasher``, i.e. with its per-block extra-key calls), is printed alongside.
@@ -53,7 +53,7 @@ def main() -> int:
     from vllm.v1.core import kv_cache_utils as K
     from vllm.v1.request import Request
 
-    from pdpatch.hashing import KeyConfig, block_keys, encoders
+    from pdpatch.hashing import KeyConfig, block_keys, encoders, inputs
 
     rng = random.Random(1234)
     tokens = [rng.randrange(args.vocab) for _ in range(args.tokens)]
@@ -62,7 +62,7 @@ def main() -> int:
           f"hash_block_size {bs}, vocab {args.vocab}, median (min) of {args.repeat} runs, "
           f"{'wall' if args.wall else 'CPU'} time; load average {os.getloadavg()[0]:.1f}")
 
-    compiled = encoders._compiled
+    compiled, first_non_id = encoders._compiled, inputs._first_non_id
     print(f"pdpatch's compiled block encoder: {'present' if compiled else 'ABSENT'}; "
           "last column: pdpatch with its pure-Python encoders only, ratio vs the vLLM chain")
     print(f"{'algorithm':12} {'vLLM chain':>18} {'pdpatch':>18} {'ratio':>14}   "
@@ -93,11 +93,11 @@ def main() -> int:
             return block_keys(tokens, config)
 
         def ours_pure() -> list[bytes]:
-            encoders._compiled = None
+            encoders._compiled, inputs._first_non_id = None, None
             try:
                 return ours()
             finally:
-                encoders._compiled = compiled
+                encoders._compiled, inputs._first_non_id = compiled, first_non_id
 
         expected = vllm_chain()
         assert ours() == expected, f"{algo}: pdpatch keys differ from vLLM's"

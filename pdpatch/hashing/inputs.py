@@ -18,6 +18,7 @@ The checks keep the caller's string objects (pickle's identity memo depends on t
 
 from __future__ import annotations
 
+import array
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -47,6 +48,18 @@ def token_id(value: Any, where: str) -> int:
     return tid
 
 
+def _plain_ids(ids: list[Any] | tuple[Any, ...]) -> bool:
+    """Every item a plain int in ``[0, 2**64)``, checked in two C-speed passes of the standard
+    library (for a build without the compiled module: ~1.5 ms for 32k ids, not ~18 ms)."""
+    if set(map(type, ids)) - {int}:
+        return False
+    try:
+        array.array("Q", ids)
+    except OverflowError:
+        return False
+    return True
+
+
 def token_ids(values: Iterable[Any], first_position: int = 0) -> list[int]:
     """``values`` as a list of plain-int token ids, or InputError naming the first bad one.
 
@@ -60,8 +73,10 @@ def token_ids(values: Iterable[Any], first_position: int = 0) -> list[int]:
     start = 0
     if _first_non_id is not None:
         start = _first_non_id(ids)
-        if start < 0:
-            return ids if type(ids) is list else list(ids)
+    elif _plain_ids(ids):
+        start = -1
+    if start < 0:
+        return ids if type(ids) is list else list(ids)
     out = list(ids[:start])
     out.extend(token_id(v, f"token id #{first_position + i}")
                for i, v in enumerate(ids[start:], start))
