@@ -79,7 +79,8 @@ def test_exactly_sized_views_are_left_alone(patched, version):
     from pdpatch.patches import num_blocks
 
     alloc = h.kvcached_views(NAMES, PLANNED, "per-layer")
-    reg = h.register(alloc, PLANNED, version)
+    with h.kvcached_running(PLANNED):
+        reg = h.register(alloc, PLANNED, version)
     for name, t in reg.worker.device_kv_caches.items():     # the same memory, same geometry
         orig = alloc.views[name]
         assert (t.data_ptr(), t.shape, t.stride()) == (orig.data_ptr(), orig.shape, orig.stride())
@@ -90,8 +91,10 @@ def test_exactly_sized_views_are_left_alone(patched, version):
 
 @pytest.mark.parametrize("variant", ["per-layer", "layer-interleaved"])
 def test_under_allocated_views_fail_with_a_clear_error(patched, version, variant):
+    """kvcached in the worker and fewer blocks than planned (without kvcached the release's own
+    error stands: ``test_kvcached_matrix``)."""
     alloc = h.kvcached_views(NAMES, PLANNED - 4, variant)
-    with pytest.raises(block_counts.UnderAllocatedError,
+    with h.kvcached_running(PLANNED - 4), pytest.raises(block_counts.UnderAllocatedError,
                        match=r"fewer blocks than the engine planned: layer "
                              r"'model\.layers\.\d\.self_attn\.attn' has 8 .* the plan is 12"):
         h.register(alloc, PLANNED, version)
