@@ -1,8 +1,8 @@
 """Hatchling build hook: compile pdpatch's C block encoder (``pdpatch/hashing/_block_items.c``).
 
-The encoder writes the serialized token ids of every block in one call: vLLM-compatible block
-keys then take 3.9x (sha256_cbor) to 5.9x (xxhash_cbor) less time than vLLM's own chain, 1.8x
-to 2.2x for the pickle algorithms (pure Python: 2.0-2.2x and 1.2x; ``scripts/bench_block_keys.py``).
+The encoder writes the serialized token ids of every block in one call, which is where most of
+a key chain's time goes in pure Python (``scripts/bench_block_keys.py`` measures both builds
+against vLLM's own chain; the README's benchmark table has the figures).
 pdpatch is correct without it: where no C compiler or Python headers are found the wheel is
 built pure-Python, a warning says so, and ``pdpatch doctor`` reports "pure Python".
 ``PDPATCH_REQUIRE_C_ENCODER=1`` turns that warning into a build error (the test setup sets it,
