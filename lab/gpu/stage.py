@@ -1,0 +1,203 @@
+"""Build the folder that carries real vLLM GPU engines to the device machine in one run.
+
+The device machine has Python 3.12, torch 2.11.0+cu130, triton, transformers and nvcc, but no
+package registry, and a run carries at most 64 MiB (the repository included).  vLLM 0.22-0.25
+pin exactly torch 2.11 and are CUDA 13 builds, so their compiled kernels load there.  The stage
+holds, each xz-compressed:
+
+* ``vllm_C.so.xz`` -- ``_C_stable_libtorch.abi3.so`` with its CUDA fat binary pruned to sm_90
+  (:mod:`fatbin_prune`);
+* ``fa3.so.xz`` -- FlashAttention 3 (sm_90 only already);
+* ``site.tar.xz`` -- the rest of the vLLM wheel's Python tree (no other compiled kernels, no C++
+  headers), NIXL with its UCX plugin only, and the wheels vLLM imports at serve time that the
+  device lacks (:data:`WHEELS`, as pip resolves vLLM next to the device's packages).
+
+Everything comes from the package index pip is configured with; the vLLM wheel's members are
+range-read (:mod:`release_files`), not downloaded whole.  ``unpack.py`` (standard library only)
+restores the tree on the device.
+"""
+
+from __future__ import annotations
+
+import io
+import lzma
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import fatbin_prune  # noqa: E402
+import release_files  # noqa: E402
+
+LIMIT = 64 << 20
+"""What one device run carries: the stage and the repository's tracked files together."""
+VLLM = "0.25.1"
+KEPT_KERNELS = {
+    "vllm/_C_stable_libtorch.abi3.so": "vllm_C.so.xz",
+    "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": "fa3.so.xz",
+}
+SMALL_LIBS = {"vllm/cumem_allocator.abi3.so", "vllm/fs_io_C.abi3.so", "vllm/spinloop.abi3.so"}
+WHEELS = [
+    "fastapi==0.136.3", "starlette==1.10.0", "pydantic==2.14.4", "pydantic-core==2.50.5",
+    "typing-inspection==0.4.5", "annotated-types==0.8.0", "uvicorn==0.54.0",
+    "watchfiles==1.3.0", "msgspec==0.22.0", "pyzmq==27.3.0", "pybase64==1.5.1",
+    "cbor2==6.3.0", "cachetools==8.0.2", "openai==3.57.0", "httpx2==2.16.2",
+    "httpcore2==2.16.2", "sniffio==1.3.1", "jiter==0.19.0", "distro==1.9.0",
+    "openai-harmony==0.0.8", "llguidance==1.7.6", "xgrammar==0.2.3", "apache-tvm-ffi==0.1.9",
+    "partial-json-parser==0.2.1.1.post7", "model-hosting-container-standards==0.1.16",
+    "jmespath==1.1.0", "prometheus-fastapi-instrumentator==8.1.0", "setproctitle==1.3.8",
+    # pdpatch's own needs, and NIXL
+    "wrapt==2.5.2", "xxhash==4.1.0", "nixl==1.5.1", "nixl-cu13==1.5.1",
+]
+PLATFORM_ARGS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
+                 *[a for tag in ("manylinux_2_34_x86_64", "manylinux_2_31_x86_64",
+                                 "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
+                                 "manylinux_2_26_x86_64", "manylinux_2_24_x86_64",
+                                 "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+                                 "manylinux1_x86_64", "any")
+                   for a in ("--platform", tag)]]
+NIXL_DROP_DIRS = ("nixl_ep_cu13",)
+UCX_MODULE_DROP = ("_ib", "perftest", "rdmacm", "mlx5", "efa", "gda")
+
+
+def wanted_vllm_member(name: str) -> bool:
+    """The vLLM wheel members the engines need: Python and data files, the two kept kernels
+    and the small helper libraries; no other kernel, no C++ source or header."""
+    if name in KEPT_KERNELS or name in SMALL_LIBS:
+        return True
+    if name.endswith((".so", ".h", ".hpp", ".cuh", ".cu", ".cpp", ".c", ".jpg", ".png")):
+        return False
+    if name == "vllm/vllm-rs":       # the Rust front end's binary, not used here
+        return False
+    return name.startswith(("vllm/", f"vllm-{VLLM}.dist-info/"))
+
+
+def pip(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "-q", *args], check=True)
+
+
+def needed(lib: Path) -> list[str]:
+    out = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True).stdout
+    return [line.split("[", 1)[1].split("]", 1)[0] for line in out.splitlines()
+            if "(NEEDED)" in line]
+
+
+def prune_nixl(site: Path) -> None:
+    """Keep NIXL's Python bindings, its UCX plugin and what they link, nothing else: the other
+    plugins (object stores, GDS, DOCA) and their SDKs are most of the wheel."""
+    for d in NIXL_DROP_DIRS:
+        shutil.rmtree(site / d, ignore_errors=True)
+    libdirs = [site / "nixl_cu13.libs", site / ".nixl_cu13.mesonpy.libs"]
+    for plugdir in (site / "nixl_cu13.libs" / "nixl", site / ".nixl_cu13.mesonpy.libs" / "plugins"):
+        for f in plugdir.glob("*.so"):
+            if f.name != "libplugin_UCX.so":
+                f.unlink()
+    for f in (site / "nixl_cu13.libs" / "ucx").glob("*"):
+        if any(k in f.name for k in UCX_MODULE_DROP) or f.suffix == ".la":
+            f.unlink()
+    by_name = {f.name: f for d in libdirs for f in d.rglob("*.so*") if f.is_file()}
+    roots = [f for f in site.joinpath("nixl_cu13").glob("*.so")]
+    roots += [f for d in libdirs for f in d.rglob("*.so*")
+              if f.is_file() and (f.parent.name in ("ucx", "nixl", "plugins"))]
+    keep: set[Path] = set()
+    todo = list(roots)
+    while todo:
+        lib = todo.pop()
+        if lib in keep:
+            continue
+        keep.add(lib)
+        todo += [by_name[n] for n in needed(lib) if n in by_name]
+    for f in by_name.values():
+        if f not in keep:
+            f.unlink()
+    shutil.rmtree(site / "include", ignore_errors=True)
+    shutil.rmtree(site / "nixl_cu13.scripts", ignore_errors=True)
+
+
+def prune_xgrammar(site: Path) -> None:
+    """xgrammar's static library is never loaded; its bindings carry debug sections."""
+    for f in site.joinpath("xgrammar").rglob("*.a"):
+        f.unlink()
+    for f in site.joinpath("xgrammar").rglob("*.so"):
+        subprocess.run(["strip", "--strip-debug", str(f)], check=True)
+
+
+def xz(data: bytes) -> bytes:
+    return lzma.compress(data, preset=9)
+
+
+def build(stage: Path, cache: Path) -> dict[str, int]:
+    """Write the stage under ``stage``; return each file's size."""
+    wheels = cache / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    pip("download", "--no-deps", *PLATFORM_ARGS, "-d", str(wheels), *WHEELS)
+    work = cache / "site"
+    shutil.rmtree(work, ignore_errors=True)
+    pip("install", "--no-deps", "--no-index", "--no-compile", *PLATFORM_ARGS,
+        "--target", str(work), *[str(w) for w in sorted(wheels.glob("*.whl"))])
+    prune_nixl(work)
+    prune_xgrammar(work)
+    shutil.rmtree(work / "bin", ignore_errors=True)
+
+    name, url, _sha = release_files.release_file(
+        "vllm", lambda n: n.startswith(f"vllm-{VLLM}-") and n.endswith("x86_64.whl"))
+    print(f"gpu_stage: range-reading {name}", flush=True)
+    release_files.extract_wheel_sources(url, work, wanted_vllm_member)
+
+    stage.mkdir(parents=True, exist_ok=True)
+    for old in stage.glob("*.xz"):
+        old.unlink()
+    for member, out in KEPT_KERNELS.items():
+        lib = work / member
+        data = lib.read_bytes()
+        if member.endswith("_C_stable_libtorch.abi3.so"):
+            data, stats = fatbin_prune.prune(data, arch=90)
+            print(f"gpu_stage: {member} fat binary pruned to sm_90: {stats}", flush=True)
+        (stage / out).write_bytes(xz(data))
+        lib.unlink()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        tf.add(work, arcname=".", filter=lambda ti: None if "__pycache__" in ti.name else ti)
+    (stage / "site.tar.xz").write_bytes(xz(buf.getvalue()))
+    return {f.name: f.stat().st_size for f in sorted(stage.glob("*.xz"))}
+
+
+def tracked_bytes(repo: Path = REPO) -> int:
+    files = subprocess.run(["git", "-C", str(repo), "ls-files", "-z"], capture_output=True,
+                           check=True).stdout.split(b"\0")
+    return sum((repo / f.decode()).stat().st_size for f in files
+               if f and (repo / f.decode()).is_file())
+
+
+def check_size(stage_sizes: dict[str, int], repo_bytes: int, limit: int = LIMIT) -> str:
+    """One line saying what a run carries; ValueError when it exceeds what one run takes."""
+    total = sum(stage_sizes.values()) + repo_bytes
+    parts = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in stage_sizes.items())
+    line = (f"a device run carries {total / 2**20:.1f} MiB of {limit / 2**20:.0f}: {parts}, "
+            f"repository {repo_bytes / 2**20:.1f}")
+    if total > limit:
+        raise ValueError(line + " -- over the limit; prune more or split the run")
+    return line
+
+
+def main() -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stage", type=Path, default=REPO / ".gpu_stage" / f"vllm-{VLLM}")
+    ap.add_argument("--cache", type=Path,
+                    default=Path.home() / ".cache" / "pdpatch" / f"gpu-stage-{VLLM}")
+    args = ap.parse_args()
+    sizes = build(args.stage, args.cache)
+    print("gpu_stage:", check_size(sizes, tracked_bytes()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,345 @@
+"""Real vLLM GPU engines doing P/D over NIXL on the device machine, stock vs pdpatch, each
+request judged by lab/gpu/oracle.py (numeric drift vs corrupted KV), the oracle proven by
+deliberately corrupted controls in the same run.
+
+Run on the device machine, from the repository root, with the stage built by
+``scripts/gpu_stage.sh`` carried along::
+
+    python3 scripts/gpu_pd.py --stage .gpu_stage/vllm-0.25.1 --out "$OUT" ref fa-triton ...
+
+A scenario is ``name`` from :data:`SCENARIOS`.  The first scenario must be the reference (stock,
+same backend on both sides): its first-token drift per prompt sets the tolerances, and its
+controls (P's blocks read one position off; another prompt's KV) must be caught.  Results go
+to ``$OUT/gpu_pd.json`` and a Markdown table to ``$OUT/gpu_pd.md``; every engine's log, compressed,
+to ``$OUT/logs.tar.xz`` (a device run returns at most 8 files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "lab" / "gpu"))
+
+import oracle  # noqa: E402
+import unpack  # noqa: E402
+
+PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+           "remote_block_ids": None, "remote_host": None, "remote_port": None}
+BLOCK_KEYS_PARAM = "pdpatch_block_keys"
+MAX_TOKENS = 16
+PROMPT_LENGTHS = (7, 16, 17, 100, 600, 1500)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    pdpatch: bool
+    p_backend: str
+    d_backend: str
+    hashseed: str | None = "0"         # PYTHONHASHSEED on both engines (None: unset)
+    d_env: dict = field(default_factory=dict)
+    p_env: dict = field(default_factory=dict)
+    controls: bool = False
+    salt_mismatch: bool = False         # one extra request whose D-side cache_salt differs
+    note: str = ""
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "ref": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", controls=True,
+                    note="reference: stock, same backend"),
+    "stock-fa-triton": Scenario(False, "FLASH_ATTN", "TRITON_ATTN"),
+    "stock-triton-fa": Scenario(False, "TRITON_ATTN", "FLASH_ATTN"),
+    "fa-triton": Scenario(True, "FLASH_ATTN", "TRITON_ATTN", hashseed=None, controls=True),
+    "triton-fa": Scenario(True, "TRITON_ATTN", "FLASH_ATTN", hashseed=None),
+    "fa-fa": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", hashseed=None, salt_mismatch=True,
+                      note="PYTHONHASHSEED unset on both; a cache_salt mismatch D must refuse"),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Engine:
+    def __init__(self, name: str, role: str, backend: str, sc: Scenario, site: Path,
+                 model: Path, logs: Path) -> None:
+        self.name, self.port = name, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ)
+        path = [str(site)]
+        if sc.pdpatch:
+            path = [str(REPO / "sitecustomize"), str(REPO), *path]
+        env.pop("PYTHONHASHSEED", None)
+        if sc.hashseed is not None:
+            env["PYTHONHASHSEED"] = sc.hashseed
+        env.update({
+            "PYTHONPATH": os.pathsep.join(path), "ENABLE_PDPATCH": str(sc.pdpatch).lower(),
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1",
+            "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_USE_FLASHINFER_SAMPLER": "0", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on",
+        })
+        env.update(sc.p_env if role == "kv_producer" else sc.d_env)
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--host", "127.0.0.1", "--port", str(self.port), "--model", str(model),
+               "--served-model-name", "tiny", "--skip-tokenizer-init", "--enforce-eager", "-O0",
+               "--max-model-len", "2048", "--gpu-memory-utilization", "0.12", "--seed", "0",
+               "--attention-backend", backend, "--no-enable-prefix-caching",
+               "--kv-transfer-config",
+               json.dumps({"kv_connector": "NixlConnector", "kv_role": role})]
+        self.log = logs / f"{name}.log"
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log.open("wb"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def complete(self, prompt: list[int], n: int, kvp: dict | None = None,
+                 salt: str | None = None) -> dict:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0.0,
+                "ignore_eos": True, "logprobs": 1, "return_token_ids": True,
+                "return_tokens_as_token_ids": True}
+        if kvp is not None:
+            body["kv_transfer_params"] = kvp
+        if salt is not None:
+            body["cache_salt"] = salt
+        req = urllib.request.Request(self.url + "/v1/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                d = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return {"error": f"HTTP {e.code}: {e.read()[:300]!r}"}
+        except OSError as e:
+            return {"error": repr(e)}
+        c = d["choices"][0]
+        return {"ids": c.get("token_ids") or [],
+                "lp": (c.get("logprobs") or {}).get("token_logprobs") or [],
+                "kvp": d.get("kv_transfer_params"), "ms": 1000 * (time.perf_counter() - t0)}
+
+    def counters(self) -> dict[str, float]:
+        keys = ("vllm:nixl_xfer_time_seconds_count", "vllm:nixl_bytes_transferred_sum",
+                "vllm:nixl_num_failed_transfers_total")
+        out = dict.fromkeys(keys, 0.0)
+        try:
+            with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+                text = r.read().decode()
+        except OSError:
+            return out
+        for line in text.splitlines():
+            for k in keys:
+                if line.startswith(k):
+                    out[k] += float(line.rsplit(" ", 1)[1])
+        return out
+
+
+def start_pair(name: str, sc: Scenario, site: Path, model: Path, logs: Path,
+               timeout_s: float = 300) -> tuple[Engine, Engine, float]:
+    t0 = time.time()
+    d = Engine(f"{name}-D", "kv_consumer", sc.d_backend, sc, site, model, logs)
+    p = Engine(f"{name}-P", "kv_producer", sc.p_backend, sc, site, model, logs)
+    while time.time() - t0 < timeout_s and not (p.healthy() and d.healthy()):
+        if p.proc.poll() is not None or d.proc.poll() is not None:
+            break
+        time.sleep(1)
+    return p, d, time.time() - t0
+
+
+def decoded(r: dict) -> oracle.Decoded:
+    return oracle.Decoded(r.get("ids") or [], r.get("lp") or [])
+
+
+def pd_request(p: Engine, d: Engine, prompt: list[int], mutate=None, salt=None) -> dict:
+    pre = p.complete(prompt, 1, dict(PREFILL))
+    if "error" in pre:
+        return {"error": "P: " + pre["error"]}
+    kvp = pre["kvp"] or {}
+    if mutate is not None:
+        kvp = mutate(kvp)
+    before = d.counters()
+    out = d.complete(prompt, MAX_TOKENS, kvp, salt=salt)
+    after = d.counters()
+    out["pulled"] = int(after["vllm:nixl_xfer_time_seconds_count"]
+                        - before["vllm:nixl_xfer_time_seconds_count"])
+    out["bytes"] = int(after["vllm:nixl_bytes_transferred_sum"]
+                       - before["vllm:nixl_bytes_transferred_sum"])
+    out["remote_blocks"] = len(kvp.get("remote_block_ids") or [])
+    out["p_lp0"] = (pre.get("lp") or [None])[0]
+    return out
+
+
+def repeat_first_block(kvp: dict) -> dict:
+    ids = kvp.get("remote_block_ids") or []
+    if ids and isinstance(ids[0], list):        # per KV-cache group
+        wrong = [oracle.repeated_block(g) for g in ids]
+    else:
+        wrong = oracle.repeated_block(ids)
+    return {**kvp, "remote_block_ids": wrong}
+
+
+def run_scenario(name: str, sc: Scenario, prompts: dict[str, list[int]], site: Path,
+                 model: Path, logs: Path) -> dict:
+    p, d, start_s = start_pair(name, sc, site, model, logs)
+    res: dict = {"scenario": name, "pdpatch": sc.pdpatch, "P": sc.p_backend, "D": sc.d_backend,
+                 "hashseed": sc.hashseed, "note": sc.note, "start_s": round(start_s, 1),
+                 "requests": {}, "controls": {}}
+    try:
+        if not (p.healthy() and d.healthy()):
+            res["error"] = f"engines not healthy after {start_s:.0f}s"
+            return res
+        for pname, prompt in prompts.items():
+            got = pd_request(p, d, prompt)
+            base = d.complete(prompt, MAX_TOKENS)
+            entry = {k: got.get(k)
+                     for k in ("error", "pulled", "bytes", "remote_blocks", "ms", "p_lp0")}
+            if "error" not in got and "error" not in base:
+                entry["pd"], entry["base"] = got, base
+            res["requests"][pname] = entry
+        if sc.controls:
+            names = list(prompts)
+            long_a, long_b = names[-2], names[-1]
+            wrong = pd_request(p, d, prompts[long_a], mutate=repeat_first_block)
+            res["controls"]["wrong-blocks"] = {"prompt": long_a, **_slim(wrong)}
+            other = p.complete(prompts[long_b][:len(prompts[long_a])], 1, dict(PREFILL))
+            kvp = {k: v for k, v in (other.get("kvp") or {}).items() if k != BLOCK_KEYS_PARAM}
+            before = d.counters()
+            swapped = d.complete(prompts[long_a], MAX_TOKENS, kvp)
+            swapped["pulled"] = int(d.counters()["vllm:nixl_xfer_time_seconds_count"]
+                                    - before["vllm:nixl_xfer_time_seconds_count"])
+            res["controls"]["other-prompt"] = {"prompt": long_a, **_slim(swapped)}
+        if sc.salt_mismatch:
+            prompt = prompts[list(prompts)[-2]]
+            got = pd_request(p, d, prompt, salt="another-tenant")
+            res["salt_mismatch"] = {k: got.get(k) for k in ("error", "pulled")}
+    finally:
+        for e in (p, d):
+            e.stop()
+    res["d_log_pdpatch"] = [ln for ln in d.log.read_text(errors="replace").splitlines()
+                            if "pdpatch" in ln][:20]
+    res["errors"] = {e.name: [ln for ln in e.log.read_text(errors="replace").splitlines()
+                              if "Error" in ln or "Traceback" in ln][:10] for e in (p, d)}
+    return res
+
+
+def _slim(r: dict) -> dict:
+    return {k: r.get(k) for k in ("error", "ids", "lp", "pulled", "p_lp0")}
+
+
+def judge(results: list[dict], tol: dict[str, float]) -> None:
+    """Attach the oracle's verdicts to every request and control (in place).  A control that
+    ended in an error decoded nothing: it is no evidence either way and is not counted."""
+    for res in results:
+        verdicts = {}
+        for cname, c in res["controls"].items():
+            entry = res["requests"][c["prompt"]]
+            if c.get("error") or "base" not in entry:
+                c["caught"] = None
+                continue
+            v = oracle.judge(decoded(c), decoded(entry["base"]), tol[c["prompt"]],
+                             entry.get("p_lp0"))
+            c.update(caught=not v.intact, reason=v.reason, dlp0=v.dlp0)
+            verdicts[f"{res['scenario']}/{cname}"] = v
+        res["oracle"] = oracle.judge_run(verdicts).__dict__ if res["controls"] else None
+        for pname, entry in res["requests"].items():
+            if "pd" in entry:
+                v = oracle.judge(decoded(entry.pop("pd")), decoded(entry.pop("base")), tol[pname],
+                                 entry.get("p_lp0"))
+                entry.update(intact=v.intact, reason=v.reason, dlp0=v.dlp0, tol=v.tol,
+                             agree=v.agree)
+
+
+def markdown(results: list[dict], gpu: str) -> str:
+    rows = [f"GPU: {gpu}", "",
+            "| scenario | pdpatch | P -> D | PYTHONHASHSEED | start s | intact / requests | "
+            "KV pulled (requests) | max dlp0 | controls caught | note |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        reqs = r["requests"].values()
+        intact = sum(1 for e in reqs if e.get("intact"))
+        pulled = sum(1 for e in reqs if (e.get("pulled") or 0) > 0)
+        dl = max((e.get("dlp0") or 0.0 for e in reqs), default=0.0)
+        ctl = r.get("oracle") or {}
+        caught = f"{ctl.get('caught')}/{ctl.get('controls')}" if ctl else "-"
+        errs = sorted({(e.get("error") or "")[:80] for e in reqs if e.get("error")})
+        note = "; ".join(filter(None, [r.get("note", ""), r.get("error", ""), *errs]))
+        if "salt_mismatch" in r:
+            note += f"; salt mismatch: pulled={r['salt_mismatch'].get('pulled')}"
+        rows.append(f"| {r['scenario']} | {r['pdpatch']} | {r['P']} -> {r['D']} | "
+                    f"{r['hashseed']} | {r['start_s']} | {intact}/{len(r['requests'])} | "
+                    f"{pulled} | {dl:.1e} | {caught} | {note} |")
+    return "\n".join(rows) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stage", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--site", type=Path, default=Path("/tmp/pdpatch-gpu-site"))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/pdpatch-gpu-work"),
+                    help="model and engine logs (only the summary and a log archive go to --out)")
+    ap.add_argument("--tolerances", type=Path, help="gpu_pd.json of an earlier run's reference")
+    ap.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    logs = args.work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    if not (args.site / "vllm" / "__init__.py").exists():
+        print(f"unpacked in {unpack.unpack(args.stage, args.site):.1f}s", flush=True)
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    from pdpatch.rig.model import model_dir
+
+    model = model_dir(args.work / "model")
+    gpu = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, vLLM 0.25.1"
+    rng = random.Random(7)
+    prompts = {f"len{n}": [rng.randrange(3, 512) for _ in range(n)] for n in PROMPT_LENGTHS}
+    results = []
+    for name in args.scenarios:
+        print(f"=== {name}", flush=True)
+        results.append(run_scenario(name, SCENARIOS[name], prompts, args.site, model, logs))
+    ref = next((r for r in results if r["scenario"] == "ref"), None)
+    if ref is not None:
+        pairs = {k: (decoded(e["pd"]), decoded(e["base"]), e.get("p_lp0"))
+                 for k, e in ref["requests"].items() if "pd" in e}
+        tol = oracle.tolerances(pairs)
+    else:
+        tol = json.loads(args.tolerances.read_text())["tolerances"]
+    judge(results, tol)
+    (args.out / "gpu_pd.json").write_text(json.dumps(
+        {"gpu": gpu, "tolerances": tol, "results": results}, indent=1, default=str))
+    (args.out / "gpu_pd.md").write_text(markdown(results, gpu))
+    with tarfile.open(args.out / "logs.tar.xz", "w:xz") as tf:
+        tf.add(logs, arcname="logs")
+    print(markdown(results, gpu), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""The GPU P/D scripts' logic that CI can check without a GPU: the oracle that tells numeric drift
+from corrupted KV (lab/gpu/oracle.py), the fat-binary pruning and the stage's size check
+(lab/gpu/stage.py), the control's block rotation and the results table (scripts/gpu_pd.py)."""
+
+from __future__ import annotations
+
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "lab" / "gpu"))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import fatbin_prune  # noqa: E402
+import gpu_pd  # noqa: E402
+import oracle  # noqa: E402
+import stage  # noqa: E402
+
+D = oracle.Decoded
+
+
+def test_tolerance_is_the_reference_drift_scaled_and_clamped():
+    ref = {"short": (D([5, 6], [-1.0001, -2.0]), D([5, 6], [-1.0, -2.0]), None),
+           "long": (D([7], [-0.50]), D([7], [-0.51]), None),
+           "near-p": (D([7], [-0.50]), D([7], [-0.51]), -0.502),
+           "wild": (D([7], [-0.1]), D([7], [-0.9]), None)}
+    tol = oracle.tolerances(ref)
+    assert tol["short"] == oracle.FLOOR
+    assert tol["long"] == pytest.approx(oracle.FACTOR * 0.01)
+    assert tol["near-p"] == pytest.approx(oracle.FACTOR * 0.002)
+    assert tol["wild"] == oracle.CAP
+
+
+def test_a_reference_that_disagrees_on_the_first_token_is_refused():
+    with pytest.raises(ValueError, match="first token of 'p'"):
+        oracle.tolerances({"p": (D([1], [-1.0]), D([2], [-1.0]), None)})
+
+
+def test_drift_within_tolerance_is_intact_even_when_a_later_token_flips():
+    v = oracle.judge(D([3, 4, 9], [-0.2, -0.3, -0.4]), D([3, 4, 8], [-0.201, -0.3, -0.4]), 2e-3)
+    assert v.intact and v.agree == 2
+
+
+def test_the_nearer_reference_counts():
+    """Mixed kernels: P/D sits near P's own first token, away from D's own prefill."""
+    pd, base = D([3], [-0.20]), D([3], [-0.23])
+    assert not oracle.judge(pd, base, 5e-3).intact
+    v = oracle.judge(pd, base, 5e-3, p_own=-0.202)
+    assert v.intact and v.dlp0 == pytest.approx(0.002)
+
+
+@pytest.mark.parametrize(("pd", "why"), [
+    (D([4, 4], [-0.2, -0.3]), "first token 4 != 3"),
+    (D([3, 4], [-0.25, -0.3]), "first-token logprob off by 5.00e-02"),
+    (D([], []), "no tokens decoded"),
+])
+def test_corruption_is_caught(pd, why):
+    v = oracle.judge(pd, D([3, 4], [-0.2, -0.3]), 2e-3)
+    assert not v.intact and why in v.reason
+
+
+def test_the_oracle_is_proven_only_when_every_control_is_caught():
+    caught = oracle.judge(D([4], [-1.0]), D([3], [-0.2]), 1e-2)
+    missed = oracle.judge(D([3], [-0.2]), D([3], [-0.2]), 1e-2)
+    assert oracle.judge_run({"a": caught}).oracle_proven
+    run = oracle.judge_run({"a": caught, "b": missed})
+    assert not run.oracle_proven and run.missed == ["b"] and run.caught == 1
+    assert not oracle.judge_run({}).oracle_proven
+
+
+def test_wrong_blocks_control_reads_the_first_block_everywhere():
+    assert oracle.repeated_block([10, 11, 12]) == [10, 10, 10]
+    assert gpu_pd.repeat_first_block({"remote_block_ids": [[1, 2], [3, 4]], "x": 1}) == \
+        {"remote_block_ids": [[1, 1], [3, 3]], "x": 1}
+    with pytest.raises(ValueError, match="at least two blocks"):
+        oracle.repeated_block([10])
+
+
+def test_judge_counts_errored_controls_as_no_evidence():
+    res = {"scenario": "ref", "controls": {
+        "wrong-blocks": {"prompt": "p", "ids": [9], "lp": [-3.0]},
+        "other-prompt": {"prompt": "p", "error": "HTTP 500"}},
+        "requests": {"p": {"pd": {"ids": [1], "lp": [-0.1]}, "base": {"ids": [1], "lp": [-0.1]}}}}
+    gpu_pd.judge([res], {"p": 1e-2})
+    assert res["oracle"] == {"oracle_proven": True, "caught": 1, "controls": 1, "missed": []}
+    assert res["controls"]["other-prompt"]["caught"] is None
+    assert res["requests"]["p"]["intact"]
+    assert "| ref |" in gpu_pd.markdown([{**res, "pdpatch": False, "P": "A", "D": "B",
+                                          "hashseed": "0", "start_s": 1.0}], "GPU")
+
+
+def _fatbin(entries: list[tuple[int, int, bytes]]) -> bytes:
+    """One fat binary: (kind, arch, payload) entries, each with a 64-byte entry header."""
+    body = b""
+    for kind, arch, payload in entries:
+        hdr = bytearray(64)
+        struct.pack_into("<HHIQ", hdr, 0, kind, 0, 64, len(payload))
+        struct.pack_into("<I", hdr, 28, arch)
+        body += bytes(hdr) + payload
+    return struct.pack("<IHHQ", fatbin_prune.FATBIN_MAGIC, 1, 16, len(body)) + body
+
+
+def _elf_with(section: bytes) -> bytes:
+    """A minimal ELF64 image: header, the section's bytes, a name table, two section headers."""
+    names = b"\0.nv_fatbin\0.shstrtab\0"
+    sec_off = 64
+    names_off = sec_off + len(section)
+    sh_off = names_off + len(names)
+    head = bytearray(64)
+    head[:4] = b"\x7fELF"
+    struct.pack_into("<Q", head, 0x28, sh_off)
+    struct.pack_into("<HHH", head, 0x3A, 64, 2, 1)
+
+    def shdr(name: int, off: int, size: int) -> bytes:
+        h = bytearray(64)
+        struct.pack_into("<I", h, 0, name)
+        struct.pack_into("<QQ", h, 0x18, off, size)
+        return bytes(h)
+
+    return bytes(head) + section + names + shdr(1, sec_off, len(section)) + \
+        shdr(12, names_off, len(names))
+
+
+def test_fatbin_prune_keeps_the_arch_and_every_offset():
+    sass90, sass80, ptx80 = b"S90" * 10, b"S80" * 40, b"P80" * 20
+    one = _fatbin([(fatbin_prune.KIND_SASS, 80, sass80), (fatbin_prune.KIND_SASS, 90, sass90)])
+    two = _fatbin([(fatbin_prune.KIND_SASS, 80, sass80), (fatbin_prune.KIND_PTX, 80, ptx80)])
+    image = _elf_with(one + two)
+    out, stats = fatbin_prune.prune(image, arch=90)
+    assert len(out) == len(image) and stats == {"sass": 1, "ptx": 1, "placeholder": 0}
+    assert sass90 in out and ptx80 in out and sass80 not in out
+
+
+def test_stage_size_check_names_every_part_and_refuses_too_much():
+    line = stage.check_size({"site.tar.xz": 30 << 20, "fa3.so.xz": 8 << 20}, 4 << 20)
+    assert line.startswith("a device run carries 42.0 MiB of 64") and "fa3.so.xz 8.0" in line
+    with pytest.raises(ValueError, match="over the limit"):
+        stage.check_size({"site.tar.xz": 61 << 20}, 4 << 20)
+
+
+def test_stage_takes_only_the_kernels_the_engines_load():
+    assert stage.wanted_vllm_member("vllm/_C_stable_libtorch.abi3.so")
+    assert stage.wanted_vllm_member("vllm/v1/engine/core.py")
+    assert stage.wanted_vllm_member(f"vllm-{stage.VLLM}.dist-info/METADATA")
+    assert not stage.wanted_vllm_member("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so")
+    assert not stage.wanted_vllm_member("vllm/third_party/deep_gemm/include/x.cuh")
+    assert not stage.wanted_vllm_member("vllm/vllm-rs")
