@@ -57,3 +57,24 @@ def test_every_active_patch_wraps_every_target(ver):
                  for n, ts in targets.items()}
     assert {n: u for n, u in unwrapped.items() if u} == {}
     assert all(ts for ts in targets.values()), targets        # no active patch without targets
+
+
+def test_ci_keeps_the_oldest_the_newest_and_every_change_point():
+    from versions_harness import change_points
+
+    rels = ["0.19.1", "0.20.2", "0.21.0", "0.23.0", "0.24.0", "0.25.1"]
+    bounds = {Version("0.20"), Version("0.24"), Version("0.34")}
+    assert change_points(rels, bounds) == ["0.19.1", "0.20.2", "0.24.0", "0.25.1"]
+    assert change_points(["0.30.0"], set()) == ["0.30.0"]
+    assert change_points([], bounds) == []
+
+
+def test_every_version_bound_of_the_site_table_is_seen():
+    """A bound that only a Version literal holds (not a declared range) is a change point too."""
+    from versions_harness import version_bounds
+
+    from pdpatch import vllm_sites
+
+    bounds = version_bounds()
+    assert {Version("0.26"), Version("0.30"), vllm_sites.SUPPORTED.upper()} <= bounds
+    assert Version("0.20") in bounds and Version("0.29") in bounds   # vllm_sites' literals

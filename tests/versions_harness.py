@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -61,6 +62,11 @@ EXTRAS_ROOT = Path(os.environ.get("PDPATCH_OLD_VLLM_DEPS",
 EXTRA_PACKAGES = ("gguf",)
 RESULT_MARK = "@@PDPATCH-RESULT@@"
 INSTALLED = "0.33.0"          # the venv's vLLM; older releases run from their source trees
+FULL_MATRIX_VAR = "PDPATCH_FULL_MATRIX"
+"""``1``: the per-release tests run on every fetched release (``scripts/release_matrix.sh``);
+otherwise on :func:`change_points` of them (the test command, to keep CI within its time)."""
+# Where pdpatch keys a fact on the vLLM version: a range's bound or a Version literal.
+_BOUND = re.compile(r'(?:[<>]=?|==|!=)\s*(\d+\.\d+(?:\.\d+)?)\b|Version\("(\d+\.\d+(?:\.\d+)?)"\)')
 
 _extras_lock = threading.Lock()
 
@@ -86,6 +92,32 @@ def available_versions() -> list[str]:
     return [str(v) for v in sorted(newest.values())]
 
 
+def version_bounds() -> set[Version]:
+    """Every release number at which a fact pdpatch keys on the vLLM version changes: the
+    bounds of the ranges and the Version literals in ``vllm_sites`` and the patch modules."""
+    pkg = REPO / "pdpatch"
+    files = [pkg / "vllm_sites.py", *sorted((pkg / "patches").glob("*.py"))]
+    return {Version(a or b) for f in files for a, b in _BOUND.findall(f.read_text())}
+
+
+def change_points(releases: list[str], bounds: set[Version]) -> list[str]:
+    """The oldest and the newest of ``releases`` and each one that is the first at or past a
+    bound: releases between two change points run the same version-keyed code paths as the
+    change point below them."""
+    vs = [Version(r) for r in releases]
+    keep = {0, len(vs) - 1} if vs else set()
+    keep |= {i for i in range(1, len(vs)) if any(vs[i - 1] < b <= vs[i] for b in bounds)}
+    return [releases[i] for i in sorted(keep)]
+
+
+def matrix_releases() -> list[str]:
+    """The fetched releases the per-release tests run on (see :data:`FULL_MATRIX_VAR`)."""
+    found = available_versions()
+    if os.environ.get(FULL_MATRIX_VAR) == "1":
+        return found
+    return change_points(found, version_bounds())
+
+
 def release_versions(spec: str = "") -> list[str]:
     """Fetched releases matching ``spec`` (e.g. ``">=0.19,<0.21"``), for parametrize.
 
@@ -101,7 +133,7 @@ def releases_in(versions: Any) -> list[str]:
     """The fetched releases below the installed one inside ``versions`` (a patch's declared
     ``VersionRange``, or ``vllm_sites.SUPPORTED``), for parametrize (``["<none>"]`` if none)."""
     installed = Version(INSTALLED)
-    return [v for v in available_versions()
+    return [v for v in matrix_releases()
             if Version(v) in versions and Version(v) < installed] or ["<none>"]
 
 
