@@ -54,6 +54,7 @@ class Scenario:
     p_env: dict = field(default_factory=dict)
     controls: bool = False
     salt_mismatch: bool = False         # one extra request whose D-side cache_salt differs
+    kill_p: bool = False                # last: P killed after prefilling, before D pulls
     note: str = ""
 
 
@@ -66,7 +67,14 @@ SCENARIOS: dict[str, Scenario] = {
     "triton-fa": Scenario(True, "TRITON_ATTN", "FLASH_ATTN", hashseed=None),
     "fa-fa": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", hashseed=None, salt_mismatch=True,
                       note="PYTHONHASHSEED unset on both; a cache_salt mismatch D must refuse"),
+    "kill-p": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", kill_p=True,
+                       note="P killed after prefilling, before D pulls"),
+    "stock-kill-p": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", kill_p=True,
+                             note="P killed after prefilling, before D pulls"),
 }
+KILL_BOUND_S = 120.0
+"""How long D may take to fail a request whose P is gone (vLLM's own handshake and transfer
+timeouts decide; the bound only keeps a hang from stalling the run)."""
 
 
 def free_port() -> int:
@@ -77,7 +85,7 @@ def free_port() -> int:
 
 class Engine:
     def __init__(self, name: str, role: str, backend: str, sc: Scenario, site: Path,
-                 model: Path, logs: Path) -> None:
+                 model: Path, logs: Path, gpu: int | None = None) -> None:
         self.name, self.port = name, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ)
@@ -95,6 +103,8 @@ class Engine:
             "VLLM_USE_FLASHINFER_SAMPLER": "0", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on",
         })
         env.update(sc.p_env if role == "kv_producer" else sc.d_env)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--host", "127.0.0.1", "--port", str(self.port), "--model", str(model),
                "--served-model-name", "tiny", "--skip-tokenizer-init", "--enforce-eager", "-O0",
@@ -119,7 +129,7 @@ class Engine:
         self.proc.wait()
 
     def complete(self, prompt: list[int], n: int, kvp: dict | None = None,
-                 salt: str | None = None) -> dict:
+                 salt: str | None = None, timeout_s: float = 120.0) -> dict:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0.0,
                 "ignore_eos": True, "logprobs": 1, "return_token_ids": True,
                 "return_tokens_as_token_ids": True}
@@ -132,7 +142,7 @@ class Engine:
                                      headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()
         try:
-            with urllib.request.urlopen(req, timeout=120) as r:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
                 d = json.loads(r.read())
         except urllib.error.HTTPError as e:
             return {"error": f"HTTP {e.code}: {e.read()[:300]!r}"}
@@ -160,10 +170,13 @@ class Engine:
 
 
 def start_pair(name: str, sc: Scenario, site: Path, model: Path, logs: Path,
-               timeout_s: float = 300) -> tuple[Engine, Engine, float]:
+               two_gpus: bool = False, timeout_s: float = 300) -> tuple[Engine, Engine, float]:
+    """P and D on GPU 0, or P on GPU 0 and D on GPU 1."""
     t0 = time.time()
-    d = Engine(f"{name}-D", "kv_consumer", sc.d_backend, sc, site, model, logs)
-    p = Engine(f"{name}-P", "kv_producer", sc.p_backend, sc, site, model, logs)
+    d = Engine(f"{name}-D", "kv_consumer", sc.d_backend, sc, site, model, logs,
+               gpu=1 if two_gpus else None)
+    p = Engine(f"{name}-P", "kv_producer", sc.p_backend, sc, site, model, logs,
+               gpu=0 if two_gpus else None)
     while time.time() - t0 < timeout_s and not (p.healthy() and d.healthy()):
         if p.proc.poll() is not None or d.proc.poll() is not None:
             break
@@ -203,9 +216,28 @@ def repeat_first_block(kvp: dict) -> dict:
     return {**kvp, "remote_block_ids": wrong}
 
 
+def kill_p(p: Engine, d: Engine, prompts: dict[str, list[int]]) -> dict:
+    """P prefills two requests and dies before D pulls them: D must fail each within the bound
+    and go on serving (a local request, then health)."""
+    names = list(prompts)[-2:]
+    pre = {n: p.complete(prompts[n], 1, dict(PREFILL)) for n in names}
+    p.stop()
+    out: dict = {}
+    for n in names:
+        t0 = time.perf_counter()
+        got = d.complete(prompts[n], MAX_TOKENS, pre[n].get("kvp") or {},
+                         timeout_s=KILL_BOUND_S)
+        out[n] = {"error": got.get("error"), "seconds": round(time.perf_counter() - t0, 1),
+                  "decoded": len(got.get("ids") or [])}
+    local = d.complete(prompts[names[0]], MAX_TOKENS)
+    out["after"] = {"local_ok": len(local.get("ids") or []) == MAX_TOKENS,
+                    "healthy": d.healthy(), "alive": d.proc.poll() is None}
+    return out
+
+
 def run_scenario(name: str, sc: Scenario, prompts: dict[str, list[int]], site: Path,
-                 model: Path, logs: Path) -> dict:
-    p, d, start_s = start_pair(name, sc, site, model, logs)
+                 model: Path, logs: Path, two_gpus: bool = False) -> dict:
+    p, d, start_s = start_pair(name, sc, site, model, logs, two_gpus)
     res: dict = {"scenario": name, "pdpatch": sc.pdpatch, "P": sc.p_backend, "D": sc.d_backend,
                  "hashseed": sc.hashseed, "note": sc.note, "start_s": round(start_s, 1),
                  "requests": {}, "controls": {}}
@@ -237,6 +269,8 @@ def run_scenario(name: str, sc: Scenario, prompts: dict[str, list[int]], site: P
             prompt = prompts[list(prompts)[-2]]
             got = pd_request(p, d, prompt, salt="another-tenant")
             res["salt_mismatch"] = {k: got.get(k) for k in ("error", "pulled")}
+        if sc.kill_p:
+            res["kill_p"] = kill_p(p, d, prompts)
     finally:
         for e in (p, d):
             e.stop()
@@ -290,6 +324,11 @@ def markdown(results: list[dict], gpu: str) -> str:
         note = "; ".join(filter(None, [r.get("note", ""), r.get("error", ""), *errs]))
         if "salt_mismatch" in r:
             note += f"; salt mismatch: pulled={r['salt_mismatch'].get('pulled')}"
+        if "kill_p" in r:
+            k = r["kill_p"]
+            fails = [f"{v['seconds']}s {'error' if v['error'] else 'decoded ' + str(v['decoded'])}"
+                     for n, v in k.items() if n != "after"]
+            note += f"; P killed: {', '.join(fails)}; after: {k['after']}"
         rows.append(f"| {r['scenario']} | {r['pdpatch']} | {r['P']} -> {r['D']} | "
                     f"{r['hashseed']} | {r['start_s']} | {intact}/{len(r['requests'])} | "
                     f"{pulled} | {dl:.1e} | {caught} | {note} |")
@@ -304,6 +343,7 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/pdpatch-gpu-work"),
                     help="model and engine logs (only the summary and a log archive go to --out)")
     ap.add_argument("--tolerances", type=Path, help="gpu_pd.json of an earlier run's reference")
+    ap.add_argument("--two-gpus", action="store_true", help="P on GPU 0, D on GPU 1")
     ap.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -317,13 +357,16 @@ def main() -> int:
     from pdpatch.rig.model import model_dir
 
     model = model_dir(args.work / "model")
-    gpu = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, vLLM 0.25.1"
+    gpu = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+           f"{' (P on GPU 0, D on GPU 1)' if args.two_gpus else ''}, torch {torch.__version__}, "
+           "vLLM 0.25.1")
     rng = random.Random(7)
     prompts = {f"len{n}": [rng.randrange(3, 512) for _ in range(n)] for n in PROMPT_LENGTHS}
     results = []
     for name in args.scenarios:
         print(f"=== {name}", flush=True)
-        results.append(run_scenario(name, SCENARIOS[name], prompts, args.site, model, logs))
+        results.append(run_scenario(name, SCENARIOS[name], prompts, args.site, model, logs,
+                                    args.two_gpus))
     ref = next((r for r in results if r["scenario"] == "ref"), None)
     if ref is not None:
         pairs = {k: (decoded(e["pd"]), decoded(e["base"]), e.get("p_lp0"))

@@ -148,3 +148,12 @@ def test_stage_takes_only_the_kernels_the_engines_load():
     assert not stage.wanted_vllm_member("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so")
     assert not stage.wanted_vllm_member("vllm/third_party/deep_gemm/include/x.cuh")
     assert not stage.wanted_vllm_member("vllm/vllm-rs")
+
+
+def test_results_table_says_how_d_fared_when_p_was_killed():
+    row = {"scenario": "kill-p", "pdpatch": True, "P": "A", "D": "A", "hashseed": "0",
+           "start_s": 1.0, "requests": {}, "controls": {},
+           "kill_p": {"len600": {"error": "HTTP 500", "seconds": 5.2, "decoded": 0},
+                      "after": {"local_ok": True, "healthy": True, "alive": True}}}
+    line = gpu_pd.markdown([row], "GPU").splitlines()[-1]
+    assert "P killed: 5.2s error; after: {'local_ok': True" in line
