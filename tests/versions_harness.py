@@ -64,7 +64,8 @@ RESULT_MARK = "@@PDPATCH-RESULT@@"
 INSTALLED = "0.33.0"          # the venv's vLLM; older releases run from their source trees
 FULL_MATRIX_VAR = "PDPATCH_FULL_MATRIX"
 """``1``: the per-release tests run on every fetched release (``scripts/release_matrix.sh``);
-otherwise on :func:`change_points` of them (the test command, to keep CI within its time)."""
+otherwise on the oldest, the newest and the :func:`change_points` of those in range (the test
+command, to keep CI within its time)."""
 # Where pdpatch keys a fact on the vLLM version: a range's bound or a Version literal.
 _BOUND = re.compile(r'(?:[<>]=?|==|!=)\s*(\d+\.\d+(?:\.\d+)?)\b|Version\("(\d+\.\d+(?:\.\d+)?)"\)')
 
@@ -110,14 +111,6 @@ def change_points(releases: list[str], bounds: set[Version]) -> list[str]:
     return [releases[i] for i in sorted(keep)]
 
 
-def matrix_releases() -> list[str]:
-    """The fetched releases the per-release tests run on (see :data:`FULL_MATRIX_VAR`)."""
-    found = available_versions()
-    if os.environ.get(FULL_MATRIX_VAR) == "1":
-        return found
-    return change_points(found, version_bounds())
-
-
 def release_versions(spec: str = "") -> list[str]:
     """Fetched releases matching ``spec`` (e.g. ``">=0.19,<0.21"``), for parametrize.
 
@@ -131,10 +124,13 @@ def release_versions(spec: str = "") -> list[str]:
 
 def releases_in(versions: Any) -> list[str]:
     """The fetched releases below the installed one inside ``versions`` (a patch's declared
-    ``VersionRange``, or ``vllm_sites.SUPPORTED``), for parametrize (``["<none>"]`` if none)."""
+    ``VersionRange``, or ``vllm_sites.SUPPORTED``) -- all of them, or their change points (see
+    :data:`FULL_MATRIX_VAR`) -- for parametrize (``["<none>"]`` if none)."""
     installed = Version(INSTALLED)
-    return [v for v in matrix_releases()
-            if Version(v) in versions and Version(v) < installed] or ["<none>"]
+    found = [v for v in available_versions() if Version(v) in versions and Version(v) < installed]
+    if os.environ.get(FULL_MATRIX_VAR) != "1":
+        found = change_points(found, version_bounds())
+    return found or ["<none>"]
 
 
 def require_tree(version: str) -> Path:
