@@ -7,9 +7,10 @@ Run on the device machine, from the repository root, with the stage built by
 
     python3 scripts/gpu_pd.py --stage .gpu_stage/vllm-0.25.1 --out "$OUT" ref fa-triton ...
 
-A scenario is ``name`` from :data:`SCENARIOS`.  The first scenario must be the reference (stock,
-same backend on both sides): its first-token drift per prompt sets the tolerances, and its
-controls (P's blocks read one position off; another prompt's KV) must be caught.  Results go
+A scenario is ``name`` from :data:`SCENARIOS`.  The reference ``ref`` (stock, same backend on
+both sides) sets the tolerances from its first-token drift per prompt (or ``--tolerances``
+takes them from an earlier run), and its controls (P's first block read into every block;
+another prompt's KV) must be caught.  Results go
 to ``$OUT/gpu_pd.json`` and a Markdown table to ``$OUT/gpu_pd.md``; every engine's log, compressed,
 to ``$OUT/logs.tar.xz`` (a device run returns at most 8 files).
 """
@@ -32,14 +33,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "lab" / "gpu"))
+sys.path[:0] = [str(REPO / "lab" / "gpu"), str(REPO)]
 
 import oracle  # noqa: E402
 import unpack  # noqa: E402
 
-PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-           "remote_block_ids": None, "remote_host": None, "remote_port": None}
-BLOCK_KEYS_PARAM = "pdpatch_block_keys"
+from pdpatch.patches import block_keys  # noqa: E402
+from pdpatch.rig.proxy import PREFILL_KV_PARAMS as PREFILL  # noqa: E402
+from pdpatch.rig.proxy import TransferStats  # noqa: E402
+from pdpatch.rig.servers import prometheus_counters  # noqa: E402
+
 MAX_TOKENS = 16
 PROMPT_LENGTHS = (7, 16, 17, 100, 600, 1500)
 
@@ -154,18 +157,19 @@ class Engine:
                 "kvp": d.get("kv_transfer_params"), "ms": 1000 * (time.perf_counter() - t0)}
 
     def counters(self) -> dict[str, float]:
-        keys = ("vllm:nixl_xfer_time_seconds_count", "vllm:nixl_bytes_transferred_sum",
-                "vllm:nixl_num_failed_transfers_total")
-        out = dict.fromkeys(keys, 0.0)
         try:
             with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-                text = r.read().decode()
+                return prometheus_counters(r.read().decode())
         except OSError:
-            return out
-        for line in text.splitlines():
-            for k in keys:
-                if line.startswith(k):
-                    out[k] += float(line.rsplit(" ", 1)[1])
+            return {}
+
+    def pulled(self, prompt: list[int], kvp: dict, salt: str | None = None,
+               timeout_s: float = 120.0) -> dict:
+        """A decode with ``kvp``, and how many NIXL transfers (and bytes) it cost D."""
+        before = self.counters()
+        out = self.complete(prompt, MAX_TOKENS, kvp, salt=salt, timeout_s=timeout_s)
+        moved = TransferStats.delta(before, self.counters())
+        out["pulled"], out["bytes"] = moved.transfers, int(moved.bytes)
         return out
 
 
@@ -195,13 +199,7 @@ def pd_request(p: Engine, d: Engine, prompt: list[int], mutate=None, salt=None) 
     kvp = pre["kvp"] or {}
     if mutate is not None:
         kvp = mutate(kvp)
-    before = d.counters()
-    out = d.complete(prompt, MAX_TOKENS, kvp, salt=salt)
-    after = d.counters()
-    out["pulled"] = int(after["vllm:nixl_xfer_time_seconds_count"]
-                        - before["vllm:nixl_xfer_time_seconds_count"])
-    out["bytes"] = int(after["vllm:nixl_bytes_transferred_sum"]
-                       - before["vllm:nixl_bytes_transferred_sum"])
+    out = d.pulled(prompt, kvp, salt=salt)
     out["remote_blocks"] = len(kvp.get("remote_block_ids") or [])
     out["p_lp0"] = (pre.get("lp") or [None])[0]
     return out
@@ -225,8 +223,7 @@ def kill_p(p: Engine, d: Engine, prompts: dict[str, list[int]]) -> dict:
     out: dict = {}
     for n in names:
         t0 = time.perf_counter()
-        got = d.complete(prompts[n], MAX_TOKENS, pre[n].get("kvp") or {},
-                         timeout_s=KILL_BOUND_S)
+        got = d.pulled(prompts[n], pre[n].get("kvp") or {}, timeout_s=KILL_BOUND_S)
         out[n] = {"error": got.get("error"), "seconds": round(time.perf_counter() - t0, 1),
                   "decoded": len(got.get("ids") or [])}
     local = d.complete(prompts[names[0]], MAX_TOKENS)
@@ -259,11 +256,9 @@ def run_scenario(name: str, sc: Scenario, prompts: dict[str, list[int]], site: P
             wrong = pd_request(p, d, prompts[long_a], mutate=repeat_first_block)
             res["controls"]["wrong-blocks"] = {"prompt": long_a, **_slim(wrong)}
             other = p.complete(prompts[long_b][:len(prompts[long_a])], 1, dict(PREFILL))
-            kvp = {k: v for k, v in (other.get("kvp") or {}).items() if k != BLOCK_KEYS_PARAM}
-            before = d.counters()
-            swapped = d.complete(prompts[long_a], MAX_TOKENS, kvp)
-            swapped["pulled"] = int(d.counters()["vllm:nixl_xfer_time_seconds_count"]
-                                    - before["vllm:nixl_xfer_time_seconds_count"])
+            kvp = {k: v for k, v in (other.get("kvp") or {}).items()
+                   if k != block_keys.PARAMS_KEY}
+            swapped = d.pulled(prompts[long_a], kvp)
             res["controls"]["other-prompt"] = {"prompt": long_a, **_slim(swapped)}
         if sc.salt_mismatch:
             prompt = prompts[list(prompts)[-2]]
@@ -351,7 +346,6 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     if not (args.site / "vllm" / "__init__.py").exists():
         print(f"unpacked in {unpack.unpack(args.stage, args.site):.1f}s", flush=True)
-    sys.path.insert(0, str(REPO))
     import torch
 
     from pdpatch.rig.model import model_dir

@@ -157,3 +157,17 @@ def test_results_table_says_how_d_fared_when_p_was_killed():
                       "after": {"local_ok": True, "healthy": True, "alive": True}}}
     line = gpu_pd.markdown([row], "GPU").splitlines()[-1]
     assert "P killed: 5.2s error; after: {'local_ok': True" in line
+
+
+def test_d_transfer_counters_are_summed_over_labels_and_missing_ones_count_zero():
+    from pdpatch.rig.proxy import TransferStats
+    from pdpatch.rig.servers import prometheus_counters
+
+    page = ("# HELP vllm:nixl_xfer_time_seconds x\n"
+            'vllm:nixl_xfer_time_seconds_count{engine="0"} 2.0\n'
+            'vllm:nixl_xfer_time_seconds_count{engine="1"} 1.0\n'
+            "vllm:nixl_bytes_transferred_sum 4096.0\n")
+    after = prometheus_counters(page)
+    assert after["vllm:nixl_xfer_time_seconds_count"] == 3.0
+    moved = TransferStats.delta({}, after)     # an unreachable /metrics reads as {}
+    assert (moved.transfers, moved.bytes, moved.failed) == (3, 4096.0, 0)

@@ -78,6 +78,19 @@ def free_port() -> int:
     raise RuntimeError("could not find a free port")
 
 
+def prometheus_counters(text: str) -> dict[str, float]:
+    """A Prometheus text page's samples, summed over label sets, by metric name."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r"([A-Za-z_:][\w:]*)(?:\{[^}]*\})?\s+(\S+)", line)
+        if m:
+            with contextlib.suppress(ValueError):
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """What one engine server runs.
@@ -208,16 +221,7 @@ class Engine:
 
     def metrics(self) -> dict[str, float]:
         """Prometheus counters from ``/metrics``, summed over label sets, by metric name."""
-        text = self.metrics_text()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if not line or line.startswith("#"):
-                continue
-            m = re.match(r"([A-Za-z_:][\w:]*)(?:\{[^}]*\})?\s+(\S+)", line)
-            if m:
-                with contextlib.suppress(ValueError):
-                    out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-        return out
+        return prometheus_counters(self.metrics_text())
 
     def _signal_group(self, sig: int) -> None:
         # Never signal a group we already reaped: its id could belong to someone else by now.
