@@ -175,16 +175,24 @@ class Engine:
 
 def start_pair(name: str, sc: Scenario, site: Path, model: Path, logs: Path,
                two_gpus: bool = False, timeout_s: float = 300) -> tuple[Engine, Engine, float]:
-    """P and D on GPU 0, or P on GPU 0 and D on GPU 1."""
+    """P and D on GPU 0, or P on GPU 0 and D on GPU 1.  On one GPU, P starts once D is up: an
+    engine that profiles GPU memory while the other is still loading can find no room for its
+    KV cache ("No available memory for the cache blocks", seen on an H100)."""
     t0 = time.time()
+
+    def wait(*engines: Engine) -> None:
+        while time.time() - t0 < timeout_s and not all(e.healthy() for e in engines):
+            if any(e.proc.poll() is not None for e in engines):
+                return
+            time.sleep(1)
+
     d = Engine(f"{name}-D", "kv_consumer", sc.d_backend, sc, site, model, logs,
                gpu=1 if two_gpus else None)
+    if not two_gpus:
+        wait(d)
     p = Engine(f"{name}-P", "kv_producer", sc.p_backend, sc, site, model, logs,
                gpu=0 if two_gpus else None)
-    while time.time() - t0 < timeout_s and not (p.healthy() and d.healthy()):
-        if p.proc.poll() is not None or d.proc.poll() is not None:
-            break
-        time.sleep(1)
+    wait(p, d)
     return p, d, time.time() - t0
 
 
