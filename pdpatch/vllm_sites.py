@@ -213,6 +213,45 @@ def layout_names(version: Version) -> tuple[str, str]:
     return "NHD", "HND"
 
 
+
+# vLLM's in-place head-major -> token-major reorder of received blocks (`enable_permute_local_kv`),
+# as bound in the worker module that calls it.  Up to 0.28 it handles only 4-D caches (one K or
+# V tensor `[N, H, bs, D]`, or packed K|V from 0.26); a blocks-first `[N, 2, bs, H, D]` cache
+# (Triton/FlashInfer <= 0.25, FlashAttention 0.23-0.25) raises in `index_copy_` inside
+# `get_finished`, which kills the worker.  0.29 handles 5-D caches itself.
+RECEIVE_PERMUTE = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "kv_postprocess_layout_on_receive"),
+    _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", "kv_postprocess_layout_on_receive"),
+    _site(">=0.24,<0.29", f"{NIXL_PKG}.base_worker", "kv_postprocess_layout_on_receive"),
+)
+
+# Releases whose receive-side reorder yields the peer's heads in the right place for every cache
+# shape their backends allocate (blocks-first caches through the layout patch's wrapper above),
+# checked on each release's real worker code (`pair_reorder*` in test_kv_segments_harness).
+# 0.26-0.28 reshape the *logical* view of a token-major cache, whose logical shape is head-major
+# `(N, H, bs, 2D)` there, instead of its memory order: the reordered blocks come out scrambled.
+# 0.29+ (5-D LBNHC names) not checked yet.
+RECEIVE_PERMUTE_SOUND = VersionRange(">=0.19,<0.26")
+
+
+def reorders_heads_on_receive(worker: Any, meta: Any, version: Version) -> bool:
+    """Whether the release itself will reorder this peer's heads after each receive, rightly.
+
+    Every release 0.19-0.33 has the same rule in ``_validate_remote_agent_handshake``: with
+    ``kv_transfer_config.enable_permute_local_kv`` on, a head-major peer (``HND``; ``LBHNC``
+    from 0.29) of a token-major decode worker (``NHD``/``LBNHC``) is accepted and the worker
+    permutes the received blocks in place.  With a CPU host buffer the layouts compared are
+    the buffer's (head-major then), so nothing is reordered on the device.
+    """
+    ktc = getattr(worker, "kv_transfer_config", None)
+    if version not in RECEIVE_PERMUTE_SOUND or not getattr(ktc, "enable_permute_local_kv", False) \
+            or getattr(worker, "use_host_buffer", False):
+        return False
+    token_major, head_major = layout_names(version)
+    return getattr(worker, "kv_cache_layout", None) == token_major and \
+        getattr(meta, "kv_cache_layout", None) == head_major
+
+
 # How a release records "this request's KV load failed" on the decode worker (read from each
 # release's `_handle_failed_transfer`, `get_finished`/`get_transfer_results` and worker __init__):
 #   set      0.19-0.21  `_invalid_block_ids: set`, `_failed_recv_reqs: set`; the release's own

@@ -58,6 +58,8 @@ class Scenario:
     controls: bool = False
     salt_mismatch: bool = False         # one extra request whose D-side cache_salt differs
     kill_p: bool = False                # last: P killed after prefilling, before D pulls
+    p_stock: bool = False               # P without pdpatch even where D has it
+    d_ktc: dict = field(default_factory=dict)   # more --kv-transfer-config keys for D
     note: str = ""
 
 
@@ -74,6 +76,16 @@ SCENARIOS: dict[str, Scenario] = {
                        note="P killed after prefilling, before D pulls"),
     "stock-kill-p": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", kill_p=True,
                              note="P killed after prefilling, before D pulls"),
+    # D token-major (the layout kvcached forces), P stock head-major
+    "stock-nhd": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", d_env={"VLLM_KV_CACHE_LAYOUT": "NHD"},
+                          note="D token-major, P head-major"),
+    "stock-nhd-permute": Scenario(False, "FLASH_ATTN", "FLASH_ATTN",
+                                  d_env={"VLLM_KV_CACHE_LAYOUT": "NHD"},
+                                  d_ktc={"enable_permute_local_kv": True},
+                                  note="D token-major with vLLM's enable_permute_local_kv"),
+    "nhd": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, controls=True,
+                    d_env={"PDPATCH_LAYOUT_FORCE": "1"},
+                    note="D token-major by pdpatch's layout override, P stock"),
 }
 KILL_BOUND_S = 120.0
 """How long D may take to fail a request whose P is gone (vLLM's own handshake and transfer
@@ -93,13 +105,14 @@ class Engine:
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ)
         path = [str(site)]
-        if sc.pdpatch:
+        pdpatch = sc.pdpatch and not (role == "kv_producer" and sc.p_stock)
+        if pdpatch:
             path = [str(REPO / "sitecustomize"), str(REPO), *path]
         env.pop("PYTHONHASHSEED", None)
         if sc.hashseed is not None:
             env["PYTHONHASHSEED"] = sc.hashseed
         env.update({
-            "PYTHONPATH": os.pathsep.join(path), "ENABLE_PDPATCH": str(sc.pdpatch).lower(),
+            "PYTHONPATH": os.pathsep.join(path), "ENABLE_PDPATCH": str(pdpatch).lower(),
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1",
             "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -114,7 +127,8 @@ class Engine:
                "--max-model-len", "2048", "--gpu-memory-utilization", "0.12", "--seed", "0",
                "--attention-backend", backend, "--no-enable-prefix-caching",
                "--kv-transfer-config",
-               json.dumps({"kv_connector": "NixlConnector", "kv_role": role})]
+               json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
+                           **(sc.d_ktc if role == "kv_consumer" else {})})]
         self.log = logs / f"{name}.log"
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log.open("wb"),
                                      stderr=subprocess.STDOUT, start_new_session=True)

@@ -13,6 +13,7 @@ from kv_helpers import LAYOUTS, LayoutSpec, build_side, expected_copy, simulate
 from pdpatch.kv import (
     BlockIdError,
     GeometryMismatch,
+    HeadOrderMismatch,
     HeadSlice,
     PairPlan,
     as_tuples,
@@ -197,6 +198,26 @@ def test_mismatches_raise(lspec, rspec, lh, rh, kw, match) -> None:
     b = build_side(rspec, 1, 4, 4, rh, 4, 1)
     with pytest.raises(GeometryMismatch, match=match):
         PairPlan(_geo(a, 4), _geo(b, 4), **kw)
+
+
+def test_head_order_passes_verbatim_only_where_the_receiver_reorders() -> None:
+    """A token-major decode may take a head-major peer's segments byte for byte when it
+    reorders them after receive (vLLM's enable_permute_local_kv): equal TP and block sizes
+    only, and never the other way round."""
+    N, bs, H, D = 6, 4, 2, 4
+    tok = build_side(LayoutSpec("fused", head_major=False), 2, N, bs, H, D, 2)
+    head = build_side(LayoutSpec("fa_split"), 2, N, bs, H, D, 2)
+    local, remote = _geo(tok, N), _geo(head, N)
+    with pytest.raises(HeadOrderMismatch, match="nothing reorders them"):
+        PairPlan(local, remote)
+    plan = PairPlan(local, remote, receiver_reorders_heads=True)
+    assert plan.converts
+    descs = plan.descs([1, 2], [4, 5])
+    assert set(descs.length.tolist()) == {bs * H * D * 2}          # whole segments
+    with pytest.raises(HeadOrderMismatch, match="only with equal TP and block sizes"):
+        PairPlan(local, remote, receiver_reorders_heads=True, block_size_ratio=2)
+    with pytest.raises(HeadOrderMismatch, match="nothing reorders them"):
+        PairPlan(remote, local, receiver_reorders_heads=True)     # head-major receiver
 
 
 def test_layer_count_mismatch() -> None:

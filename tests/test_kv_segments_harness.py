@@ -27,6 +27,7 @@ import ctypes
 import importlib
 import inspect
 import os
+import sys
 import threading
 import traceback
 from collections.abc import Iterator
@@ -159,11 +160,19 @@ class Side:
 
 
 @contextlib.contextmanager
-def runtime(tp_rank: int, tp_size: int, backend: type) -> Iterator[Any]:
+def runtime(tp_rank: int, tp_size: int, backend: type, layout: str | None = None
+            ) -> Iterator[Any]:
+    """The worker module as one rank of ``backend`` sees it; ``layout`` (<= 0.28) overrides the
+    KV layout name for the worker and the backend's stride order (per side, unlike
+    ``VLLM_KV_CACHE_LAYOUT``)."""
     mod = rw.worker_module()
     patches = [patch.object(mod, "NixlWrapper", CopyingNixlWrapper),
                patch.object(mod, "get_tensor_model_parallel_rank", return_value=tp_rank),
                patch.object(mod, "get_tensor_model_parallel_world_size", return_value=tp_size)]
+    if layout is not None:
+        for owner in (mod, sys.modules[backend.__module__]):
+            if hasattr(owner, "get_kv_cache_layout"):
+                patches.append(patch.object(owner, "get_kv_cache_layout", return_value=layout))
     if hasattr(mod, "get_current_attn_backends"):
         patches.append(patch.object(mod, "get_current_attn_backends", return_value=[backend]))
     if hasattr(mod, "get_current_attn_backend"):
@@ -176,21 +185,24 @@ def runtime(tp_rank: int, tp_size: int, backend: type) -> Iterator[Any]:
 
 def build(engine_id: str, role: str, backend: str, *, num_blocks: int = 12,
           kv_heads: int = 2, tp_rank: int = 0, tp_size: int = 1, block_size: int = 16,
-          seed: int = 0, extra: dict | None = None) -> Side:
-    """A real worker of the running release with ``backend``'s KV tensors registered."""
+          seed: int = 0, extra: dict | None = None, layout: str | None = None,
+          env: dict[str, str] | None = None, permute: bool = False) -> Side:
+    """A real worker of the running release with ``backend``'s KV tensors registered
+    (``env``: environment while it is built, e.g. pdpatch settings of that engine)."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     cfg = rw.vllm_config("llama", kv_heads, role, tp_size, extra)
     cfg.cache_config.block_size = block_size
+    cfg.kv_transfer_config.enable_permute_local_kv = permute
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
     heads = max(1, kv_heads // tp_size)
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=HEAD_DIM,
                              dtype=DTYPE)
     kvc = rw.kv_cache_config(num_blocks, layers, spec)
     cls = backend_class(backend)
-    with runtime(tp_rank, tp_size, cls), set_current_vllm_config(cfg), \
-            patch("threading.Thread"):
+    with runtime(tp_rank, tp_size, cls, layout), set_current_vllm_config(cfg), \
+            patch("threading.Thread"), patch.dict(os.environ, env or {}):
         worker = rw.worker_class()(cfg, engine_id, kvc)
         caches = allocate(cls, num_blocks, block_size, heads, seed, layers)
         worker.register_kv_caches(caches)
@@ -412,6 +424,22 @@ def scenario_pair(p_backend: str = P_BACKEND, d_backend: str = D_BACKEND,
     return out
 
 
+def scenario_pair_reorder(d_env: dict[str, str], d_backend: str = D_BACKEND,
+                          permute: bool = False) -> dict[str, Any]:
+    """Head-major P (FlashAttention, stock layout) -> D token-major (kvcached's layout, forced
+    with pdpatch's settings ``d_env``; ``permute``: vLLM's ``enable_permute_local_kv`` set by
+    the operator): blocks 4, 5, 6 of P into 1, 2, 3 of D."""
+    _reset()
+    p = build("prefill", "kv_producer", P_BACKEND, num_blocks=12, seed=1, layout="HND")
+    d = build("decode", "kv_consumer", d_backend, num_blocks=10, seed=2, layout="NHD",
+              env=d_env, permute=permute)
+    out = pull(d, {0: p}, [1, 2, 3], [4, 5, 6])
+    out["mismatches"] = compare(d, p, [(1, 4), (2, 5), (3, 6)])
+    out["permute_flag"] = bool(d.worker.kv_transfer_config.enable_permute_local_kv)
+    out["stats"] = _stats()
+    return out
+
+
 def scenario_pair_unstaged() -> dict[str, Any]:
     """``pair`` with staging off (``PDPATCH_KV_STAGING_MIB=0``): per-segment READs."""
     with patch.dict(os.environ, {"PDPATCH_KV_STAGING_MIB": "0"}):
@@ -588,6 +616,11 @@ SCENARIOS = {
         d_extra={"enforce_handshake_compat": False}),
     # CPU attention wants blocks of a multiple of 32 tokens from 0.23
     "pair_cpu": lambda: scenario_pair("CPU_ATTN", P_BACKEND, block_size=32),
+    "pair_reorder": lambda: scenario_pair_reorder({"PDPATCH_LAYOUT_FORCE": "1"}),
+    "pair_reorder_off": lambda: scenario_pair_reorder(
+        {"PDPATCH_LAYOUT_FORCE": "1", "PDPATCH_LAYOUT_PERMUTE": "0"}),
+    # the operator's own enable_permute_local_kv, same backend on both sides (stock vLLM)
+    "pair_reorder_same": lambda: scenario_pair_reorder({}, P_BACKEND, permute=True),
     "tp_up": scenario_tp_up,
     "tp_down": scenario_tp_down,
     "block_ratio": scenario_block_ratio,

@@ -29,7 +29,7 @@ import pytest
 from packaging.version import Version
 from versions_harness import releases_in, run_in_release
 
-from pdpatch import installer
+from pdpatch import installer, vllm_sites
 from pdpatch.patches import kv_segments
 
 SPLIT_ERA = Version("0.23")      # FlashAttention blocks-first from 0.23
@@ -37,6 +37,14 @@ PACKED_ERA = Version("0.26")
 TRITON_HND = Version("0.20")     # 0.19's Triton ignores the HND layout NIXL asks for
 
 STOCK = ["pair", "pair_no_enforce"]
+# A head-major P and a token-major D (kvcached's layout) with vLLM's receive-side reorder:
+# releases whose reorder is right (`vllm_sites.RECEIVE_PERMUTE_SOUND`).
+REORDER = ["pair_reorder", "pair_reorder_off", "pair_reorder_same"]
+
+
+def stock_scenarios(version: Version) -> list[str]:
+    return [*STOCK, "pair_reorder_same"] if version in vllm_sites.RECEIVE_PERMUTE_SOUND \
+        else STOCK
 
 
 def patched_scenarios(version: Version) -> list[str]:
@@ -59,6 +67,8 @@ def patched_scenarios(version: Version) -> list[str]:
         names += ["pair_cpu"]
     if version >= Version("0.33"):
         names += ["restore"]
+    if version in vllm_sites.RECEIVE_PERMUTE_SOUND:
+        names += REORDER
     return [*names, "globals"]           # last: it uninstalls pdpatch
 
 
@@ -85,7 +95,8 @@ def report(key: str) -> dict[str, Any]:
             finally:
                 installer.uninstall()
         else:
-            stock, patched, env = STOCK, patched_scenarios(Version(ver)), None
+            stock, patched = stock_scenarios(Version(ver)), patched_scenarios(Version(ver))
+            env = None
             if Version(ver) < TRITON_HND:
                 env = {"VLLM_KV_CACHE_LAYOUT": "NHD"}
             if variant == "hnd":
@@ -333,3 +344,41 @@ def test_triton_ignoring_hnd_is_refused_not_garbled() -> None:
     for name in ("pair", "pair_reverse"):
         out = scenario(f"{ver}+hnd", "patched", name)
         refused(out, "GeometryMismatch", "head-major", "token-major")
+
+
+# ------------------------------------------------------------ head-major P, token-major D
+
+
+REORDER_VERSIONS = [ver for ver in VERSIONS if v(ver) in vllm_sites.RECEIVE_PERMUTE_SOUND]
+
+
+@pytest.mark.parametrize("ver", REORDER_VERSIONS)
+def test_stock_reorder_on_receive(ver: str) -> None:
+    """vLLM's own enable_permute_local_kv, same backend on both sides: right for K/V-first
+    FlashAttention (<= 0.22, 4-D K and V caches), but blocks-first FlashAttention (0.23-0.25)
+    hands the 5-D cache to a reorder written for 4-D ones -- the decode worker dies on the first
+    received block (IndexError in index_copy_, raised in get_finished)."""
+    out = scenario(ver, "stock", "pair_reorder_same")
+    if v(ver) < SPLIT_ERA:
+        ok_pull(out, [1, 2, 3])
+    else:
+        assert out["crash"] is not None and "index_copy_" in out["crash"], out["crash"]
+
+
+@pytest.mark.parametrize("ver", REORDER_VERSIONS)
+@pytest.mark.parametrize("name", ["pair_reorder", "pair_reorder_same"])
+def test_head_major_prefill_into_token_major_decode(ver: str, name: str) -> None:
+    """With pdpatch: a decode engine forced token-major (as kvcached forces it) turns on vLLM's
+    reorder itself, kv_segments copies P's head-major segments verbatim (a split <-> fused
+    conversion up to 0.22), and D's blocks then hold exactly P's K and V -- blocks-first caches
+    included.  The operator's own flag on a same-backend pair works too."""
+    out = scenario(ver, "patched", name)
+    ok_pull(out, [1, 2, 3])
+    assert out["permute_flag"] is True
+
+
+@pytest.mark.parametrize("ver", REORDER_VERSIONS)
+def test_head_order_left_alone_is_refused_by_name(ver: str) -> None:
+    out = scenario(ver, "patched", "pair_reorder_off")
+    assert out["permute_flag"] is False
+    refused(out, "HeadOrderMismatch", "enable_permute_local_kv", "PDPATCH_LAYOUT_FORCE=1")

@@ -61,6 +61,12 @@ class GeometryMismatch(KVPlanError):
         super().__init__("; ".join(parts))
 
 
+class HeadOrderMismatch(GeometryMismatch):
+    """Same segments, heads ordered differently inside them (head-major vs token-major): the
+    bytes mean different things unless the receiver reorders them after the transfer."""
+
+
+
 class BlockIdError(KVPlanError):
     """Block ids outside a geometry's planned blocks, or block lists that do not pair up."""
 

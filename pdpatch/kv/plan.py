@@ -32,6 +32,7 @@ import numpy as np
 from pdpatch.kv.geometry import (
     BlockIdError,
     GeometryMismatch,
+    HeadOrderMismatch,
     KVGeometry,
     LayerGeometry,
 )
@@ -147,7 +148,7 @@ def _shape_key(la: LayerGeometry) -> tuple:
 
 def _pair_layer(
     li: int, la: LayerGeometry, ra: LayerGeometry, p: int, pi: int, q: int, qi: int, r: int,
-    fail: Callable[[str], GeometryMismatch],
+    fail: Callable[..., GeometryMismatch], receiver_reorders_heads: bool = False,
 ) -> list[tuple[int, int, int, int]]:
     """Validate one layer pair; per segment ``(local offset, remote offset, local chunk,
     transfer length)`` with the head-slice offsets applied."""
@@ -158,11 +159,17 @@ def _pair_layer(
             "into K and V byte ranges"
         )
     if la.head_major is not None and ra.head_major is not None and la.head_major != ra.head_major:
-        raise fail(
-            f"layer {li}: local segments are {'head' if la.head_major else 'token'}-major, "
-            f"remote {'head' if ra.head_major else 'token'}-major; the bytes mean different "
-            "things"
-        )
+        # Whole segments copied verbatim are right when the receiver reorders a head-major
+        # peer's heads after the transfer (vLLM's `enable_permute_local_kv`), which it does
+        # for equal block sizes without head slices.
+        reorders = bool(receiver_reorders_heads and ra.head_major)
+        if not (reorders and p == q == r == 1):
+            why = ("the receiver reorders heads only with equal TP and block sizes" if reorders
+                   else "nothing reorders them, so the bytes mean different things")
+            raise fail(
+                f"layer {li}: local segments are {'head' if la.head_major else 'token'}-major, "
+                f"remote {'head' if ra.head_major else 'token'}-major; {why}",
+                HeadOrderMismatch)
     for side, geo, parts in (("local", la, p), ("remote", ra, q)):
         if parts > 1 and geo.head_major is False:
             raise fail(
@@ -216,6 +223,7 @@ class PairPlan:
         local_slice: HeadSlice | None = None,
         remote_slice: HeadSlice | None = None,
         block_size_ratio: int = 1,
+        receiver_reorders_heads: bool = False,
     ) -> None:
         self.local = local
         self.remote = remote
@@ -223,8 +231,9 @@ class PairPlan:
         self.remote_slice = remote_slice or HeadSlice()
         self.block_size_ratio = r = int(block_size_ratio)
 
-        def fail(reason: str) -> GeometryMismatch:
-            return GeometryMismatch(reason, local, remote)
+        def fail(reason: str, kind: type[GeometryMismatch] = GeometryMismatch
+                 ) -> GeometryMismatch:
+            return kind(reason, local, remote)
 
         if r < 1 or r != block_size_ratio:
             raise fail(f"block-size ratio must be a positive integer, got {block_size_ratio}")
@@ -244,7 +253,8 @@ class PairPlan:
             key = (_shape_key(la), _shape_key(ra))
             segs = checked.get(key)
             if segs is None:
-                segs = checked[key] = _pair_layer(li, la, ra, p, pi, q, qi, r, fail)
+                segs = checked[key] = _pair_layer(li, la, ra, p, pi, q, qi, r, fail,
+                                                   receiver_reorders_heads)
             for l_off, r_off, chunk, n in segs:
                 l_base.append(la.base + l_off)
                 l_stride.append(la.block_stride)

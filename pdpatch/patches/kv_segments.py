@@ -694,6 +694,13 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
     return args[index] if len(args) > index else default
 
 
+HEAD_ORDER_ADVICE = (
+    "To pair a head-major prefill with a token-major decode (kvcached, PDPATCH_LAYOUT_FORCE), "
+    "set enable_permute_local_kv=true in the decode engine's --kv-transfer-config (pdpatch's "
+    "layout patch does so where it makes the decode engine token-major, on vLLM 0.19-0.25), "
+    "or run the prefill engine token-major too (PDPATCH_LAYOUT_FORCE=1)")
+
+
 def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version) -> Conversion | None:
     """None: stock code is right for this peer.  A :class:`Conversion`: K/V placements differ
     and pdpatch's descriptors replace vLLM's.  Raises :class:`GeometryMismatch` for a peer whose
@@ -702,6 +709,7 @@ def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version) -> 
         KIND_FUSED,
         KIND_PACKED,
         GeometryMismatch,
+        HeadOrderMismatch,
         PairPlan,
         UnsupportedLayout,
         as_tuples,
@@ -742,6 +750,7 @@ def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version) -> 
                 "blocks into blocks-first (fused K|V) memory: its V descriptors are not "
                 "divided by the block-size ratio (the reads would overrun into the next "
                 "block); use equal block sizes or a split (K/V-first) decode layout")
+        reorders = vllm_sites.reorders_heads_on_receive(worker, meta, version)
         remote = remote_geometry(meta, local.num_layers,
                                  KIND_PACKED if local.kind == KIND_PACKED else "auto",
                                  max(1, total // int(remote_tp_size)), advertised)
@@ -749,14 +758,14 @@ def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version) -> 
             # Mixed backend names, same placement: accept only an exact byte pairing.
             mine = local.true if (advertised is not None and local.true is not None) else local.view
             PairPlan(mine, remote, local_slice=sl.local, remote_slice=sl.remote,
-                     block_size_ratio=sl.block_size_ratio)
+                     block_size_ratio=sl.block_size_ratio, receiver_reorders_heads=reorders)
             _count("mixed_accepted")
             logger.info("pdpatch kv_segments: accepting %s peer %s for local %s: identical "
                         "%s geometry (%s)", remote_name or "?", meta.engine_id, local_name,
                         remote_kind, remote.describe())
             return None
         plan = PairPlan(local.view, remote, local_slice=sl.local, remote_slice=sl.remote,
-                        block_size_ratio=sl.block_size_ratio)
+                        block_size_ratio=sl.block_size_ratio, receiver_reorders_heads=reorders)
         descs = as_tuples(plan.remote_table())
         return Conversion(meta, _shadow(meta, remote, local.kind), plan, descs, sl.remote.index)
     except (GeometryMismatch, UnsupportedLayout) as exc:
@@ -765,6 +774,8 @@ def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version) -> 
         err = exc if isinstance(exc, GeometryMismatch) else GeometryMismatch(str(exc))
         if err.local is None:
             err = GeometryMismatch(err.reason, local.view, err.remote)
+        if isinstance(err, HeadOrderMismatch):
+            err = HeadOrderMismatch(f"{err.reason}. {HEAD_ORDER_ADVICE}", err.local, err.remote)
         _count("rejected", str(err))
         logger.error("pdpatch kv_segments: refusing peer %s (backend %s; local %s): %s",
                      getattr(meta, "engine_id", "?"), remote_name or "?", local_name, err)

@@ -20,13 +20,19 @@ head-major, a ``MultiConnector`` sibling, ``VLLM_KV_CACHE_LAYOUT``, a preset
 ``cache_config.kv_cache_layout``), startup fails with a message naming the component and what to
 change, instead of kvcached crashing later on a tensor it cannot re-stride.
 
+A decode engine whose layout the override made token-major also turns on vLLM's own
+``enable_permute_local_kv`` in its NIXL workers (:func:`let_decode_reorder`): stock prefill
+engines stay head-major, and the release then accepts them and reorders their blocks after
+receive instead of refusing every request.
+
 On 0.19 (no upstream guard) a handshake that would split heads across heterogeneous TP on a
 token-major layout is rejected: 0.19 slices a token-major block as if it were head-major and
 corrupts data silently.  vLLM 0.20 added the same check.
 
 Settings: toggle ``PDPATCH_LAYOUT``; per deployment ``kv_connector_extra_config["pdpatch"]``
 ``{"layout": false}`` switches it off, ``{"layout_force": true}`` forces token-major without
-kvcached (``PDPATCH_LAYOUT_FORCE=1`` does the same).
+kvcached (``PDPATCH_LAYOUT_FORCE=1`` does the same), ``{"layout_permute": false}`` (or
+``PDPATCH_LAYOUT_PERMUTE=0``) leaves ``enable_permute_local_kv`` as configured.
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ from pdpatch.registry import Patch, Target
 
 FORCE_KEY = "layout_force"
 FORCE_ENV = "PDPATCH_LAYOUT_FORCE"
+PERMUTE_KEY = "layout_permute"
+PERMUTE_ENV = "PDPATCH_LAYOUT_PERMUTE"
+DECODE_ROLES = ("kv_consumer", "kv_both")
 
 
 class LayoutForcedError(RuntimeError):
@@ -76,20 +85,28 @@ def _extra_config(vllm_config: Any) -> Mapping | None:
     return extra if isinstance(extra, Mapping) else None
 
 
-def _forced(extra: Mapping | None, env: Mapping[str, str] | None = None) -> tuple[bool, str]:
+def _setting(extra: Mapping | None, key: str, env_var: str,
+             env: Mapping[str, str] | None = None) -> tuple[bool | None, str]:
+    """A boolean pdpatch setting of this deployment: the extra-config key wins over the
+    environment; ``(None, "")`` where neither sets it."""
     env = os.environ if env is None else env
     section = (extra or {}).get(config.EXTRA_CONFIG_KEY)
-    if isinstance(section, Mapping) and FORCE_KEY in section:
-        value = section[FORCE_KEY]
+    if isinstance(section, Mapping) and key in section:
+        value = section[key]
         if not isinstance(value, bool):
             raise config.ConfigError(
-                f'kv_connector_extra_config["{config.EXTRA_CONFIG_KEY}"]["{FORCE_KEY}"] must be '
+                f'kv_connector_extra_config["{config.EXTRA_CONFIG_KEY}"]["{key}"] must be '
                 f"true or false, got {value!r}")
-        if value:
-            return True, f'kv_connector_extra_config["pdpatch"]["{FORCE_KEY}"]=true'
-    if FORCE_ENV in env and config.parse_bool(FORCE_ENV, env[FORCE_ENV]):
-        return True, f"{FORCE_ENV}=1"
-    return False, ""
+        return value, f'kv_connector_extra_config["pdpatch"]["{key}"]={str(value).lower()}'
+    if env_var in env:
+        value = config.parse_bool(env_var, env[env_var])
+        return value, f"{env_var}={int(value)}"
+    return None, ""
+
+
+def _forced(extra: Mapping | None, env: Mapping[str, str] | None = None) -> tuple[bool, str]:
+    value, why = _setting(extra, FORCE_KEY, FORCE_ENV, env)
+    return bool(value), why if value else ""
 
 
 def decide(vllm_config: Any, state: kvcached.KvcachedState | None = None,
@@ -143,16 +160,20 @@ def _hint_peer(vllm_config: Any, token_major: str, head_major: str) -> None:
         _status.hinted = True
     ktc = getattr(vllm_config, "kv_transfer_config", None)
     role = getattr(ktc, "kv_role", None)
-    permute = bool(getattr(ktc, "enable_permute_local_kv", False))
-    if role == "kv_consumer" and permute:
-        logger.info("pdpatch layout: this engine uses %s; a stock peer uses %s, and "
-                    "enable_permute_local_kv=true on this decode engine makes the pair work.",
-                    token_major, head_major)
-        return
-    if role == "kv_consumer":
-        advice = ("set kv_transfer_config.enable_permute_local_kv=true on this decode engine "
-                  "(it then permutes received blocks), or run the prefill engine with "
-                  "pdpatch's layout override too")
+    if role in DECODE_ROLES and _version() in vllm_sites.RECEIVE_PERMUTE_SOUND:
+        reorder, why = _reorder_setting(vllm_config)
+        if reorder is not False:
+            logger.info("pdpatch layout: this engine uses %s and a stock peer %s; its NIXL "
+                        "workers run with enable_permute_local_kv, so vLLM reorders a "
+                        "head-major peer's blocks after receive.", token_major, head_major)
+            return
+        advice = (f"set kv_transfer_config.enable_permute_local_kv=true on this decode engine "
+                  f"({why} keeps pdpatch from doing it), or run the prefill engine with "
+                  f"pdpatch's layout override too")
+    elif role in DECODE_ROLES:
+        advice = ("run the prefill engine with pdpatch's layout override too (vLLM "
+                  f"{_version()}'s enable_permute_local_kv does not reorder this cache's "
+                  "blocks correctly)")
     else:
         advice = ("vLLM rejects a token-major prefill paired with a head-major decode; run "
                   "the decode engine with the same override (pdpatch layout_force, or "
@@ -160,6 +181,59 @@ def _hint_peer(vllm_config: Any, token_major: str, head_major: str) -> None:
     logger.warning("pdpatch layout: this engine uses KV layout %s; a stock vLLM peer (no "
                    "kvcached) uses %s and the handshake will fail unless you %s.",
                    token_major, head_major, advice)
+
+
+def _reorder_setting(vllm_config: Any) -> tuple[bool | None, str]:
+    """The operator's word on turning on ``enable_permute_local_kv`` (None: not said)."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    if getattr(ktc, "enable_permute_local_kv", False):
+        return True, "kv_transfer_config.enable_permute_local_kv=true"
+    return _setting(_extra_config(vllm_config), PERMUTE_KEY, PERMUTE_ENV)
+
+
+def let_decode_reorder(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Wrapper of the NIXL worker's ``register_kv_caches``: a decode worker whose layout pdpatch
+    made token-major turns on vLLM's own ``enable_permute_local_kv`` first.
+
+    Prefill engines are stock (head-major) and cannot know that some decode engine runs
+    kvcached; without the flag every request from them fails at the handshake ("Heterogeneous
+    TP expects same kv_cache_layout").  With it the release accepts a head-major peer and
+    permutes the received blocks in place (its own code path, which vLLM's XPU platform turns
+    on unconditionally); token-major peers are unaffected.  Set here, in the worker, on the
+    config object the worker reads: from 0.29 the layout is resolved in EngineCore, whose
+    config is not the one multiprocess workers hold.
+    """
+    vllm_config = getattr(instance, "vllm_config", None)
+    ktc = getattr(instance, "kv_transfer_config", None)
+    token_major, _ = vllm_sites.layout_names(_version())
+    if _version() in vllm_sites.RECEIVE_PERMUTE_SOUND and \
+            getattr(ktc, "kv_role", None) in DECODE_ROLES and \
+            getattr(instance, "kv_cache_layout", None) == token_major and \
+            not getattr(ktc, "enable_permute_local_kv", True) and decide(vllm_config)[0]:
+        reorder, why = _reorder_setting(vllm_config)
+        if reorder is False:
+            logger.info("pdpatch layout: enable_permute_local_kv left off (%s)", why)
+        else:
+            ktc.enable_permute_local_kv = True
+            logger.warning("pdpatch layout: turned on kv_transfer_config.enable_permute_local_kv "
+                           "on this %s decode worker, so vLLM accepts head-major (stock) "
+                           "prefill engines and reorders their blocks after receive (%s=0 "
+                           "keeps it off)", token_major, PERMUTE_ENV)
+    return wrapped(*args, **kwargs)
+
+
+def reorder_blocks_first(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Wrapper of vLLM's ``kv_postprocess_layout_on_receive(cache, indices)`` (0.19-0.28): a
+    blocks-first cache ``[N, 2, bs, H, D]`` is reordered as its K and its V views, each the
+    4-D ``[N, bs, H, D]`` the release's function is written for.  Stock raises there, in
+    ``get_finished``, and the decode worker dies on the first block it receives."""
+    cache = args[0] if args else kwargs["cache"]
+    if getattr(cache, "ndim", 4) != 5 or cache.shape[1] != 2:
+        return wrapped(*args, **kwargs)
+    indices = args[1] if len(args) > 1 else kwargs["indices"]
+    for kv in (0, 1):
+        wrapped(cache[:, kv], indices)
+    return None
 
 
 # -------------------------------------------------------------------------- layout in force
@@ -351,6 +425,12 @@ def _targets(version: Version) -> list[Target]:
             wrapper = get_layout_checked if s.qualname == "get_kv_cache_layout" \
                 else resolve_checked
             out.append(Target(s.module, s.qualname, wrapper))
+    site = vllm_sites.lookup(vllm_sites.REGISTER_KV_CACHES, version)
+    if site is not None:
+        out.append(Target(site.module, site.qualname, let_decode_reorder))
+    site = vllm_sites.lookup(vllm_sites.RECEIVE_PERMUTE, version)
+    if site is not None:
+        out.append(Target(site.module, site.qualname, reorder_blocks_first))
     if versions.release_of(version) < Version("0.20"):
         site = vllm_sites.lookup(vllm_sites.VALIDATE_HANDSHAKE, version)
         if site is not None:
@@ -383,6 +463,6 @@ PATCH = Patch(
     versions=vllm_sites.SUPPORTED,
     why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
     targets=_targets,
-    options=(FORCE_ENV,),
+    options=(FORCE_ENV, PERMUTE_ENV),
     runtime_status=status_line,
 )
