@@ -45,12 +45,13 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(sys.path[0], "lab"))
 
+from kv_reference import coalesce
 from pdpatch.kv import (
     BlockIdError,
     KVGeometry,
     PairPlan,
-    coalesce,
     infer_geometry,
     tensor_info,
 )

@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kv_helpers import LayoutSpec, build_side, expected_copy, simulate
 
-from pdpatch.kv import HeadSlice, KVPlanError, PairPlan, coalesce, infer_geometry
+from kv_reference import coalesce
+from pdpatch.kv import HeadSlice, KVPlanError, PairPlan, infer_geometry
 from pdpatch.kv.stage import (
     CopyPlan,
     TransportCost,

@@ -1,23 +1,29 @@
-"""Fewer descriptors for the same bytes: merged ranges and NIXL >= 1.5 strided rows.
-
-Why: with NIXL the cost of a transfer is mostly per descriptor (about 2.8 µs each on an H200
-over cuda_ipc, see research/gpu_probe.md), so a split->fused conversion that emits one
-descriptor per segment runs at half the fused path's speed, and far less for runs of
-consecutive blocks, which the fused path merges.  Two tools:
+"""Descriptor planning that pdpatch's runtime never calls: the references and bench forms
+that tests and benches compare pdpatch's runtime planning against (lab code, not in the wheel).
 
 * :func:`coalesce` -- merge descriptor pairs whose local AND remote ranges are both contiguous
   (fused<->fused runs collapse to one descriptor per run; a split side stays per segment,
-  because its K and V are apart).  Same bytes moved, fewer descriptors.
+  because its K and V are apart).  Same bytes moved, fewer descriptors.  With NIXL the cost of
+  a transfer is mostly per descriptor (about 2.8 µs each on an H200 over cuda_ipc, see
+  research/gpu_probe.md), which is what the benches measure against.
 * strided rows ``(addr, len, dev, stride, count)`` -- NIXL >= 1.5's compressed descriptor
   list (``prep_xfer_dlist`` with an Nx5 array): :func:`strided_pair_rows` compresses runs of
-  equal-length, equally-spaced descriptor pairs, :func:`expand_strided` restores Nx3.
+  equal-length, equally-spaced descriptor pairs, :func:`expand_strided` restores Nx3 and
+  :func:`plan_from_nx3` pairs two Nx3 lists back into a plan.
+* :func:`vllm_remote_descs` / :func:`vllm_local_descs` -- the per-peer descriptor lists of a
+  patched ``_build_fa_remote`` / ``_build_fa_local`` in each release's form (tuples, Nx3, Nx5),
+  built independently of :meth:`~pdpatch.kv.plan.PairPlan.local_rows`, which the tests check
+  them against.
+
+Imported with ``lab/`` on ``sys.path``: ``from kv_reference import coalesce``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from pdpatch.kv.plan import DescPlan
+from pdpatch.kv.geometry import GeometryMismatch, KVGeometry
+from pdpatch.kv.plan import DescPlan, HeadSlice, PairPlan, as_tuples
 
 _U64 = np.uint64
 
@@ -131,3 +137,87 @@ def plan_from_nx3(local: np.ndarray, remote: np.ndarray) -> DescPlan:
     ldev = int(local[0, 2]) if local.shape[0] else 0
     rdev = int(remote[0, 2]) if remote.shape[0] else 0
     return DescPlan(local[:, 0].copy(), remote[:, 0].copy(), local[:, 1].copy(), ldev, rdev)
+
+
+def vllm_remote_descs(
+    local: KVGeometry,
+    remote: KVGeometry,
+    *,
+    remote_slice: HeadSlice | None = None,
+    local_slice: HeadSlice | None = None,
+    block_size_ratio: int = 1,
+    form: str = "nx3",
+) -> np.ndarray | list[tuple[int, int, int]]:
+    """The remote descriptor list a patched ``_build_fa_remote`` / ``add_remote_agent`` returns.
+
+    Same count and order as stock: per layer one logical region per segment role (K then V;
+    2·L regions for split/fused peers, L for packed), ``remote.num_blocks`` descriptors per
+    region, id = ``region * num_blocks + block``.  ``form``: ``"tuples"`` (vLLM 0.19-0.25),
+    ``"nx3"`` (0.26-0.32) or ``"nx5"`` (0.33 strided rows).
+    """
+    pair = PairPlan(local, remote, local_slice=local_slice, remote_slice=remote_slice,
+                    block_size_ratio=block_size_ratio)
+    if form == "nx5":
+        return pair.remote_rows()
+    table = pair.remote_table()
+    if form == "nx3":
+        return table
+    if form == "tuples":
+        return as_tuples(table)
+    raise ValueError(f"form must be 'tuples', 'nx3' or 'nx5', got {form!r}")
+
+
+def vllm_local_descs(
+    local: KVGeometry,
+    *,
+    block_size_ratio: int = 1,
+    local_slice: HeadSlice | None = None,
+    form: str = "nx3",
+) -> np.ndarray | list[tuple[int, int, int]]:
+    """The local descriptor list a patched ``_build_fa_local`` returns, for local memory that
+    stock code cannot describe (kvcached split-half on vLLM 0.23-0.25, where stock assumes
+    blocks-first ``[K|V]``).
+
+    Desc-id order as stock: per layer one region per segment role, ``num_blocks * ratio``
+    sub-blocks per region, each ``segment / ratio / parts`` bytes at slice ``index``.
+    Equals :meth:`PairPlan.local_table` / :meth:`PairPlan.local_rows` of any pair with this
+    local side.
+    """
+    sl = local_slice or HeadSlice()
+    r = int(block_size_ratio)
+    if r < 1:
+        raise GeometryMismatch(f"block-size ratio must be a positive integer, got {r}", local)
+    n_blocks = local.num_blocks
+    rows: list[np.ndarray] = []
+    for li, la in enumerate(local.layers):
+        for seg in la.segments:
+            if seg.length % (r * sl.parts):
+                raise GeometryMismatch(
+                    f"layer {li} segment {seg.role}: {seg.length} B is not divisible by "
+                    f"block-size ratio {r} x {sl.parts} slices", local)
+            chunk = seg.length // r
+            n = chunk // sl.parts
+            base = la.base + seg.offset + sl.index * n
+            if form == "nx5" and (r == 1 or la.block_stride == r * chunk):
+                rows.append(np.array([[base, n, local.device_id, la.block_stride // r,
+                                       n_blocks * r]], dtype=_U64))
+                continue
+            blk = np.arange(n_blocks, dtype=np.int64)
+            if form == "nx5":
+                part = np.empty((n_blocks, 5), dtype=_U64)
+                part[:, 0] = base + blk * la.block_stride
+                part[:, 1] = n
+                part[:, 2] = local.device_id
+                part[:, 3] = chunk
+                part[:, 4] = r
+                rows.append(part)
+                continue
+            addr = (base + blk[:, None] * la.block_stride
+                    + np.arange(r, dtype=np.int64)[None, :] * chunk).reshape(-1)
+            dev = np.full(addr.shape, local.device_id)
+            rows.append(np.stack([addr, np.full(addr.shape, n), dev], axis=1).astype(_U64))
+    if form not in ("nx3", "nx5", "tuples"):
+        raise ValueError(f"form must be 'tuples', 'nx3' or 'nx5', got {form!r}")
+    width = 5 if form == "nx5" else 3
+    out = np.concatenate(rows) if rows else np.empty((0, width), dtype=_U64)
+    return as_tuples(out) if form == "tuples" else out
