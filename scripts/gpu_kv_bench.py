@@ -47,7 +47,14 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(sys.path[0], "lab"))
 
-from kv_reference import coalesce
+from kv_reference import (
+    coalesce,
+    nixl_merged_count,
+    split_staged,
+    stage,
+    stage_ids,
+    whole_blocks,
+)
 from pdpatch.kv import (
     BlockIdError,
     KVGeometry,
@@ -55,16 +62,7 @@ from pdpatch.kv import (
     infer_geometry,
     tensor_info,
 )
-from pdpatch.kv.stage import (
-    CopyPlan,
-    TransportCost,
-    nixl_merged_count,
-    split_staged,
-    stage,
-    stage_ids,
-    staging_table,
-    whole_blocks,
-)
+from pdpatch.kv.stage import CopyPlan, TransportCost, staging_table
 from pdpatch.kv.staging import ByteCopier, StagingAgent
 from pdpatch.transport import check_transport, cuda_context_current, probe_memory
 
