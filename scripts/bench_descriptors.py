@@ -28,18 +28,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
-from pdpatch.kv import (
-    DescPlan,
-    PairPlan,
-    coalesce,
-    handshake_kind,
-    infer_geometry,
-    needs_conversion,
-    strided_pair_rows,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lab"))
+
+from kv_reference import coalesce, strided_pair_rows
+from pdpatch.kv import DescPlan, PairPlan, handshake_kind, infer_geometry, needs_conversion
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 

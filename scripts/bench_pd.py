@@ -26,12 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lab"))
 
-from pdpatch.rig import proxy
-from pdpatch.rig.engine_env import runtime_versions
-from pdpatch.rig.model import model_dir, tiny_config
-from pdpatch.rig.servers import Engine, EngineGroup, EngineSpec, sigterm_as_interrupt
+from rig import proxy
+from rig.engine_env import runtime_versions
+from rig.model import model_dir, tiny_config
+from rig.servers import Engine, EngineGroup, EngineSpec, sigterm_as_interrupt
 
 GOAL = 1.02
 

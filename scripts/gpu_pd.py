@@ -33,15 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "lab" / "gpu"), str(REPO)]
+sys.path[:0] = [str(REPO / "lab" / "gpu"), str(REPO / "lab"), str(REPO)]
 
 import oracle  # noqa: E402
 import unpack  # noqa: E402
-
 from pdpatch.patches import block_keys  # noqa: E402
-from pdpatch.rig.proxy import PREFILL_KV_PARAMS as PREFILL  # noqa: E402
-from pdpatch.rig.proxy import TransferStats  # noqa: E402
-from pdpatch.rig.servers import prometheus_counters  # noqa: E402
+from rig.proxy import PREFILL_KV_PARAMS as PREFILL  # noqa: E402
+from rig.proxy import TransferStats  # noqa: E402
+from rig.servers import prometheus_counters  # noqa: E402
 
 MAX_TOKENS = 16
 PROMPT_LENGTHS = (7, 16, 17, 100, 600, 1500)
@@ -370,7 +369,7 @@ def main() -> int:
         print(f"unpacked in {unpack.unpack(args.stage, args.site):.1f}s", flush=True)
     import torch
 
-    from pdpatch.rig.model import model_dir
+    from rig.model import model_dir
 
     model = model_dir(args.work / "model")
     gpu = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"

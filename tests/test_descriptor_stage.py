@@ -1,6 +1,7 @@
-"""Staged K/V conversion (pdpatch.kv.stage): byte-exact against the independent logical oracle
-of kv_helpers, in both directions and both forms (address plans, vLLM tables + ids), with the
-descriptor counts that make it fast: one per remote-contiguous run."""
+"""Staged K/V conversion (lab/kv_reference.py over pdpatch.kv.stage): byte-exact against the
+independent logical oracle of kv_helpers, in both directions and both forms (address plans,
+vLLM tables + ids), with the descriptor counts that make it fast: one per remote-contiguous
+run."""
 
 from __future__ import annotations
 
@@ -10,18 +11,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kv_helpers import LayoutSpec, build_side, expected_copy, simulate
 
-from pdpatch.kv import HeadSlice, KVPlanError, PairPlan, coalesce, infer_geometry
-from pdpatch.kv.stage import (
-    CopyPlan,
-    TransportCost,
+from kv_reference import (
+    coalesce,
     merge_copies,
     nixl_merged_count,
     split_staged,
     stage,
     stage_ids,
-    staging_table,
     whole_blocks,
 )
+from pdpatch.kv import HeadSlice, KVPlanError, PairPlan, infer_geometry
+from pdpatch.kv.stage import CopyPlan, TransportCost, staging_table
 
 L, N, BS, H, D, ES = 2, 24, 4, 2, 4, 2
 SEG = BS * H * D * ES

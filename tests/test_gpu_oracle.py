@@ -14,8 +14,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "lab" / "gpu"))
 sys.path.insert(0, str(REPO / "scripts"))
 
-import fatbin_prune  # noqa: E402
 import gpu_pd  # noqa: E402
+
+import fatbin_prune  # noqa: E402
 import oracle  # noqa: E402
 import stage  # noqa: E402
 
@@ -160,8 +161,8 @@ def test_results_table_says_how_d_fared_when_p_was_killed():
 
 
 def test_d_transfer_counters_are_summed_over_labels_and_missing_ones_count_zero():
-    from pdpatch.rig.proxy import TransferStats
-    from pdpatch.rig.servers import prometheus_counters
+    from rig.proxy import TransferStats
+    from rig.servers import prometheus_counters
 
     page = ("# HELP vllm:nixl_xfer_time_seconds x\n"
             'vllm:nixl_xfer_time_seconds_count{engine="0"} 2.0\n'

@@ -45,6 +45,12 @@ def test_wheel_contains_pth_entry_point_and_scripts(wheel):
     assert any(n.startswith("pdpatch/hashing/_block_items.") and n.endswith((".so", ".pyd"))
                for n in names), names
     assert not wheel.name.endswith("-py3-none-any.whl"), wheel.name
+    # lab code stays out (issue 16): the P/D rig, the reference planners, the GPU bench
+    lab = [n for n in names if n.startswith(("pdpatch/rig/", "lab/", "rig/", "gpu_bench/"))
+           or n in ("pdpatch/kv/coalesce.py", "kv_reference.py")]
+    assert not lab, lab
+    tops = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}
+    assert tops == {"pdpatch", "pdpatch_bootstrap", "pdpatch_autoload.pth"}, tops
 
 
 @pytest.mark.parametrize("required", [False, True], ids=["optional", "required"])

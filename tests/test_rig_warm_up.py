@@ -1,4 +1,4 @@
-"""The P/D warm-up of the test rig and the demo (``pdpatch.rig.proxy.warm_up``): a loaded machine
+"""The P/D warm-up of the test rig and the demo (``rig.proxy.warm_up``): a loaded machine
 can miss vLLM's 5 s side-channel handshake or leave an engine's HTTP server silent for seconds,
 so a failed request and an HTTP error or timeout are both retried, with a growing pause, and the
 last reason is reported when every attempt failed."""
@@ -9,7 +9,7 @@ import urllib.error
 
 import pytest
 
-from pdpatch.rig import proxy
+from rig import proxy
 
 
 def _result(error: str | None, tokens: list[int]) -> proxy.PDResult:

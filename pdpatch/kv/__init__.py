@@ -1,8 +1,10 @@
 """KV geometry and descriptor planning for peers whose K/V layouts differ (issue 6).
 
 Pure core (numpy only; no torch, no vLLM): :mod:`geometry` (the model), :mod:`infer` (from
-tensor strides), :mod:`plan` (descriptor pairs and vLLM-ordered tables), :mod:`coalesce`
-(merged ranges, NIXL strided rows).
+tensor strides), :mod:`plan` (descriptor pairs and vLLM-ordered tables), :mod:`stage` (staged
+READs); :mod:`staging` (torch, no vLLM) runs them inside a worker.  Planning that only tests and
+benches use (coalescing, NIXL strided rows, vLLM-form descriptor lists) is lab code:
+``lab/kv_reference.py``.
 
 Wiring into vLLM (the PDPATCH_KV_SEGMENTS patch):
 
@@ -11,20 +13,13 @@ Wiring into vLLM (the PDPATCH_KV_SEGMENTS patch):
 * handshake: ``kind = handshake_kind(len(meta.kv_caches_base_addr), num_layers,
   advertised=...)``; if ``not needs_conversion(local, kind)`` call stock code unchanged.
   Otherwise ``remote = geometry_from_handshake(meta.kv_caches_base_addr, meta.block_lens,
-  meta.num_blocks, num_layers=..., advertised=...)`` and return ``vllm_remote_descs(local,
-  remote, remote_slice=HeadSlice(tp_ratio, plan.rank_offset_factor), block_size_ratio=r,
-  form="tuples")`` from ``_build_fa_remote`` (same count and order as stock, so desc ids and
-  the per-request path stay untouched).  :class:`GeometryMismatch` raised there fails only
-  that peer's requests.
+  meta.num_blocks, num_layers=..., advertised=...)`` and return ``as_tuples(PairPlan(local,
+  remote, remote_slice=HeadSlice(tp_ratio, plan.rank_offset_factor),
+  block_size_ratio=r).remote_table())`` from ``_build_fa_remote`` (same count and order as
+  stock, so desc ids and the per-request path stay untouched).  :class:`GeometryMismatch`
+  raised there fails only that peer's requests.
 """
 
-from pdpatch.kv.coalesce import (
-    coalesce,
-    expand_strided,
-    plan_from_nx3,
-    strided_pair_rows,
-    strided_rows,
-)
 from pdpatch.kv.geometry import (
     KIND_FUSED,
     KIND_PACKED,
@@ -53,8 +48,6 @@ from pdpatch.kv.plan import (
     as_tuples,
     plan_transfer,
     slices_for,
-    vllm_local_descs,
-    vllm_remote_descs,
 )
 
 __all__ = [
@@ -77,19 +70,12 @@ __all__ = [
     "Slices",
     "UnsupportedLayout",
     "as_tuples",
-    "coalesce",
-    "expand_strided",
     "geometry_from_handshake",
     "handshake_kind",
     "infer_geometry",
     "infer_layer_geometry",
     "needs_conversion",
-    "plan_from_nx3",
     "plan_transfer",
     "slices_for",
-    "strided_pair_rows",
-    "strided_rows",
     "tensor_info",
-    "vllm_local_descs",
-    "vllm_remote_descs",
 ]

@@ -2,7 +2,7 @@
 
 Why: a converted peer pairs a contiguous run on one side with a strided run on the other, so
 NIXL cannot merge anything and a READ costs one descriptor per block segment -- 0.04-1.1x of
-the fused path on an H100/H200 (docs/gpu_results.md).  :func:`pdpatch.kv.stage.stage_ids`
+the fused path on an H100/H200 (docs/gpu_results.md).  Staging (:mod:`pdpatch.kv.stage`)
 turns the same request into a READ into a staging buffer laid out in the peer's address
 order (remote-contiguous runs merge into one descriptor) plus one local gather.
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pdpatch.rig import proxy
-from pdpatch.rig.servers import DEFAULT_START_TIMEOUT_S, EngineGroup
+from rig import proxy
+from rig.servers import DEFAULT_START_TIMEOUT_S, EngineGroup
 
 LOG_TAIL_LINES = 150
 _live_groups: list[EngineGroup] = []
@@ -52,7 +52,7 @@ def rig(
 
     The module defines ``RIG_SPECS`` (a list of :class:`EngineSpec`, or a callable returning
     one), optionally ``RIG_WARMUP`` (``(P, D)`` name pairs whose first NIXL handshake is done
-    here, see :func:`pdpatch.rig.proxy.warm_up`) and ``RIG_START_TIMEOUT_S``.
+    here, see :func:`rig.proxy.warm_up`) and ``RIG_START_TIMEOUT_S``.
     """
     specs = request.module.RIG_SPECS
     specs = specs() if callable(specs) else specs

@@ -27,8 +27,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from pdpatch.rig import proxy
-from pdpatch.rig.servers import Engine
+from rig import proxy
+from rig.servers import Engine
 
 GET_META_MSG = b"get_meta_msg"      # vllm ...nixl/metadata.py (0.33); checked in fetch_payload
 PROMPT_LEN = 140                    # two 128-token blocks on the CPU platform

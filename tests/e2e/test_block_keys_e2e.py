@@ -20,9 +20,9 @@ from __future__ import annotations
 import random
 import re
 
-from pdpatch.rig import proxy
-from pdpatch.rig.model import tiny_config
-from pdpatch.rig.servers import EngineGroup, EngineSpec
+from rig import proxy
+from rig.model import tiny_config
+from rig.servers import EngineGroup, EngineSpec
 
 MAX_TOKENS = 12
 ALGO = ("--prefix-caching-hash-algo", "xxhash_cbor")

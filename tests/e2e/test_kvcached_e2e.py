@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from pdpatch.rig.demo import demo_prompts, run_case
-from pdpatch.rig.engine_env import engine_env
-from pdpatch.rig.model import tiny_config
-from pdpatch.rig.servers import EngineGroup, EngineSpec
+from rig.demo import demo_prompts, run_case
+from rig.engine_env import engine_env
+from rig.model import tiny_config
+from rig.servers import EngineGroup, EngineSpec
 
 MAX_TOKENS = 16
 CPU_BLOCK_SIZE = 128

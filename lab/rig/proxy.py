@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdpatch.rig.servers import SERVED_MODEL_NAME, Engine
+from .servers import SERVED_MODEL_NAME, Engine
 
 REQUEST_TIMEOUT_S = 120.0
 

@@ -9,7 +9,7 @@ Starts three real vLLM OpenAI servers on 127.0.0.1 with the tiny model:
   already hold every prompt, so its "baseline" would not be an independent computation.
 
 Each prompt (token ids, greedy, ``ignore_eos``) is sent to the baseline and through the P/D
-path (:func:`pdpatch.rig.proxy.pd_request`).  A request passes when D's tokens *and* logprobs
+path (:func:`rig.proxy.pd_request`).  A request passes when D's tokens *and* logprobs
 equal the baseline's exactly and D's ``/metrics`` show that the prompt KV arrived over NIXL
 (successful transfers, no failures, external prefix-cache hits > 0) -- equal outputs alone
 would not prove it, since D could have recomputed the prompt.  Exit status 0 iff all pass.
@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdpatch.rig import proxy
-from pdpatch.rig.engine_env import RigSetupError, runtime_versions
-from pdpatch.rig.model import model_dir, tiny_config
-from pdpatch.rig.servers import (
+from . import proxy
+from .engine_env import RigSetupError, runtime_versions
+from .model import model_dir, tiny_config
+from .servers import (
     DEFAULT_START_TIMEOUT_S,
     Engine,
     EngineGroup,
