@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from versions_harness import REPO, TESTS, child_env
+from versions_harness import REPO, TESTS, child_env, vllm_cache_root
 
 MAX_PARALLEL = 2
 
@@ -108,6 +108,7 @@ def _child(job: dict[str, Any], module: str, function: str, learn: int | None) -
         if any(m == "vllm" or m.startswith("vllm.") for m in before):
             raise RuntimeError("the pool imported vLLM before forking")
         sys.path[:0] = job["path"]
+        os.environ["VLLM_CACHE_ROOT"] = str(vllm_cache_root(job["version"]))
         importlib.invalidate_caches()
         import importlib.metadata as md
 

@@ -58,6 +58,12 @@ SOURCES_ROOT = Path(os.environ.get("PDPATCH_VLLM_SOURCES",
                                    Path.home() / ".cache" / "pdpatch" / "vllm-src"))
 EXTRAS_ROOT = Path(os.environ.get("PDPATCH_OLD_VLLM_DEPS",
                                   Path.home() / ".cache" / "pdpatch" / "old-vllm-deps"))
+# vLLM's own cache (VLLM_CACHE_ROOT), one per release.  Its model-info cache is one file per
+# model class whatever the release, keyed by the hash of that release's model file: releases
+# sharing it overwrite each other's entry, and every miss costs a subprocess that imports the
+# model (15-30 s on the 2-core machine) in each child.
+VLLM_CACHES_ROOT = Path(os.environ.get("PDPATCH_VLLM_CACHES",
+                                       Path.home() / ".cache" / "pdpatch" / "vllm-cache"))
 # Third-party modules older releases import eagerly but vLLM 0.33 no longer needs.
 EXTRA_PACKAGES = ("gguf",)
 RESULT_MARK = "@@PDPATCH-RESULT@@"
@@ -204,6 +210,10 @@ if not _vllm.__file__.startswith(TREE):
 """
 
 
+def vllm_cache_root(version: str) -> Path:
+    return VLLM_CACHES_ROOT / version
+
+
 def child_env(version: str, env: dict[str, str] | None = None) -> dict[str, str]:
     """The child's environment: the release tree first on PYTHONPATH, no inherited pdpatch
     settings (a test passes what it wants in ``env``), CPU platform."""
@@ -215,7 +225,7 @@ def child_env(version: str, env: dict[str, str] | None = None) -> dict[str, str]
             if not (k.startswith("PDPATCH_") or k in ("ENABLE_PDPATCH", "PYTHONPATH"))}
     base.update({"PYTHONPATH": os.pathsep.join(path), "VLLM_TARGET_DEVICE": "cpu",
                  "PYTHONDONTWRITEBYTECODE": "1", "TOKENIZERS_PARALLELISM": "false",
-                 "HF_HUB_OFFLINE": "1"})
+                 "HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(vllm_cache_root(version))})
     base.update(env or {})
     return base
 

@@ -216,7 +216,12 @@ def engine_env(
     ``None`` value removes the variable (e.g. ``PYTHONHASHSEED``, to run with vLLM's default).
     """
     env = dict(os.environ if base is None else base)
-    code = release_tree() or build_overlay()
+    tree = release_tree()
+    code = tree or build_overlay()
+    if tree is not None:
+        # vLLM's model-info cache is one file per model class, keyed by the release's model
+        # file: another release sharing it would make every engine start re-inspect the model.
+        env["VLLM_CACHE_ROOT"] = str(Path.home() / ".cache" / "vllm" / _tree_release(tree))
     old_pp = env.get("PYTHONPATH")
     env["PYTHONPATH"] = str(code) + (os.pathsep + old_pp if old_pp else "")
     env.update(
