@@ -232,6 +232,7 @@ RECEIVE_PERMUTE = (
 # `(N, H, bs, 2D)` there, instead of its memory order: the reordered blocks come out scrambled.
 # 0.29+ (5-D LBNHC names) not checked yet.
 RECEIVE_PERMUTE_SOUND = VersionRange(">=0.19,<0.26")
+RECEIVE_PERMUTE_SCRAMBLES = VersionRange(">=0.26,<0.29")
 
 
 def reorders_heads_on_receive(worker: Any, meta: Any, version: Version) -> bool:

@@ -160,7 +160,8 @@ def _hint_peer(vllm_config: Any, token_major: str, head_major: str) -> None:
         _status.hinted = True
     ktc = getattr(vllm_config, "kv_transfer_config", None)
     role = getattr(ktc, "kv_role", None)
-    if role in DECODE_ROLES and _version() in vllm_sites.RECEIVE_PERMUTE_SOUND:
+    version = _version()
+    if role in DECODE_ROLES and version in vllm_sites.RECEIVE_PERMUTE_SOUND:
         reorder, why = _reorder_setting(vllm_config)
         if reorder is not False:
             logger.info("pdpatch layout: this engine uses %s and a stock peer %s; its NIXL "
@@ -170,10 +171,18 @@ def _hint_peer(vllm_config: Any, token_major: str, head_major: str) -> None:
         advice = (f"set kv_transfer_config.enable_permute_local_kv=true on this decode engine "
                   f"({why} keeps pdpatch from doing it), or run the prefill engine with "
                   f"pdpatch's layout override too")
+    elif role in DECODE_ROLES and version in vllm_sites.RECEIVE_PERMUTE_SCRAMBLES:
+        advice = (f"run the prefill engine with pdpatch's layout override too (vLLM "
+                  f"{version}'s enable_permute_local_kv reorders this layout's blocks wrongly)")
     elif role in DECODE_ROLES:
-        advice = ("run the prefill engine with pdpatch's layout override too (vLLM "
-                  f"{_version()}'s enable_permute_local_kv does not reorder this cache's "
-                  "blocks correctly)")
+        if getattr(ktc, "enable_permute_local_kv", False):
+            logger.info("pdpatch layout: this engine uses %s; a stock peer uses %s, and "
+                        "enable_permute_local_kv=true on this decode engine makes the pair "
+                        "work.", token_major, head_major)
+            return
+        advice = ("set kv_transfer_config.enable_permute_local_kv=true on this decode engine "
+                  "(it then permutes received blocks), or run the prefill engine with "
+                  "pdpatch's layout override too")
     else:
         advice = ("vLLM rejects a token-major prefill paired with a head-major decode; run "
                   "the decode engine with the same override (pdpatch layout_force, or "
