@@ -107,6 +107,15 @@ BUILD_FA_REMOTE = (
     _site(">=0.21,<0.24", f"{NIXL_PKG}.worker", "NixlConnectorWorker._build_fa_remote"),
     _site(">=0.24", f"{NIXL_PKG}.base_worker", "NixlBaseConnectorWorker._build_fa_remote"),
 )
+# Before it, the remote builder is a closure inside `add_remote_agent` (no method to wrap).
+BUILDER_METHOD_FROM = Version("0.21")
+
+
+def remote_builder_is_closure(version: Version) -> bool:
+    """Whether ``add_remote_agent`` builds a peer's descriptors in a closure (0.19/0.20)."""
+    return release_of(version) < BUILDER_METHOD_FROM
+
+
 # The compatibility-hash function AS BOUND IN THE WORKER MODULE (the worker imported the name, so
 # wrapping `metadata`'s binding alone would not be seen).  Signature in every release:
 # (vllm_config, attn_backend_name, ...) -- the rest varies (cross_layers_blocks, transfer_mode).
@@ -187,6 +196,18 @@ def topology(worker: Any, version: Version) -> Any:
     """The worker's topology object (``AttributeError`` where it has none)."""
     attr = next(name for spec, name in TOPOLOGY_ATTRS if version in spec)
     return getattr(worker, attr)
+
+
+def transfer_tp_size(worker: Any) -> int:
+    """The worker's own TP size as its transfer code counts it (``transfer_tp_size`` where the
+    release has one, else ``world_size``)."""
+    return int(getattr(worker, "transfer_tp_size", 0) or getattr(worker, "world_size", 1))
+
+
+def transfer_tp_rank(worker: Any) -> int:
+    """The worker's own TP rank as its transfer code counts it (``transfer_tp_rank`` where the
+    release has one, else ``tp_rank``)."""
+    return int(getattr(worker, "transfer_tp_rank", getattr(worker, "tp_rank", 0)))
 
 
 def remote_engine_known(worker: Any, engine_id: str, version: Version) -> bool:
