@@ -22,6 +22,11 @@ NIXL_SINGLE_FILE = f"{KVC}.v1.nixl_connector"      # 0.19 only
 SUPPORTED = VersionRange(">=0.19,<0.34")
 
 
+def supported_from(release: str) -> VersionRange:
+    """The supported releases from ``release`` on (a patch for a fault vLLM introduced later)."""
+    return VersionRange(f">={release},<{SUPPORTED.upper()}")
+
+
 class Site(NamedTuple):
     """Where a concept lives in the releases ``versions``.  (A NamedTuple: defining a frozen
     dataclass costs ~0.4 ms, paid by every ``import vllm`` with pdpatch enabled.)"""
@@ -196,6 +201,32 @@ def topology(worker: Any, version: Version) -> Any:
     """The worker's topology object (``AttributeError`` where it has none)."""
     attr = next(name for spec, name in TOPOLOGY_ATTRS if version in spec)
     return getattr(worker, attr)
+
+
+def any_topology(worker: Any) -> Any:
+    """The worker's topology object under any release's name; None where it has none (for
+    wrappers that are not told the release)."""
+    return next((t for t in (getattr(worker, name, None) for _, name in TOPOLOGY_ATTRS) if t),
+                None)
+
+
+# vLLM 0.20 added the heterogeneous-TP head-split layout check to
+# `_validate_remote_agent_handshake`; 0.19 slices non-HND blocks silently.
+HETERO_TP_LAYOUT_CHECK_FROM = Version("0.20")
+
+
+def checks_hetero_tp_layout(version: Version) -> bool:
+    """Whether the release refuses a head split of a non-HND layout itself."""
+    return release_of(version) >= HETERO_TP_LAYOUT_CHECK_FROM
+
+
+# From 0.29 the worker registers `cache.untyped_storage()` whole, not the view it was given.
+STORAGE_REGISTRATION_FROM = Version("0.29")
+
+
+def registers_whole_storage(version: Version) -> bool:
+    """Whether ``register_kv_caches`` registers each cache's whole storage (0.29+)."""
+    return release_of(version) >= STORAGE_REGISTRATION_FROM
 
 
 def transfer_tp_size(worker: Any) -> int:

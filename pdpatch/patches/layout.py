@@ -392,7 +392,7 @@ def hetero_tp_guard(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     worker = instance
     if meta is None or getattr(worker, "use_mla", False):
         return result
-    topo = getattr(worker, "kv_topo", None) or getattr(worker, "transfer_topo", None)
+    topo = vllm_sites.any_topology(worker)
     if topo is None:
         return result
     remote = meta.engine_id
@@ -431,7 +431,7 @@ def _targets(version: Version) -> list[Target]:
     site = vllm_sites.lookup(vllm_sites.RECEIVE_PERMUTE, version)
     if site is not None:
         out.append(Target(site.module, site.qualname, reorder_blocks_first))
-    if versions.release_of(version) < Version("0.20"):
+    if not vllm_sites.checks_hetero_tp_layout(version):
         site = vllm_sites.lookup(vllm_sites.VALIDATE_HANDSHAKE, version)
         if site is not None:
             out.append(Target(site.module, site.qualname, hetero_tp_guard))

@@ -105,7 +105,7 @@ def _targets(version: Version) -> list[Target]:
 PATCH = Patch(
     name=NAME,
     summary="a worker without an attention KV group fails the handshake with a clear error",
-    versions=">=0.21,<0.34",
+    versions=vllm_sites.supported_from("0.21"),
     why_version=("0.19/0.20 predate the plan-based transfer and have no next() lookup of the "
                  "attention group; the UniformTypeKVCacheSpecs StopIteration of PR #40731 was "
                  "fixed before 0.21.0 shipped"),
