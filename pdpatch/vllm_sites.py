@@ -1,8 +1,7 @@
 """Where each vLLM concept pdpatch touches lives, per release: the one place for version facts.
 
 Patches ask this module "where is the worker's read path in vLLM X?" instead of carrying
-``if version`` branches.  Facts come from reading each release's source (see
-``shared/research/vllm_nixl_patch_points.md`` §1 and §9, re-checked against the wheels).
+``if version`` branches.  Facts come from reading each release's source in its wheel.
 """
 
 from __future__ import annotations

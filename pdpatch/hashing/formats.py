@@ -2,7 +2,7 @@
 
 Every rule here was read from the wheels' own ``vllm/v1/core/kv_cache_utils.py`` and
 ``vllm/utils/hashing.py`` (every release 0.10.2 .. 0.33.0; see
-``shared/research/vllm_block_hash_spec.md`` §3 and ``scripts/make_hash_fixtures.py``).  A peer's
+``scripts/make_hash_fixtures.py``).  A peer's
 keys can only be reproduced with the rules of the release it runs, so every entry point takes a
 ``vllm_version`` (there is no default: a wrong release gives keys that look right and never
 match) and resolves it here once.

@@ -13,8 +13,8 @@ preference merely *lists* a head-major layout first, and (b) makes ``MultiConnec
 sibling that insists on head-major instead of silently taking the sibling's answer.
 
 Where it acts: up to 0.28 the classmethod is consulted lazily in each worker process (through the
-lru_cached ``get_kv_cache_layout``); from 0.29 once, in EngineCore, by ``resolve_kv_cache_layout``
-(``vllm_nixl_patch_points.md`` §2.2-2.3).  Both resolvers are wrapped too: when the override is
+lru_cached ``get_kv_cache_layout``); from 0.29 once, in EngineCore, by ``resolve_kv_cache_layout``.
+Both resolvers are wrapped too: when the override is
 active and the layout in force is still head-major (an attention backend that supports only
 head-major, a ``MultiConnector`` sibling, ``VLLM_KV_CACHE_LAYOUT``, a preset
 ``cache_config.kv_cache_layout``), startup fails with a message naming the component and what to

@@ -1,7 +1,7 @@
 """Patch ``spec_classify``: no attention KV-cache group is a clear handshake error, not a bare
 ``StopIteration``.
 
-Background (issue 7, item 4).  During review of vLLM PR #40731 (plan-based NIXL transfers) the
+Background.  During review of vLLM PR #40731 (plan-based NIXL transfers) the
 group classification used ``type(group.kv_cache_spec)``, which misses a
 ``UniformTypeKVCacheSpecs`` wrapping MLA specs; DeepSeek-V4's handshake then died in
 ``next(i for i, t in enumerate(self._group_spec_types) if _is_attention_spec(t))`` with
