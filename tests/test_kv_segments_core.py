@@ -268,9 +268,12 @@ def test_gap_setting() -> None:
                            match=r"PDPATCH_KV_GAP_KIB=.* \(0 turns gap reads off"):
             ks.gap_kib({ks.GAP_ENV: bad})
     assert ks.GAP_ENV in ks.PATCH.options
-    from pdpatch.kv.staging import GAP_VAR, STAGING_VAR
+    from pdpatch.patches.kv_segments.staged_reads import install_staging
 
-    assert (GAP_VAR, STAGING_VAR) == (ks.GAP_ENV, ks.STAGING_ENV)   # named in messages there
+    worker = type("W", (), {"nixl_wrapper": object()})()
+    install_staging(worker, {})
+    agent = worker.nixl_wrapper            # names the settings in its messages
+    assert (agent._gap_setting, agent._capacity_setting) == (ks.GAP_ENV, ks.STAGING_ENV)
 
 
 def test_staging_size_setting() -> None:

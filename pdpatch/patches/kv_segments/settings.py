@@ -15,7 +15,7 @@ from pdpatch.patches import common
 NAME = "kv_segments"
 FIELD = "pdpatch_kv_geometry"
 BACKENDS_KEY = "kv_segments_backends"
-STAGING_ENV = "PDPATCH_KV_STAGING_MIB"    # also named in pdpatch.kv.staging's messages
+STAGING_ENV = "PDPATCH_KV_STAGING_MIB"    # passed to the staging agent, named in its messages
 STAGING_DEFAULT_MIB = 128
 GAP_ENV = "PDPATCH_KV_GAP_KIB"            # likewise; unset or "auto": measured per peer
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from pdpatch.patches.kv_segments.settings import gap_kib, staging_mib
+from pdpatch.patches.kv_segments.settings import GAP_ENV, STAGING_ENV, gap_kib, staging_mib
 
 if TYPE_CHECKING:
     from pdpatch.kv import KVGeometry
@@ -34,7 +34,8 @@ def install_staging(worker: Any, kv_caches: Any) -> None:
     worker.nixl_wrapper = StagingAgent(
         agent, mem_type=getattr(worker, "nixl_memory_type", "VRAM"), capacity=mib << 20,
         memory=lambda: _kv_memory(worker, kv_caches),
-        gap=None if gap is None else gap << 10)
+        gap=None if gap is None else gap << 10, capacity_setting=STAGING_ENV,
+        gap_setting=GAP_ENV)
 
 
 def stage_peer(worker: Any, engine_id: str, rank: int, remote: KVGeometry) -> bool:
