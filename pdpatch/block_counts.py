@@ -1,7 +1,7 @@
 """Block-count reconciliation: what a NIXL worker may register when its KV tensors hold more (or
 fewer) blocks than the engine planned.
 
-The three numbers that must agree per engine (``vllm_nixl_patch_points.md`` §3.3-3.4):
+The three numbers that must agree per engine:
 
 * the block ids the scheduler can hand out: ``[0, kv_cache_config.num_blocks)`` logical blocks
   (kvcached's ``ElasticBlockPool`` is built with exactly ``kv_cache_config.num_blocks``);

@@ -1,9 +1,9 @@
 """Patch declarations: what a patch is, which vLLM releases it is for, what it wraps.
 
-A patch module (``pdpatch/patches/<name>.py``) builds one :class:`Patch` and lists it in
-``pdpatch.patches.ALL``.  Targets name the class that *defines* the attribute (not a subclass or
-an alias such as ``NixlConnector = NixlPullConnector``), so one wrap covers every subclass; the
-installer refuses a target whose class merely inherits the attribute.
+A patch module (``pdpatch/patches/<name>.py``, or a package) builds one :class:`Patch`, which
+``pdpatch.patches.all_patches()`` lists.  Targets name the class that *defines* the attribute
+(not a subclass or an alias such as ``NixlConnector = NixlPullConnector``), so one wrap covers
+every subclass; the installer refuses a target whose class merely inherits the attribute.
 """
 
 from __future__ import annotations

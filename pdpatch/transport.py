@@ -1,7 +1,7 @@
 """Say when NIXL/UCX will move KV over a slow transport, and what to set instead.
 
-Why: UCX picks its transport silently.  Measured on an H200 with NIXL 1.5.1's bundled UCX
-(research/gpu_probe.md): CUDA-VMM memory without an exportable handle (kvcached's pages) cannot
+Why: UCX picks its transport silently.  Measured on an H200 with NIXL 1.5.1's bundled UCX:
+CUDA-VMM memory without an exportable handle (kvcached's pages) cannot
 use the same-node ``cuda_ipc`` path, so UCX falls back to TCP loopback at about 0.5 GB/s -- some
 4000x below a device copy -- and UCX's default ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto`` switched
 cuda_ipc off for GETs, which is vLLM's pull (READ) mode, even for cudaMalloc memory.  Nothing

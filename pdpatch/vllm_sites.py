@@ -1,8 +1,7 @@
 """Where each vLLM concept pdpatch touches lives, per release: the one place for version facts.
 
 Patches ask this module "where is the worker's read path in vLLM X?" instead of carrying
-``if version`` branches.  Facts come from reading each release's source (see
-``shared/research/vllm_nixl_patch_points.md`` §1 and §9, re-checked against the wheels).
+``if version`` branches.  Facts come from reading each release's source in its wheel.
 """
 
 from __future__ import annotations
@@ -20,6 +19,11 @@ NIXL_SINGLE_FILE = f"{KVC}.v1.nixl_connector"      # 0.19 only
 # The releases whose NIXL code pdpatch was written against and checked on; a patch that holds
 # for all of them declares this range.
 SUPPORTED = VersionRange(">=0.19,<0.34")
+
+
+def supported_from(release: str) -> VersionRange:
+    """The supported releases from ``release`` on (a patch for a fault vLLM introduced later)."""
+    return VersionRange(f">={release},<{SUPPORTED.upper()}")
 
 
 class Site(NamedTuple):
@@ -107,6 +111,15 @@ BUILD_FA_REMOTE = (
     _site(">=0.21,<0.24", f"{NIXL_PKG}.worker", "NixlConnectorWorker._build_fa_remote"),
     _site(">=0.24", f"{NIXL_PKG}.base_worker", "NixlBaseConnectorWorker._build_fa_remote"),
 )
+# Before it, the remote builder is a closure inside `add_remote_agent` (no method to wrap).
+BUILDER_METHOD_FROM = Version("0.21")
+
+
+def remote_builder_is_closure(version: Version) -> bool:
+    """Whether ``add_remote_agent`` builds a peer's descriptors in a closure (0.19/0.20)."""
+    return release_of(version) < BUILDER_METHOD_FROM
+
+
 # The compatibility-hash function AS BOUND IN THE WORKER MODULE (the worker imported the name, so
 # wrapping `metadata`'s binding alone would not be seen).  Signature in every release:
 # (vllm_config, attn_backend_name, ...) -- the rest varies (cross_layers_blocks, transfer_mode).
@@ -187,6 +200,44 @@ def topology(worker: Any, version: Version) -> Any:
     """The worker's topology object (``AttributeError`` where it has none)."""
     attr = next(name for spec, name in TOPOLOGY_ATTRS if version in spec)
     return getattr(worker, attr)
+
+
+def any_topology(worker: Any) -> Any:
+    """The worker's topology object under any release's name; None where it has none (for
+    wrappers that are not told the release)."""
+    return next((t for t in (getattr(worker, name, None) for _, name in TOPOLOGY_ATTRS) if t),
+                None)
+
+
+# vLLM 0.20 added the heterogeneous-TP head-split layout check to
+# `_validate_remote_agent_handshake`; 0.19 slices non-HND blocks silently.
+HETERO_TP_LAYOUT_CHECK_FROM = Version("0.20")
+
+
+def checks_hetero_tp_layout(version: Version) -> bool:
+    """Whether the release refuses a head split of a non-HND layout itself."""
+    return release_of(version) >= HETERO_TP_LAYOUT_CHECK_FROM
+
+
+# From 0.29 the worker registers `cache.untyped_storage()` whole, not the view it was given.
+STORAGE_REGISTRATION_FROM = Version("0.29")
+
+
+def registers_whole_storage(version: Version) -> bool:
+    """Whether ``register_kv_caches`` registers each cache's whole storage (0.29+)."""
+    return release_of(version) >= STORAGE_REGISTRATION_FROM
+
+
+def transfer_tp_size(worker: Any) -> int:
+    """The worker's own TP size as its transfer code counts it (``transfer_tp_size`` where the
+    release has one, else ``world_size``)."""
+    return int(getattr(worker, "transfer_tp_size", 0) or getattr(worker, "world_size", 1))
+
+
+def transfer_tp_rank(worker: Any) -> int:
+    """The worker's own TP rank as its transfer code counts it (``transfer_tp_rank`` where the
+    release has one, else ``tp_rank``)."""
+    return int(getattr(worker, "transfer_tp_rank", getattr(worker, "tp_rank", 0)))
 
 
 def remote_engine_known(worker: Any, engine_id: str, version: Version) -> bool:

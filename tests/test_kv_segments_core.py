@@ -22,6 +22,7 @@ from pdpatch.kv import (
 )
 from pdpatch.kv.geometry import geometry_from_handshake
 from pdpatch.patches import kv_segments as ks
+from pdpatch.patches.kv_segments import handshake
 
 NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 
@@ -113,13 +114,10 @@ def test_advertised_field_is_read_from_the_raw_bytes_and_vllm_sees_a_stock_objec
     assert type(plain) is stock and plain == _meta(stock)      # vLLM's own object, unchanged
     worker = type("W", (), {"compat_hash": "h", "backend_name": "FLASH_ATTN"})()
     dec = msgspec.msgpack.Decoder(ks.payload_class(payload))
-    try:
-        ks._tls.handshake = ks._HandshakeCtx(worker)
+    with ks.handshake_scope(worker):
         dec.decode(msgspec.msgpack.encode(payload("h", encoded)))
         assert ks.advertised_geometry(plain) == wire
         assert ks.advertised_geometry(dataclasses.replace(plain, agent_metadata=b"b")) is None
-    finally:
-        ks._tls.handshake = None
     assert ks.advertised_geometry(plain) is None            # outside a handshake: nothing
 
 
@@ -127,19 +125,16 @@ def test_payload_post_init_swaps_only_an_alternate_hash() -> None:
     _, _, payload = _classes()
     mine = ks.payload_class(payload)
     ks._reset_for_tests()
-    with ks._alt_lock:
-        ks._ALTERNATES["local-hash"] = {"fi-hash": "FLASHINFER"}
+    with handshake._alt_lock:
+        handshake._ALTERNATES["local-hash"] = {"fi-hash": "FLASHINFER"}
     worker = type("W", (), {"compat_hash": "local-hash", "backend_name": "FLASH_ATTN"})()
     dec = msgspec.msgpack.Decoder(mine)
-    try:
-        ks._tls.handshake = ks._HandshakeCtx(worker)
+    with ks.handshake_scope(worker) as ctx:
         got = dec.decode(msgspec.msgpack.encode(payload("fi-hash", b"x")))
         assert got.compatibility_hash == "local-hash"
-        assert ks._tls.handshake.accepted == {"fi-hash": "FLASHINFER"}
+        assert ctx.accepted == {"fi-hash": "FLASHINFER"}
         other = dec.decode(msgspec.msgpack.encode(payload("other-model-hash", b"x")))
         assert other.compatibility_hash == "other-model-hash"        # vLLM still refuses it
-    finally:
-        ks._tls.handshake = None
     outside = dec.decode(msgspec.msgpack.encode(payload("fi-hash", b"x")))
     assert outside.compatibility_hash == "fi-hash"                   # no handshake: untouched
     assert ks.stats.hash_alternates_accepted == 1
@@ -147,7 +142,7 @@ def test_payload_post_init_swaps_only_an_alternate_hash() -> None:
 
 def test_scoped_payload_class_nests_across_threads_and_restores() -> None:
     mod, _, stock_payload = _classes()
-    scoped = ks._ScopedPayloadClass()
+    scoped = ks.ScopedPayloadClass()
     inside = threading.Event()
     release = threading.Event()
 
@@ -172,7 +167,7 @@ def test_scoped_payload_class_nests_across_threads_and_restores() -> None:
 
 def test_scoped_payload_class_leaves_a_foreign_replacement_alone() -> None:
     mod, _, stock_payload = _classes()
-    scoped = ks._ScopedPayloadClass()
+    scoped = ks.ScopedPayloadClass()
     foreign = type("Foreign", (stock_payload,), {})
     try:
         with scoped.active(mod):
@@ -193,12 +188,12 @@ def test_hash_wrapper_returns_vllms_hash_and_records_alternates() -> None:
 
     ks._reset_for_tests()
     cfg = rw.vllm_config("llama", 2, "kv_consumer", 1)
-    got = ks._hash_wrapper(real, None, (cfg, "FLASH_ATTN"), {"transfer_mode": "pull"})
+    got = ks.hash_wrapper(real, None, (cfg, "FLASH_ATTN"), {"transfer_mode": "pull"})
     assert got == real(cfg, "FLASH_ATTN", transfer_mode="pull")
     alts = ks.alternates_for(got)
     assert alts == {real(cfg, n, transfer_mode="pull"): n for n in ("FLASHINFER", "TRITON_ATTN")}
     # a backend outside the set gets none; a push-mode hash is never an alternate of pull
-    cpu = ks._hash_wrapper(real, None, (cfg, "CPU_ATTN"), {})
+    cpu = ks.hash_wrapper(real, None, (cfg, "CPU_ATTN"), {})
     assert ks.alternates_for(cpu) == {}
     assert real(cfg, "FLASHINFER", transfer_mode="push") not in alts
 
@@ -228,9 +223,9 @@ def test_shadow_describes_the_peer_in_local_terms() -> None:
     _, stock, _ = _classes()
     meta = _meta(stock)
     remote = _split_remote()
-    fused = ks._shadow(meta, remote, KIND_FUSED)
+    fused = ks.shadow(meta, remote, KIND_FUSED)
     assert fused.kv_caches_base_addr == [1000, 200000] and fused.block_lens == [8192, 8192]
-    split = ks._shadow(meta, remote, KIND_SPLIT)
+    split = ks.shadow(meta, remote, KIND_SPLIT)
     assert split.kv_caches_base_addr == [1000, 100000, 200000, 300000]
     assert split.block_lens == [4096] * 4
     assert dataclasses.replace(split, kv_caches_base_addr=[1, 2], block_lens=[8, 8]) == meta
@@ -273,9 +268,12 @@ def test_gap_setting() -> None:
                            match=r"PDPATCH_KV_GAP_KIB=.* \(0 turns gap reads off"):
             ks.gap_kib({ks.GAP_ENV: bad})
     assert ks.GAP_ENV in ks.PATCH.options
-    from pdpatch.kv.staging import GAP_VAR, STAGING_VAR
+    from pdpatch.patches.kv_segments.staged_reads import install_staging
 
-    assert (GAP_VAR, STAGING_VAR) == (ks.GAP_ENV, ks.STAGING_ENV)   # named in messages there
+    worker = type("W", (), {"nixl_wrapper": object()})()
+    install_staging(worker, {})
+    agent = worker.nixl_wrapper            # names the settings in its messages
+    assert (agent._gap_setting, agent._capacity_setting) == (ks.GAP_ENV, ks.STAGING_ENV)
 
 
 def test_staging_size_setting() -> None:

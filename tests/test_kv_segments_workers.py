@@ -318,7 +318,7 @@ def test_stock_decoder_ignores_the_advertised_field(ver: str) -> None:
 @pytest.mark.parametrize("ver", VERSIONS)
 def test_wire_classes_are_scoped_and_uninstall_restores(ver: str) -> None:
     out = scenario(ver, "patched", "globals")
-    mine = "pdpatch.patches.kv_segments"
+    mine = "pdpatch.patches.kv_segments.handshake"
     during = [list(x) for x in out["during_handshake"]]
     assert during == [[mine, True]]    # the payload global ours, the decoded metadata vLLM's
     assert list(out["restored_after_handshake"]) == [True, True]

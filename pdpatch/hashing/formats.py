@@ -2,7 +2,7 @@
 
 Every rule here was read from the wheels' own ``vllm/v1/core/kv_cache_utils.py`` and
 ``vllm/utils/hashing.py`` (every release 0.10.2 .. 0.33.0; see
-``shared/research/vllm_block_hash_spec.md`` §3 and ``scripts/make_hash_fixtures.py``).  A peer's
+``scripts/make_hash_fixtures.py``).  A peer's
 keys can only be reproduced with the rules of the release it runs, so every entry point takes a
 ``vllm_version`` (there is no default: a wrong release gives keys that look right and never
 match) and resolves it here once.
@@ -20,6 +20,7 @@ from typing import Literal
 
 from packaging.version import InvalidVersion, Version
 
+from pdpatch import vllm_sites
 from pdpatch.hashing.errors import KeyConfigError, shown
 
 logger = logging.getLogger("pdpatch.hashing")
@@ -116,7 +117,7 @@ def _format_for(release: Version) -> HashFormat:
         raise KeyConfigError(
             f"vLLM {release} hashes blocks to integers (releases before 0.10.2); "
             "pdpatch reproduces the bytes-valued keys of 0.10.2 and later only")
-    verified = release < Version("0.34")
+    verified = release < vllm_sites.SUPPORTED.upper()
     if not verified:
         logger.warning("vLLM %s is newer than the last release whose hashing pdpatch checked "
                        "(%s); using that release's rules", release, LAST_VERIFIED)

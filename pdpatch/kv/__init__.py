@@ -1,4 +1,4 @@
-"""KV geometry and descriptor planning for peers whose K/V layouts differ (issue 6).
+"""KV geometry and descriptor planning for peers whose K/V layouts differ.
 
 Pure core (numpy only; no torch, no vLLM): :mod:`geometry` (the model), :mod:`infer` (from
 tensor strides), :mod:`plan` (descriptor pairs and vLLM-ordered tables), :mod:`stage` (staged

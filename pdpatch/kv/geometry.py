@@ -254,7 +254,7 @@ class KVGeometry:
 
         Registering these (not an over-allocated tensor's whole storage) makes NIXL itself
         reject a descriptor past the plan (``NIXL_ERR_NOT_FOUND``) instead of silently reading
-        unmapped or zero-page memory (research/gpu_probe.md, Q1/Q3).  A fused layer gives one
+        unmapped or zero-page memory (measured on an H200).  A fused layer gives one
         range, a split layer two (K pool, V pool).
         """
         return _merged((span for layer in self.layers for span in layer.extents()),
@@ -352,7 +352,7 @@ def geometry_from_handshake(
 ) -> KVGeometry:
     """A peer's geometry from stock ``NixlAgentMetadata`` fields.
 
-    Stock metadata carries no split/fused flag (research notes §4.2): a split peer (FA <= 0.22)
+    Stock metadata carries no split/fused flag: a split peer (FA <= 0.22)
     registers 2·L regions whose ``block_lens`` are one K (or V) segment; a blocks-first peer
     registers L regions whose ``block_lens`` are the whole ``[K|V]`` block.  ``layout="auto"``
     decides by the region count; pass ``"packed"`` for vLLM >= 0.26 peers (one region per

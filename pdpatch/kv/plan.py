@@ -3,9 +3,9 @@
 Why: when P and D place K and V differently (split regions vs fused ``[K|V]`` blocks), stock
 vLLM builds the remote descriptors with the *local* layout and either refuses the peer or
 reads the wrong bytes.  Both layouts share one descriptor-id space -- per layer, one logical
-region per segment role (K then V), id = ``region * num_blocks + block`` (research notes
-§4.1) -- so a conversion only changes each descriptor's address and length, never the count or
-the order.  :class:`PairPlan` validates the pair once (at handshake) and then produces:
+region per segment role (K then V), id = ``region * num_blocks + block`` -- so a conversion
+only changes each descriptor's address and length, never the count or the order.
+:class:`PairPlan` validates the pair once (at handshake) and then produces:
 
 * per request, address-level descriptor pairs (:meth:`PairPlan.descs`), or descriptor ids into
   per-side tables (:meth:`PairPlan.desc_ids`), exactly as vLLM computes them;

@@ -1,7 +1,7 @@
 """Staged K/V conversion: as few NIXL descriptors as the REMOTE layout allows, plus one local copy.
 
 Why: with NIXL the cost of a transfer is mostly per descriptor (about 2.8 µs each on an H200 over
-cuda_ipc, research/gpu_probe.md), and NIXL merges two descriptor pairs of a request only when
+cuda_ipc), and NIXL merges two descriptor pairs of a request only when
 they are consecutive entries of the prepared lists on BOTH sides and contiguous in memory on both
 sides (measured with NIXL 1.5.1: consecutive ids over contiguous entries give ``descCount`` 1;
 the same memory reached through non-consecutive ids is not merged).  A split<->fused conversion

@@ -1,7 +1,7 @@
 """Patch ``handshake_failure_guard``: on vLLM 0.19-0.21 a failed handshake no longer kills the
 decode worker one step later.
 
-Found while testing issue 7 (fault injection, bad peers).  When the handshake with a prefill
+Found by fault injection (bad peers).  When the handshake with a prefill
 engine fails before ``add_remote_agent`` registered it -- the prefill engine is dead (ZMQ times
 out after 5 s), the compatibility hash differs, the peer's metadata is rejected -- the release
 marks the waiting requests failed, and its ``get_finished`` then runs the

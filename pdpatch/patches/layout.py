@@ -13,8 +13,8 @@ preference merely *lists* a head-major layout first, and (b) makes ``MultiConnec
 sibling that insists on head-major instead of silently taking the sibling's answer.
 
 Where it acts: up to 0.28 the classmethod is consulted lazily in each worker process (through the
-lru_cached ``get_kv_cache_layout``); from 0.29 once, in EngineCore, by ``resolve_kv_cache_layout``
-(``vllm_nixl_patch_points.md`` §2.2-2.3).  Both resolvers are wrapped too: when the override is
+lru_cached ``get_kv_cache_layout``); from 0.29 once, in EngineCore, by ``resolve_kv_cache_layout``.
+Both resolvers are wrapped too: when the override is
 active and the layout in force is still head-major (an attention backend that supports only
 head-major, a ``MultiConnector`` sibling, ``VLLM_KV_CACHE_LAYOUT``, a preset
 ``cache_config.kv_cache_layout``), startup fails with a message naming the component and what to
@@ -401,7 +401,7 @@ def hetero_tp_guard(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     worker = instance
     if meta is None or getattr(worker, "use_mla", False):
         return result
-    topo = getattr(worker, "kv_topo", None) or getattr(worker, "transfer_topo", None)
+    topo = vllm_sites.any_topology(worker)
     if topo is None:
         return result
     remote = meta.engine_id
@@ -440,7 +440,7 @@ def _targets(version: Version) -> list[Target]:
     site = vllm_sites.lookup(vllm_sites.RECEIVE_PERMUTE, version)
     if site is not None:
         out.append(Target(site.module, site.qualname, reorder_blocks_first))
-    if versions.release_of(version) < Version("0.20"):
+    if not vllm_sites.checks_hetero_tp_layout(version):
         site = vllm_sites.lookup(vllm_sites.VALIDATE_HANDSHAKE, version)
         if site is not None:
             out.append(Target(site.module, site.qualname, hetero_tp_guard))

@@ -52,9 +52,6 @@ if TYPE_CHECKING:          # the reconciliation core is imported when a worker r
 PATCH_NAME = "num_blocks"
 MODE_KEY = "num_blocks_mode"
 
-# From 0.29 the worker registers `cache.untyped_storage()` whole (§3.2 of the patch-point notes).
-STORAGE_REGISTRATION_FROM = Version("0.29")
-
 
 @dataclass
 class _Status:
@@ -129,7 +126,7 @@ def reconcile_register(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
     neutralized = _restore_counts(worker, planned, logical, rec)
     if mode == MODE_SLICE:
         new_caches = _sliced(kv_caches, rec)
-        if versions.release_of(_version()) >= STORAGE_REGISTRATION_FROM:
+        if vllm_sites.registers_whole_storage(_version()):
             # Also for exactly-sized views whose storage has a tail (a VMM reservation rounded
             # up to its page): 0.29/0.30 treat any tail as "not block-major" and refuse.
             new_caches = _rebased(new_caches, [lb.name for lb in rec.layers])

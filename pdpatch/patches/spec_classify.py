@@ -1,7 +1,7 @@
 """Patch ``spec_classify``: no attention KV-cache group is a clear handshake error, not a bare
 ``StopIteration``.
 
-Background (issue 7, item 4).  During review of vLLM PR #40731 (plan-based NIXL transfers) the
+Background.  During review of vLLM PR #40731 (plan-based NIXL transfers) the
 group classification used ``type(group.kv_cache_spec)``, which misses a
 ``UniformTypeKVCacheSpecs`` wrapping MLA specs; DeepSeek-V4's handshake then died in
 ``next(i for i, t in enumerate(self._group_spec_types) if _is_attention_spec(t))`` with
@@ -105,7 +105,7 @@ def _targets(version: Version) -> list[Target]:
 PATCH = Patch(
     name=NAME,
     summary="a worker without an attention KV group fails the handshake with a clear error",
-    versions=">=0.21,<0.34",
+    versions=vllm_sites.supported_from("0.21"),
     why_version=("0.19/0.20 predate the plan-based transfer and have no next() lookup of the "
                  "attention group; the UniformTypeKVCacheSpecs StopIteration of PR #40731 was "
                  "fixed before 0.21.0 shipped"),

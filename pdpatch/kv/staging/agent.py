@@ -28,13 +28,9 @@ READ to stage and registered with NIXL per slot length.  Needs torch (not vLLM).
 
 from __future__ import annotations
 
-import bisect
-import math
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,228 +38,25 @@ import numpy as np
 
 from pdpatch.kv.stage import (
     CopyPlan,
-    TransportCost,
     range_ids,
     read_spans,
     span_layout,
     staging_table,
 )
+from pdpatch.kv.staging.calibration import GapCalibration
+from pdpatch.kv.staging.copier import ByteAllocator, ByteCopier, arenas_of
+from pdpatch.kv.staging.nixl_states import DONE, ERR, INIT_AGENT, PROC
+from pdpatch.kv.staging.rows import (
+    RowTable,
+    SortedTwin,
+    Spans,
+    address_order,
+    posted_descriptors,
+)
 from pdpatch.log import logger
 
-DONE, PROC, ERR = "DONE", "PROC", "ERR"
-INIT_AGENT = "NIXL_INIT_AGENT"
-STAGING_VAR = "PDPATCH_KV_STAGING_MIB"
-GAP_VAR = "PDPATCH_KV_GAP_KIB"
 # Stage a READ only when it posts at most this fraction of vLLM's descriptors.
 MAX_STAGED_FRACTION = 0.75
-# Calibration READs: descriptors of the many-descriptor READ, the bytes of the big one (more
-# bytes, a truer bandwidth: 64 MiB take ~40 us over cuda_ipc, 0.13 s over TCP loopback).
-CALIBRATION_DESCS = 256
-CALIBRATION_MAX_BYTES = 64 << 20
-CALIBRATION_REPS = 3
-SLOW_READ_S = 0.01
-
-
-class ByteAllocator:
-    """First-fit ranges of one buffer; each range starts at a multiple of its ``align``."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._free: list[tuple[int, int]] = [(0, size)] if size > 0 else []
-
-    @property
-    def free_bytes(self) -> int:
-        return sum(e - s for s, e in self._free)
-
-    def alloc(self, nbytes: int, align: int) -> int | None:
-        if nbytes <= 0 or align <= 0:
-            raise ValueError(f"nbytes and align must be > 0, got {nbytes}, {align}")
-        for i, (s, e) in enumerate(self._free):
-            start = -(-s // align) * align
-            if start + nbytes <= e:
-                rest = [r for r in ((s, start), (start + nbytes, e)) if r[1] > r[0]]
-                self._free[i:i + 1] = rest
-                return start
-        return None
-
-    def free(self, start: int, nbytes: int) -> None:
-        end = start + nbytes
-        i = bisect.bisect_left(self._free, (start, end))
-        if (i > 0 and self._free[i - 1][1] > start) or \
-                (i < len(self._free) and self._free[i][0] < end):
-            raise ValueError(f"range {start}+{nbytes} is already free")
-        if i < len(self._free) and self._free[i][0] == end:
-            end = self._free.pop(i)[1]
-        if i > 0 and self._free[i - 1][1] == start:
-            start = self._free.pop(i - 1)[0]
-            i -= 1
-        self._free.insert(i, (start, end))
-
-
-def arenas_of(tensors: Iterable[Any]) -> list[tuple[int, Any]]:
-    """``(base address, flat uint8 tensor)`` over the storage of each tensor (once each): the
-    memory a :class:`ByteCopier` may read and write, whatever the tensors' shapes."""
-    import torch
-
-    arenas: dict[int, Any] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        base = int(storage.data_ptr())
-        if base not in arenas:
-            arenas[base] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-    return list(arenas.items())
-
-
-class ByteCopier:
-    """Runs a :class:`CopyPlan` inside known arenas with torch index kernels, on CPU and GPU.
-
-    Why rows: the copies of a staged READ are thousands of equal segments; one
-    ``index_copy_`` per (source, destination) arena moves them all where a loop would launch
-    one copy each.  The row is the largest power of two (up to 64 KiB) dividing every length and
-    offset, so no byte outside a copy is written; rows of 8-byte words when it allows.  When
-    one side's rows are consecutive (the staging side of a READ usually is) that side is a
-    plain slice and no temporary is made.  On CUDA the copies run on the copier's own
-    non-blocking stream: not behind the model's kernels, and not on the legacy stream that
-    waits for NIXL's copies in flight.
-    """
-
-    name = "torch-index"
-
-    def __init__(self, arenas: Sequence[tuple[int, Any]]) -> None:
-        import torch
-
-        self.arenas = sorted(((int(b), t) for b, t in arenas), key=lambda a: a[0])
-        self.bases = np.array([a[0] for a in self.arenas], dtype=np.int64)
-        self.ends = self.bases + np.array([t.numel() for _, t in self.arenas], dtype=np.int64)
-        devices = {t.device for _, t in self.arenas}
-        if len(devices) != 1:
-            raise ValueError(f"arenas must share one device, got {sorted(map(str, devices))}")
-        self.device = devices.pop()
-        self._stream = (torch.cuda.Stream(self.device, priority=0)
-                        if self.device.type == "cuda" else None)
-
-    def locate(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
-        """The arena of each range; ValueError names the first one no arena holds."""
-        first = int(np.searchsorted(self.bases, int(addr.min()), side="right")) - 1
-        if first >= 0 and int((addr + length).max()) <= int(self.ends[first]):
-            return np.full(addr.size, first, dtype=np.int64)   # all in one (staging's side)
-        i = np.searchsorted(self.bases, addr, side="right") - 1
-        ok = (i >= 0) & (addr + length <= self.ends[np.maximum(i, 0)])
-        if not bool(np.all(ok)):
-            bad = int(np.flatnonzero(~ok)[0])
-            raise ValueError(f"copy of {int(length[bad])} B at {int(addr[bad]):#x} lies outside "
-                             "the memory this copier was given")
-        return i
-
-    def prepare(self, plan: CopyPlan) -> list[tuple]:
-        """Index tensors per (source arena, destination arena): host work that needs no bytes
-        yet, so a READ can do it while NIXL still moves them."""
-        import torch
-
-        if len(plan) == 0:
-            return []
-        src, dst, ln = (np.asarray(a, dtype=np.int64) for a in (plan.src, plan.dst,
-                                                               plan.length))
-        sa, da = self.locate(src, ln), self.locate(dst, ln)
-        s_off, d_off = src - self.bases[sa], dst - self.bases[da]
-        # the largest power of two dividing every offset and length (np.gcd.reduce: ~1 ms)
-        low = int(np.bitwise_or.reduce(np.concatenate([s_off, d_off, ln])))
-        g = min(low & -low, 1 << 16)
-        dtype, esz = (torch.int64, 8) if g % 8 == 0 else (torch.uint8, 1)
-        rows = ln // g
-        src_rows, dst_rows, keys = s_off // g, d_off // g, sa * len(self.arenas) + da
-        if int(rows.max()) > 1:      # copies of several rows each: one index per row
-            within = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(
-                np.cumsum(rows) - rows, rows)
-            src_rows = np.repeat(src_rows, rows) + within
-            dst_rows = np.repeat(dst_rows, rows) + within
-            keys = np.repeat(keys, rows)
-        ops = []
-        present = np.flatnonzero(np.bincount(keys))    # (a sort, as np.unique, costs ~1 ms)
-        for key in present.tolist():
-            sel = keys == key if present.size > 1 else slice(None)
-            s_r, d_r = src_rows[sel], dst_rows[sel]
-            s2 = self._rows(key // len(self.arenas), g, dtype, esz)
-            d2 = self._rows(key % len(self.arenas), g, dtype, esz)
-            if _consecutive(s_r):
-                ops.append(("scatter", s2[s_r[0]: s_r[0] + s_r.size], d2, self._index(d_r)))
-            elif _consecutive(d_r):
-                ops.append(("gather", s2, d2[d_r[0]: d_r[0] + d_r.size], self._index(s_r)))
-            else:
-                ops.append(("both", s2, d2, (self._index(s_r), self._index(d_r))))
-        return ops
-
-    def _rows(self, arena: int, g: int, dtype: Any, esz: int) -> Any:
-        flat = self.arenas[arena][1]
-        return flat[: flat.numel() // g * g].view(dtype).view(-1, g // esz)
-
-    def _index(self, rows: np.ndarray) -> Any:
-        import torch
-
-        return torch.from_numpy(rows).to(self.device, non_blocking=True)
-
-    def launch(self, ops: list[tuple], sync: bool = True) -> Any:
-        """Run prepared copies.  ``sync=False`` on CUDA returns an event to poll; the caller
-        keeps ``ops`` alive until it has completed (their index tensors are in use)."""
-        import torch
-
-        if not ops:
-            return None
-        with torch.cuda.stream(self._stream) if self._stream is not None else _nothing():
-            for kind, src, dst, idx in ops:
-                if kind == "scatter":
-                    dst.index_copy_(0, idx, src)
-                elif kind == "gather":
-                    torch.index_select(src, 0, idx, out=dst)
-                else:
-                    dst.index_copy_(0, idx[1], src.index_select(0, idx[0]))
-            if self._stream is None:
-                return None
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        if sync:
-            event.synchronize()
-            return None
-        return event
-
-    def run(self, plan: CopyPlan, sync: bool = True) -> Any:
-        return self.launch(self.prepare(plan), sync)
-
-    def sync(self) -> None:
-        if self._stream is not None:
-            self._stream.synchronize()
-
-
-def _consecutive(rows: np.ndarray) -> bool:
-    return bool(rows.size) and int(rows[-1]) - int(rows[0]) + 1 == rows.size and \
-        bool(np.all(np.diff(rows) == 1))
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
-
-
-@dataclass(frozen=True)
-class _Spans:
-    """A gap READ: its spans of the peer's memory, and where each requested row lands."""
-
-    start: np.ndarray          # remote address of each span
-    length: np.ndarray
-    span_off: np.ndarray       # each span's offset in staging (back to back)
-    offset: np.ndarray         # each row's offset in staging (rows in address order)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.length.sum())
-
-    @property
-    def posted(self) -> int:
-        """The descriptors counted for this READ, one per span: an upper bound of NIXL's
-        ``descCount``.  Two spans touch only across read ranges, and NIXL merges them when
-        one registration holds both (measured: yes for a peer that registered both ranges
-        as one region, no for two regions)."""
-        return int(self.start.size)
 
 
 @dataclass
@@ -278,42 +71,12 @@ class _Job:
     stock: int                 # descriptors vLLM's own READ would have posted
     staged: int                # descriptors the staged READ posts
     dev: int                   # the device id of the local lists (and of staging)
-    spans: _Spans | None = None                  # a gap READ: its spans of the peer
+    spans: Spans | None = None                  # a gap READ: its spans of the peer
     dlists: tuple = ()                           # a gap READ's own lists, freed with it
     ops: list = field(default_factory=list)      # prepared gather, alive until it has run
     failure: Exception | None = None             # planning the gather failed
     event: Any = None
     landed: bool = False
-
-
-class _Table:
-    """A prepared list's rows as arrays, built once on first use (vLLM keeps lists of
-    tuples; turning 10^5 of them into addresses per request would cost more than NIXL)."""
-
-    __slots__ = ("addr", "contiguous_next", "dev", "length")
-
-    def __init__(self, rows: Any) -> None:
-        arr = _as_rows(rows)
-        self.addr = arr[:, 0].astype(np.int64)
-        lens = arr[:, 1].astype(np.int64)
-        # one length per list, or None (then no staging: slots are of one size)
-        self.length = int(lens[0]) if lens.size and bool(np.all(lens == lens[0])) else None
-        self.dev = int(arr[0, 2]) if arr.size else 0
-        # row i ends where row i + 1 starts: NIXL can merge them when both are requested
-        self.contiguous_next = np.append(self.addr[1:] == self.addr[:-1] + lens[:-1], False)
-
-
-@dataclass
-class _Sorted:
-    """A converted peer's rows prepared once more in address order."""
-
-    peer: str
-    agent_name: Any
-    handle: Any
-    position: np.ndarray       # row id in vLLM's list -> row id in the sorted twin
-    table: _Table              # the twin's rows
-    range_id: np.ndarray | None = None   # the peer's read range holding each row (-1: none)
-    gap: int | None = None     # bytes a READ may read between requested rows (None: unknown)
 
 
 class _NotStaged(Exception):
@@ -334,7 +97,7 @@ class StagingStats:
     not_staged: Counter = field(default_factory=Counter)   # reason -> requests
 
 
-class StagingAgent:
+class StagingAgent(GapCalibration):
     """A worker's NIXL agent with staged READs for converted peers (see the module doc).
 
     ``memory`` gives, at the first READ to stage, the tensors whose memory the
@@ -345,20 +108,27 @@ class StagingAgent:
     marked with its read ranges, so that nearby blocks share one descriptor (the bytes
     between them stay in staging).  ``None`` measures it per peer at its first staged READ
     (:meth:`_calibrate`); 0 turns gap reads off.
+
+    ``capacity_setting`` / ``gap_setting``: what the operator sets to change ``capacity`` /
+    ``gap``, named in the messages (the patch knows its settings; this core does not).
     """
 
     def __init__(self, agent: Any, *, mem_type: str, capacity: int,
-                 memory: Callable[[], Sequence[Any]], gap: int | None = None) -> None:
+                 memory: Callable[[], Sequence[Any]], gap: int | None = None,
+                 capacity_setting: str = "the staging capacity",
+                 gap_setting: str = "the gap budget") -> None:
         self._agent = agent
+        self._capacity_setting = capacity_setting
+        self._gap_setting = gap_setting
         self._mem_type = mem_type
         self._capacity = capacity
         self._memory = memory
         self._gap = gap
         self._lock = threading.Lock()
         self._tables: dict[Any, tuple[Any, Any]] = {}   # dlist handle -> (agent, its rows)
-        self._arrays: dict[Any, _Table] = {}            # the same rows as arrays, on first use
+        self._arrays: dict[Any, RowTable] = {}            # the same rows as arrays, on first use
         self._unprepped: dict[int, tuple[Any, Any]] = {}   # id(xfer dlist) -> (dlist, rows)
-        self._converted: dict[Any, _Sorted] = {}      # remote dlist handle -> sorted twin
+        self._converted: dict[Any, SortedTwin] = {}      # remote dlist handle -> sorted twin
         self._jobs: dict[Any, _Job] = {}              # xfer handle -> staged READ
         self._slot_handles: dict[tuple[int, int], Any] = {}   # (slot len, dev) -> dlist
         self._registered: dict[int, Any] = {}         # dev -> NIXL registration
@@ -455,7 +225,7 @@ class StagingAgent:
             self._converted[remote_handle] = twin
         return True
 
-    def _sorted_twin(self, peer: str, agent_name: Any, table: _Table) -> _Sorted:
+    def _sorted_twin(self, peer: str, agent_name: Any, table: RowTable) -> SortedTwin:
         order = np.argsort(table.addr, kind="stable")
         position = np.empty_like(order)
         position[order] = np.arange(order.size)
@@ -463,14 +233,14 @@ class StagingAgent:
                                        np.full(order.size, table.dev)]).astype(np.uint64)
         handle = self._agent.prep_xfer_dlist(
             agent_name, self._agent.get_xfer_descs(sorted_rows, self._mem_type))
-        return _Sorted(peer, agent_name, handle, position, _Table(sorted_rows))
+        return SortedTwin(peer, agent_name, handle, position, RowTable(sorted_rows))
 
-    def _table(self, handle: Any) -> _Table | None:
+    def _table(self, handle: Any) -> RowTable | None:
         with self._lock:
             table = self._arrays.get(handle)
             entry = self._tables.get(handle) if table is None else None
         if table is None and entry is not None:
-            table = _Table(entry[1])
+            table = RowTable(entry[1])
             with self._lock:
                 self._arrays[handle] = table
         return table
@@ -556,7 +326,7 @@ class StagingAgent:
             f", reading {(job.nbytes - requested) >> 10} KiB between requested blocks")
         return handle
 
-    def _plan(self, lh: Any, local_ids: Any, twin: _Sorted, rh: Any, remote_ids: Any
+    def _plan(self, lh: Any, local_ids: Any, twin: SortedTwin, rh: Any, remote_ids: Any
               ) -> tuple[_Job, Any, np.ndarray, np.ndarray]:
         """Staging slots and the peer's rows in address order: all NIXL needs to start.
         For a gap READ the job carries its spans, and the slot list and ids are unused."""
@@ -575,14 +345,14 @@ class StagingAgent:
         need = slot * lid.size
         if need > self._capacity:
             raise _NotStaged(f"a request is larger than the {self._capacity >> 20} MiB staging "
-                             f"buffer (raise {STAGING_VAR})")
+                             f"buffer (raise {self._capacity_setting})")
         self._ensure_buffer()
         if not self._covered(lh, ltab):
             raise _NotStaged("the local list points outside the KV memory staging copies into")
         position = twin.position[rid]
         order = address_order(position, rid)
         r_ids = position[order]
-        stock = _posted(lid, rid, ltab, rtab)
+        stock = posted_descriptors(lid, rid, ltab, rtab)
         runs = lid.size - int(np.count_nonzero(
             (r_ids[1:] == r_ids[:-1] + 1) & twin.table.contiguous_next[r_ids[:-1]]))
         slot_handle = self._slot_handle(slot, ltab.dev)     # registers staging, too
@@ -608,8 +378,8 @@ class StagingAgent:
                    slot, twin.peer, stock, staged, ltab.dev, spans)
         return job, slot_handle, slot_ids, r_ids
 
-    def _spans(self, twin: _Sorted, r_ids: np.ndarray, slot: int, runs: int, dev: int
-               ) -> _Spans | None:
+    def _spans(self, twin: SortedTwin, r_ids: np.ndarray, slot: int, runs: int, dev: int
+               ) -> Spans | None:
         """The gap READ for rows ``r_ids`` of the twin (address order), when it posts fewer
         descriptors than the twin's runs and fits the staging buffer; else None."""
         gap = self._gap_for(twin, slot, dev)
@@ -623,9 +393,9 @@ class StagingAgent:
         first, last, _ = read_spans(start, end, joinable, gap, self._capacity)
         if first.size >= runs:
             return None
-        return _Spans(start[first], *span_layout(start, end, first, last))
+        return Spans(start[first], *span_layout(start, end, first, last))
 
-    def _covered(self, handle: Any, table: _Table) -> bool:
+    def _covered(self, handle: Any, table: RowTable) -> bool:
         """Every row of a local list lies in memory the copier can write (checked once)."""
         with self._lock:
             known = self._covers.get(handle)
@@ -638,96 +408,6 @@ class StagingAgent:
             with self._lock:
                 self._covers[handle] = known
         return known
-
-    def _gap_for(self, twin: _Sorted, slot: int, dev: int) -> int:
-        """The twin's gap budget: the agent's setting, else measured at the peer's first
-        staged READ (0 until it could be)."""
-        if twin.range_id is None:
-            return 0
-        if twin.gap is None and self._gap is not None:
-            twin.gap = self._gap
-        if twin.gap is None:
-            twin.gap = self._calibrate(twin, slot, dev)
-        return twin.gap or 0
-
-    def _calibrate(self, twin: _Sorted, slot: int, dev: int) -> int | None:
-        """The most bytes worth reading to save one descriptor, measured on this peer: three
-        READs of its memory into staging -- :data:`CALIBRATION_DESCS` rows one apart, the
-        same bytes as one descriptor, and one descriptor of up to
-        :data:`CALIBRATION_MAX_BYTES` -- best of :data:`CALIBRATION_REPS` each
-        (:meth:`~pdpatch.kv.stage.TransportCost.from_reads`).
-
-        Why measure: the budget is ``cost x bandwidth``, a few MiB over cuda_ipc on one node,
-        tens of KiB over host memory, a few KiB over TCP: no default fits every transport.
-        None (try again at the next READ) while other READs hold the staging it needs."""
-        run_start, run_len = _longest_run(twin)
-        room = min(CALIBRATION_MAX_BYTES, self._capacity, run_len * slot) // (2 * slot)
-        descs = min(CALIBRATION_DESCS, run_len // 2, 2 * room)
-        if descs < 2:
-            logger.info("pdpatch kv_segments: no gap reads from %s: no run of its rows, or "
-                        "no staging, large enough to measure the transport with", twin.peer)
-            return 0
-        with self._lock:
-            start = self._alloc.alloc(2 * room * slot, slot)
-        if start is None:
-            return None
-        addr = twin.table.addr
-        try:
-            spaced = self._timed(twin, start, addr[run_start:run_start + 2 * descs:2], slot,
-                                 dev)
-            one = self._timed(twin, start, addr[run_start:run_start + 1], descs * slot, dev)
-            big = self._timed(twin, start, addr[run_start:run_start + 1], 2 * room * slot, dev)
-            cost = TransportCost.from_reads(spaced, one, big)
-        except Exception as exc:
-            logger.warning("pdpatch kv_segments: no gap reads from %s: measuring its "
-                           "transport failed (%s: %s); set %s to choose a gap", twin.peer,
-                           type(exc).__name__, exc, GAP_VAR)
-            return 0
-        finally:
-            self._release_range(start, 2 * room * slot)
-        gap = cost.gap_budget()
-        with self._lock:
-            self.stats.gap_budgets[twin.peer] = gap
-        logger.info("pdpatch kv_segments: READs from %s cost %.1f us per descriptor at %.1f "
-                    "GB/s: staged READs read up to %d KiB between requested blocks rather than "
-                    "post another descriptor (%s overrides; 0 turns it off)", twin.peer,
-                    cost.desc_cost_s * 1e6, cost.bandwidth_bps / 1e9, gap >> 10, GAP_VAR)
-        return gap
-
-    def _timed(self, twin: _Sorted, start: int, remote: np.ndarray, length: int, dev: int
-               ) -> tuple[int, int, float]:
-        """``(descs, bytes, best seconds)`` of READing ``length`` bytes at each of ``remote``
-        into staging at ``start``, posted and polled as vLLM does."""
-        n = remote.size
-        lens = np.full(n, length, dtype=np.int64)
-        local = self._base + start + np.arange(n, dtype=np.int64) * length
-        lh = self._prep(INIT_AGENT, local, lens, dev)
-        ids = np.arange(n, dtype=np.int64)
-        best = math.inf
-        rh = None
-        try:
-            rh = self._prep(twin.agent_name, remote, lens, twin.table.dev)
-            for rep in range(CALIBRATION_REPS):
-                t0 = time.perf_counter()
-                handle = self._agent.make_prepped_xfer("READ", lh, ids, rh, ids)
-                try:
-                    state = self._agent.transfer(handle)
-                    while state == PROC:
-                        state = self._agent.check_xfer_state(handle)
-                    best = min(best, time.perf_counter() - t0)
-                finally:
-                    self._agent.release_xfer_handle(handle)
-                with self._lock:
-                    self.stats.calibration_bytes += n * length
-                if state != DONE:
-                    raise RuntimeError(f"calibration READ ended {state}")
-                if rep and best > SLOW_READ_S:   # slow transport: small noise, dear time
-                    break                            # (the first READ warms the memory)
-        finally:
-            self._agent.release_dlist_handle(lh)
-            if rh is not None:
-                self._agent.release_dlist_handle(rh)
-        return n, n * length, best
 
     def _plan_gather(self, job: _Job) -> None:
         n = job.local_addr.size
@@ -762,7 +442,7 @@ class StagingAgent:
         with self._lock:
             self._registered[dev] = reg if reg is not None else descs
 
-    def _span_lists(self, twin: _Sorted, job: _Job) -> tuple[Any, Any]:
+    def _span_lists(self, twin: SortedTwin, job: _Job) -> tuple[Any, Any]:
         """A gap READ's own lists: its spans of the peer, and back-to-back staging ranges of
         the same lengths (ids into prepared tables cannot describe a span that no row is)."""
         sp = job.spans
@@ -872,70 +552,3 @@ class StagingAgent:
             first = self.stats.not_staged[reason] == 1
         (logger.info if first else logger.debug)(
             "pdpatch kv_segments: READ posted per segment: %s", reason)
-
-
-def address_order(position: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """``np.argsort(position, kind="stable")``, cheaper for the requests vLLM builds.
-
-    Why: sorting a request's 10^4-10^5 rows costs more host time than NIXL spends on the
-    descriptors staging saves (6 ms for 65 536 rows on an H200 host).  vLLM's ids are
-    region-major -- every layer's K (and V) region asks for the same blocks -- so the rows
-    come in chunks that are translates of the first one.  Sorting the first chunk once and
-    applying that order to every chunk leaves sorted runs, which a stable sort (timsort)
-    merges in O(n log chunks).  The chunking is only a hint: the final sort is exact for any
-    input."""
-    n = ids.size
-    chunk = _period(ids)
-    if chunk >= n:
-        return np.argsort(position, kind="stable")
-    first = np.argsort(position[:chunk], kind="stable")
-    hint = (np.arange(0, n, chunk, dtype=np.int64)[:, None] + first[None, :]).reshape(-1)
-    return hint[np.argsort(position[hint], kind="stable")]
-
-
-def _period(ids: np.ndarray) -> int:
-    """The shortest chunk length whose chunks are the first chunk shifted by a constant
-    (``ids.size`` when there is none)."""
-    n = ids.size
-    for chunk in _divisors(n):
-        if chunk == n:
-            break
-        step = ids[chunk] - ids[0]
-        if ids[n - 1] - ids[n - 1 - chunk] != step:       # cheap test before the full one
-            continue
-        if bool(np.all(ids[chunk:] - ids[:-chunk] == step)):
-            return chunk
-    return n
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted({*small, *(n // d for d in small)})
-
-
-def _as_rows(rows: Any) -> np.ndarray:
-    """vLLM's list of ``(addr, len, dev)`` tuples, or an Nx3 array, as an Nx3+ int64 array."""
-    arr = np.asarray(rows if isinstance(rows, np.ndarray) else list(rows), dtype=np.int64)
-    return arr.reshape(-1, arr.shape[-1]) if arr.size else np.zeros((0, 3), np.int64)
-
-
-def _longest_run(twin: _Sorted) -> tuple[int, int]:
-    """``(first row, rows)`` of the twin's longest run of back-to-back rows in one read
-    range: memory a single READ of the peer may cover."""
-    rng = twin.range_id
-    if rng is None or rng.size == 0:
-        return 0, 0
-    joins = twin.table.contiguous_next[:-1] & (rng[1:] == rng[:-1]) & (rng[1:] >= 0)
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    lengths = np.diff(np.append(starts, rng.size))
-    lengths[rng[starts] < 0] = 0
-    best = int(np.argmax(lengths))
-    return int(starts[best]), int(lengths[best])
-
-
-def _posted(lid: np.ndarray, rid: np.ndarray, ltab: _Table, rtab: _Table) -> int:
-    """NIXL's ``descCount`` for ids into two lists: a pair joins the previous one when both
-    ids follow the previous ones and both rows continue them in memory."""
-    joins = ((lid[1:] == lid[:-1] + 1) & (rid[1:] == rid[:-1] + 1)
-             & ltab.contiguous_next[lid[:-1]] & rtab.contiguous_next[rid[:-1]])
-    return int(lid.size - np.count_nonzero(joins))

@@ -1,0 +1,127 @@
+"""The gap budget of a peer: how many unrequested bytes a staged READ may read to save one
+NIXL descriptor, measured on the peer's own memory at its first staged READ."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from pdpatch.kv.stage import TransportCost
+from pdpatch.kv.staging.nixl_states import DONE, INIT_AGENT, PROC
+from pdpatch.kv.staging.rows import SortedTwin, longest_run
+from pdpatch.log import logger
+
+# Calibration READs: descriptors of the many-descriptor READ, the bytes of the big one (more
+# bytes, a truer bandwidth: 64 MiB take ~40 us over cuda_ipc, 0.13 s over TCP loopback).
+CALIBRATION_DESCS = 256
+CALIBRATION_MAX_BYTES = 64 << 20
+CALIBRATION_REPS = 3
+SLOW_READ_S = 0.01
+
+
+class GapCalibration:
+    """The calibration half of :class:`~pdpatch.kv.staging.agent.StagingAgent`, kept apart
+    because it is a measurement, not the READ path.  It runs inside the agent: its NIXL agent,
+    staging buffer, allocator, lock and stats, and its ``_prep`` / ``_release_range``."""
+
+    _agent: Any
+    _alloc: Any
+    _base: int
+    _capacity: int
+    _gap: int | None
+    _gap_setting: str
+    _lock: Any
+    stats: Any
+
+    def _gap_for(self, twin: SortedTwin, slot: int, dev: int) -> int:
+        """The twin's gap budget: the agent's setting, else measured at the peer's first
+        staged READ (0 until it could be)."""
+        if twin.range_id is None:
+            return 0
+        if twin.gap is None and self._gap is not None:
+            twin.gap = self._gap
+        if twin.gap is None:
+            twin.gap = self._calibrate(twin, slot, dev)
+        return twin.gap or 0
+
+    def _calibrate(self, twin: SortedTwin, slot: int, dev: int) -> int | None:
+        """The most bytes worth reading to save one descriptor, measured on this peer: three
+        READs of its memory into staging -- :data:`CALIBRATION_DESCS` rows one apart, the
+        same bytes as one descriptor, and one descriptor of up to
+        :data:`CALIBRATION_MAX_BYTES` -- best of :data:`CALIBRATION_REPS` each
+        (:meth:`~pdpatch.kv.stage.TransportCost.from_reads`).
+
+        Why measure: the budget is ``cost x bandwidth``, a few MiB over cuda_ipc on one node,
+        tens of KiB over host memory, a few KiB over TCP: no default fits every transport.
+        None (try again at the next READ) while other READs hold the staging it needs."""
+        run_start, run_len = longest_run(twin)
+        room = min(CALIBRATION_MAX_BYTES, self._capacity, run_len * slot) // (2 * slot)
+        descs = min(CALIBRATION_DESCS, run_len // 2, 2 * room)
+        if descs < 2:
+            logger.info("pdpatch kv_segments: no gap reads from %s: no run of its rows, or "
+                        "no staging, large enough to measure the transport with", twin.peer)
+            return 0
+        with self._lock:
+            start = self._alloc.alloc(2 * room * slot, slot)
+        if start is None:
+            return None
+        addr = twin.table.addr
+        try:
+            spaced = self._timed(twin, start, addr[run_start:run_start + 2 * descs:2], slot,
+                                 dev)
+            one = self._timed(twin, start, addr[run_start:run_start + 1], descs * slot, dev)
+            big = self._timed(twin, start, addr[run_start:run_start + 1], 2 * room * slot, dev)
+            cost = TransportCost.from_reads(spaced, one, big)
+        except Exception as exc:
+            logger.warning("pdpatch kv_segments: no gap reads from %s: measuring its "
+                           "transport failed (%s: %s); set %s to choose a gap", twin.peer,
+                           type(exc).__name__, exc, self._gap_setting)
+            return 0
+        finally:
+            self._release_range(start, 2 * room * slot)
+        gap = cost.gap_budget()
+        with self._lock:
+            self.stats.gap_budgets[twin.peer] = gap
+        logger.info("pdpatch kv_segments: READs from %s cost %.1f us per descriptor at %.1f "
+                    "GB/s: staged READs read up to %d KiB between requested blocks rather than "
+                    "post another descriptor (%s overrides; 0 turns it off)", twin.peer,
+                    cost.desc_cost_s * 1e6, cost.bandwidth_bps / 1e9, gap >> 10, self._gap_setting)
+        return gap
+
+    def _timed(self, twin: SortedTwin, start: int, remote: np.ndarray, length: int, dev: int
+               ) -> tuple[int, int, float]:
+        """``(descs, bytes, best seconds)`` of READing ``length`` bytes at each of ``remote``
+        into staging at ``start``, posted and polled as vLLM does."""
+        n = remote.size
+        lens = np.full(n, length, dtype=np.int64)
+        local = self._base + start + np.arange(n, dtype=np.int64) * length
+        lh = self._prep(INIT_AGENT, local, lens, dev)
+        ids = np.arange(n, dtype=np.int64)
+        best = math.inf
+        rh = None
+        try:
+            rh = self._prep(twin.agent_name, remote, lens, twin.table.dev)
+            for rep in range(CALIBRATION_REPS):
+                t0 = time.perf_counter()
+                handle = self._agent.make_prepped_xfer("READ", lh, ids, rh, ids)
+                try:
+                    state = self._agent.transfer(handle)
+                    while state == PROC:
+                        state = self._agent.check_xfer_state(handle)
+                    best = min(best, time.perf_counter() - t0)
+                finally:
+                    self._agent.release_xfer_handle(handle)
+                with self._lock:
+                    self.stats.calibration_bytes += n * length
+                if state != DONE:
+                    raise RuntimeError(f"calibration READ ended {state}")
+                if rep and best > SLOW_READ_S:   # slow transport: small noise, dear time
+                    break                            # (the first READ warms the memory)
+        finally:
+            self._agent.release_dlist_handle(lh)
+            if rh is not None:
+                self._agent.release_dlist_handle(rh)
+        return n, n * length, best

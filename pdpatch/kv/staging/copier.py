@@ -1,0 +1,194 @@
+"""Copies and space inside known memory, for a staged READ's gather: a first-fit allocator of
+the staging buffer and a copier that runs thousands of equal segments as a few torch index
+kernels."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from pdpatch.kv.stage import CopyPlan
+
+
+class ByteAllocator:
+    """First-fit ranges of one buffer; each range starts at a multiple of its ``align``."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: list[tuple[int, int]] = [(0, size)] if size > 0 else []
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(e - s for s, e in self._free)
+
+    def alloc(self, nbytes: int, align: int) -> int | None:
+        if nbytes <= 0 or align <= 0:
+            raise ValueError(f"nbytes and align must be > 0, got {nbytes}, {align}")
+        for i, (s, e) in enumerate(self._free):
+            start = -(-s // align) * align
+            if start + nbytes <= e:
+                rest = [r for r in ((s, start), (start + nbytes, e)) if r[1] > r[0]]
+                self._free[i:i + 1] = rest
+                return start
+        return None
+
+    def free(self, start: int, nbytes: int) -> None:
+        end = start + nbytes
+        i = bisect.bisect_left(self._free, (start, end))
+        if (i > 0 and self._free[i - 1][1] > start) or \
+                (i < len(self._free) and self._free[i][0] < end):
+            raise ValueError(f"range {start}+{nbytes} is already free")
+        if i < len(self._free) and self._free[i][0] == end:
+            end = self._free.pop(i)[1]
+        if i > 0 and self._free[i - 1][1] == start:
+            start = self._free.pop(i - 1)[0]
+            i -= 1
+        self._free.insert(i, (start, end))
+
+
+def arenas_of(tensors: Iterable[Any]) -> list[tuple[int, Any]]:
+    """``(base address, flat uint8 tensor)`` over the storage of each tensor (once each): the
+    memory a :class:`ByteCopier` may read and write, whatever the tensors' shapes."""
+    import torch
+
+    arenas: dict[int, Any] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        base = int(storage.data_ptr())
+        if base not in arenas:
+            arenas[base] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+    return list(arenas.items())
+
+
+class ByteCopier:
+    """Runs a :class:`CopyPlan` inside known arenas with torch index kernels, on CPU and GPU.
+
+    Why rows: the copies of a staged READ are thousands of equal segments; one
+    ``index_copy_`` per (source, destination) arena moves them all where a loop would launch
+    one copy each.  The row is the largest power of two (up to 64 KiB) dividing every length and
+    offset, so no byte outside a copy is written; rows of 8-byte words when it allows.  When
+    one side's rows are consecutive (the staging side of a READ usually is) that side is a
+    plain slice and no temporary is made.  On CUDA the copies run on the copier's own
+    non-blocking stream: not behind the model's kernels, and not on the legacy stream that
+    waits for NIXL's copies in flight.
+    """
+
+    name = "torch-index"
+
+    def __init__(self, arenas: Sequence[tuple[int, Any]]) -> None:
+        import torch
+
+        self.arenas = sorted(((int(b), t) for b, t in arenas), key=lambda a: a[0])
+        self.bases = np.array([a[0] for a in self.arenas], dtype=np.int64)
+        self.ends = self.bases + np.array([t.numel() for _, t in self.arenas], dtype=np.int64)
+        devices = {t.device for _, t in self.arenas}
+        if len(devices) != 1:
+            raise ValueError(f"arenas must share one device, got {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        self._stream = (torch.cuda.Stream(self.device, priority=0)
+                        if self.device.type == "cuda" else None)
+
+    def locate(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """The arena of each range; ValueError names the first one no arena holds."""
+        first = int(np.searchsorted(self.bases, int(addr.min()), side="right")) - 1
+        if first >= 0 and int((addr + length).max()) <= int(self.ends[first]):
+            return np.full(addr.size, first, dtype=np.int64)   # all in one (staging's side)
+        i = np.searchsorted(self.bases, addr, side="right") - 1
+        ok = (i >= 0) & (addr + length <= self.ends[np.maximum(i, 0)])
+        if not bool(np.all(ok)):
+            bad = int(np.flatnonzero(~ok)[0])
+            raise ValueError(f"copy of {int(length[bad])} B at {int(addr[bad]):#x} lies outside "
+                             "the memory this copier was given")
+        return i
+
+    def prepare(self, plan: CopyPlan) -> list[tuple]:
+        """Index tensors per (source arena, destination arena): host work that needs no bytes
+        yet, so a READ can do it while NIXL still moves them."""
+        import torch
+
+        if len(plan) == 0:
+            return []
+        src, dst, ln = (np.asarray(a, dtype=np.int64) for a in (plan.src, plan.dst,
+                                                               plan.length))
+        sa, da = self.locate(src, ln), self.locate(dst, ln)
+        s_off, d_off = src - self.bases[sa], dst - self.bases[da]
+        # the largest power of two dividing every offset and length (np.gcd.reduce: ~1 ms)
+        low = int(np.bitwise_or.reduce(np.concatenate([s_off, d_off, ln])))
+        g = min(low & -low, 1 << 16)
+        dtype, esz = (torch.int64, 8) if g % 8 == 0 else (torch.uint8, 1)
+        rows = ln // g
+        src_rows, dst_rows, keys = s_off // g, d_off // g, sa * len(self.arenas) + da
+        if int(rows.max()) > 1:      # copies of several rows each: one index per row
+            within = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(
+                np.cumsum(rows) - rows, rows)
+            src_rows = np.repeat(src_rows, rows) + within
+            dst_rows = np.repeat(dst_rows, rows) + within
+            keys = np.repeat(keys, rows)
+        ops = []
+        present = np.flatnonzero(np.bincount(keys))    # (a sort, as np.unique, costs ~1 ms)
+        for key in present.tolist():
+            sel = keys == key if present.size > 1 else slice(None)
+            s_r, d_r = src_rows[sel], dst_rows[sel]
+            s2 = self._rows(key // len(self.arenas), g, dtype, esz)
+            d2 = self._rows(key % len(self.arenas), g, dtype, esz)
+            if _consecutive(s_r):
+                ops.append(("scatter", s2[s_r[0]: s_r[0] + s_r.size], d2, self._index(d_r)))
+            elif _consecutive(d_r):
+                ops.append(("gather", s2, d2[d_r[0]: d_r[0] + d_r.size], self._index(s_r)))
+            else:
+                ops.append(("both", s2, d2, (self._index(s_r), self._index(d_r))))
+        return ops
+
+    def _rows(self, arena: int, g: int, dtype: Any, esz: int) -> Any:
+        flat = self.arenas[arena][1]
+        return flat[: flat.numel() // g * g].view(dtype).view(-1, g // esz)
+
+    def _index(self, rows: np.ndarray) -> Any:
+        import torch
+
+        return torch.from_numpy(rows).to(self.device, non_blocking=True)
+
+    def launch(self, ops: list[tuple], sync: bool = True) -> Any:
+        """Run prepared copies.  ``sync=False`` on CUDA returns an event to poll; the caller
+        keeps ``ops`` alive until it has completed (their index tensors are in use)."""
+        import torch
+
+        if not ops:
+            return None
+        with torch.cuda.stream(self._stream) if self._stream is not None else _nothing():
+            for kind, src, dst, idx in ops:
+                if kind == "scatter":
+                    dst.index_copy_(0, idx, src)
+                elif kind == "gather":
+                    torch.index_select(src, 0, idx, out=dst)
+                else:
+                    dst.index_copy_(0, idx[1], src.index_select(0, idx[0]))
+            if self._stream is None:
+                return None
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        if sync:
+            event.synchronize()
+            return None
+        return event
+
+    def run(self, plan: CopyPlan, sync: bool = True) -> Any:
+        return self.launch(self.prepare(plan), sync)
+
+    def sync(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+
+def _consecutive(rows: np.ndarray) -> bool:
+    return bool(rows.size) and int(rows[-1]) - int(rows[0]) + 1 == rows.size and \
+        bool(np.all(np.diff(rows) == 1))
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield

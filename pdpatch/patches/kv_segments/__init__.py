@@ -1,0 +1,132 @@
+"""Patch ``kv_segments``: P and D whose attention backends place K and V differently exchange
+blocks byte-exactly; pairs pdpatch cannot convert fail that peer's handshake with both
+geometries named.
+
+Why: up to vLLM 0.22 FlashAttention keeps a layer's K and V in two regions (``(2, N, ...)``)
+while FlashInfer / Triton fuse ``[K|V]`` per block (``(N, 2, ...)``); kvcached's split-half
+memory does the same on 0.23-0.25.  Stock vLLM refuses such a pair twice over: the NIXL
+compatibility hash covers the backend *name*, and with that check off
+``_validate_remote_agent_handshake`` asserts on block lengths and region counts -- and even
+then the remote descriptors would be built with the *local* layout.  From 0.26 every backend
+packs K|V per token, so two backend names can share one geometry, and the hash still refuses.
+
+The pipeline, one module each:
+
+* :mod:`.advertise` -- at ``register_kv_caches`` the worker's geometry, inferred from tensor
+  strides, is added to its encoded ``NixlAgentMetadata`` as an optional field that every stock
+  decoder drops, so vLLM's code on either side sees exactly the release's metadata;
+* :mod:`.handshake` -- vLLM's hash is sent unchanged, but a peer whose hash differs only in an
+  interchangeable backend name is let through to the geometry check, and a pdpatch peer's
+  advertised geometry is read from the raw payload;
+* :mod:`.planning` -- pure: equal K/V placements run stock code; different ones (0.19-0.25)
+  are planned with :class:`pdpatch.kv.PairPlan`; mixed backend names (all releases) are accepted
+  only on an exact byte pairing; anything else raises :class:`GeometryMismatch` in the
+  handshake thread, which fails only that peer's requests;
+* :mod:`.substitution` -- vLLM's own ``add_remote_agent`` runs on a shadow of the peer's
+  metadata and its remote descriptor list is swapped for pdpatch's;
+* :mod:`.staged_reads` -- a converted peer's READs go through
+  :class:`pdpatch.kv.staging.StagingAgent` (``PDPATCH_KV_STAGING_MIB``, ``PDPATCH_KV_GAP_KIB``);
+* :mod:`.state` -- what one worker's wrappers share; :mod:`.settings` -- names, settings,
+  counters.
+
+D (the reading side) must run pdpatch; P needs it only to advertise its geometry (without it
+D derives P's geometry from vLLM's own metadata fields).  Toggle: ``PDPATCH_KV_SEGMENTS``,
+or ``kv_connector_extra_config["pdpatch"]["kv_segments"] = false``; extra interchangeable
+backend names: ``kv_connector_extra_config["pdpatch"]["kv_segments_backends"] = [...]``.
+"""
+
+from __future__ import annotations
+
+from packaging.version import Version
+
+from pdpatch import vllm_sites
+from pdpatch.patches.kv_segments.advertise import (
+    local_geometry,
+    make_register_wrapper,
+    restore_wrapper,
+)
+from pdpatch.patches.kv_segments.handshake import (
+    Handshake,
+    ScopedPayloadClass,
+    advertised_geometry,
+    alternates_for,
+    handshake_scope,
+    hash_wrapper,
+    make_handshake_wrapper,
+    payload_class,
+    reset_alternates,
+    scoped_payload,
+)
+from pdpatch.patches.kv_segments.planning import (
+    Conversion,
+    head_major_of,
+    local_view,
+    plan_peer,
+    remote_geometry,
+    shadow,
+)
+from pdpatch.patches.kv_segments.settings import (
+    FIELD,
+    GAP_ENV,
+    INTERCHANGEABLE,
+    NAME,
+    STAGING_DEFAULT_MIB,
+    STAGING_ENV,
+    gap_kib,
+    interchangeable,
+    reset_stats,
+    staging_mib,
+    stats,
+)
+from pdpatch.patches.kv_segments.substitution import (
+    build_fa_remote_wrapper,
+    make_add_remote_wrapper,
+)
+from pdpatch.registry import Patch, Target, Wrapper
+
+
+def _reset_for_tests() -> None:
+    reset_stats()
+    reset_alternates()
+
+
+def _targets(version: Version) -> list[Target]:
+    """What this patch wraps in vLLM ``version`` (nothing without a handshake to wrap)."""
+    out: list[Target] = []
+
+    def add(sites: tuple, wrapper: Wrapper) -> None:
+        site = vllm_sites.lookup(sites, version)
+        if site is not None:
+            out.append(Target(site.module, site.qualname, wrapper))
+
+    handshake = vllm_sites.lookup(vllm_sites.NIXL_HANDSHAKE, version)
+    if handshake is None:
+        return []
+    add(vllm_sites.COMPAT_HASH, hash_wrapper)
+    out.append(Target(handshake.module, handshake.qualname,
+                      make_handshake_wrapper(handshake.module)))
+    add(vllm_sites.REGISTER_KV_CACHES, make_register_wrapper(version))
+    add(vllm_sites.RESTORE_KV_CACHES, restore_wrapper)
+    add(vllm_sites.ADD_REMOTE_AGENT, make_add_remote_wrapper(version))
+    if version in vllm_sites.KV_SPLIT_DESCRIPTORS:
+        add(vllm_sites.BUILD_FA_REMOTE, build_fa_remote_wrapper)
+    return out
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="P/D with different K/V segment layouts (FlashAttention split vs FlashInfer fused, "
+            "kvcached split-half) convert descriptors byte-exactly, their READs staged so runs "
+            "of blocks merge (0.19-0.25, PDPATCH_KV_STAGING_MIB); mixed backend names with "
+            "identical geometry are accepted, real differences fail that peer clearly",
+    versions=vllm_sites.SUPPORTED,
+    why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
+    targets=_targets,
+    options=(STAGING_ENV, GAP_ENV),
+)
+
+__all__ = ["FIELD", "GAP_ENV", "INTERCHANGEABLE", "NAME", "PATCH", "STAGING_DEFAULT_MIB",
+           "STAGING_ENV", "Conversion", "Handshake", "ScopedPayloadClass",
+           "advertised_geometry", "alternates_for", "gap_kib", "handshake_scope",
+           "head_major_of", "interchangeable", "local_geometry", "local_view", "payload_class",
+           "plan_peer", "remote_geometry", "scoped_payload", "shadow", "staging_mib", "stats"]

@@ -1,0 +1,303 @@
+"""Planning one peer (pure: no wrapper state): does stock code serve it, or does its K/V
+placement differ from ours -- then a :class:`Conversion` whose descriptors replace vLLM's --
+or can its bytes not pair with ours (:class:`GeometryMismatch`, only that peer's requests
+fail).  The geometry maths is :mod:`pdpatch.kv`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from packaging.version import Version
+
+from pdpatch import vllm_sites
+from pdpatch.log import logger
+from pdpatch.patches.kv_segments.settings import count
+
+# The descriptor-planning core (pdpatch.kv, ~6 ms) is imported by the functions that use it,
+# when vLLM first registers or pairs KV caches, not by install() inside every `import vllm`.
+if TYPE_CHECKING:
+    from pdpatch.kv import KVGeometry, PairPlan
+
+
+
+
+def head_major_of(layout: Any) -> bool | None:
+    """Heads outside tokens inside a block? ``HND``/``LBHNC``/... yes, ``NHD``/``LBNHC`` no."""
+    if not isinstance(layout, str) or "H" not in layout or "N" not in layout:
+        return None
+    return layout.index("H") < layout.index("N")
+
+
+def _with_heads(geometry: KVGeometry, heads: int | None, head_major: bool | None) -> KVGeometry:
+    from pdpatch.kv import KVGeometry
+
+    layers = tuple(dataclasses.replace(
+        la, num_heads=la.num_heads if la.num_heads is not None else heads,
+        head_major=la.head_major if la.head_major is not None else head_major)
+        for la in geometry.layers)
+    return KVGeometry(layers, geometry.device_id, geometry.label)
+
+
+@dataclass
+class LocalView:
+    """The local worker as vLLM's own descriptor code sees it, plus its true geometry."""
+
+    view: KVGeometry          # from the worker's own handshake fields (vLLM's region view)
+    kind: str                 # split / fused / packed: how vLLM addresses K and V locally
+    num_layers: int
+    true: KVGeometry | None   # from tensor strides (what pdpatch advertises)
+    heads: int
+    head_major: bool | None
+
+
+def _own_metadata(worker: Any) -> dict[str, Any]:
+    import msgspec
+
+    from pdpatch.kv import UnsupportedLayout
+
+    meta = msgspec.msgpack.decode(worker.xfer_handshake_metadata.agent_metadata_bytes)
+    if not isinstance(meta, dict):
+        raise UnsupportedLayout("own handshake metadata is not a map")
+    return meta
+
+
+def local_view(worker: Any, version: Version,
+               true: KVGeometry | None = None) -> LocalView | None:
+    """The worker as vLLM's descriptor code sees it (its own encoded handshake fields), with
+    ``true``, its geometry from tensor strides, where it was inferred."""
+    from pdpatch.kv import (
+        KIND_FUSED,
+        KIND_PACKED,
+        KIND_SPLIT,
+        KVPlanError,
+        geometry_from_handshake,
+    )
+
+    try:
+        own = _own_metadata(worker)
+    except Exception:
+        return None
+    addrs = list(own.get("kv_caches_base_addr") or [])
+    lens = list(own.get("block_lens") or [])
+    if not addrs or len(addrs) != len(lens):
+        return None
+    n = len(addrs)
+    split_era = version in vllm_sites.KV_SPLIT_DESCRIPTORS
+    if not split_era or (true is not None and true.kind == KIND_PACKED):
+        kind, layers = KIND_PACKED, n
+    elif int(getattr(worker, "num_regions", 0)) == 2 * n:
+        kind, layers = KIND_FUSED, n          # blocks-first memory, K/V split "virtually"
+    elif int(getattr(worker, "num_regions", 0)) == n and n % 2 == 0:
+        kind, layers = KIND_SPLIT, n // 2     # K and V registered as separate regions
+    else:
+        return None
+    total = int(worker.vllm_config.model_config.get_total_num_kv_heads())
+    heads = max(1, total // vllm_sites.transfer_tp_size(worker))
+    # The tensors' strides win over the layout name: a backend may ignore the requested
+    # layout (vLLM 0.19's Triton keeps token-major memory while NIXL advertises "HND").
+    orders = {la.head_major for la in true.layers} if true is not None else {None}
+    head_major = orders.pop() if len(orders) == 1 and None not in orders else \
+        head_major_of(own.get("kv_cache_layout"))
+    try:
+        view = geometry_from_handshake(
+            addrs, lens, int(own["num_blocks"]), num_layers=layers, layout=kind,
+            block_strides=own.get("block_strides") or None,
+            device_id=int(own.get("device_id") or 0), label="local (vLLM's view)")
+    except KVPlanError:
+        return None
+    return LocalView(_with_heads(view, heads, head_major), kind, layers, true, heads, head_major)
+
+
+def remote_geometry(meta: Any, num_layers: int, layout: str, heads: int,
+                    advertised: Mapping | None) -> KVGeometry:
+    """The peer's geometry: its advertisement, else vLLM's own metadata fields."""
+    from pdpatch.kv import GeometryMismatch, KVGeometry, geometry_from_handshake
+
+    label = f"remote engine {meta.engine_id}"
+    if advertised is not None:
+        geo = KVGeometry.from_wire(dict(advertised), label=label)
+        if geo.num_layers != num_layers:
+            raise GeometryMismatch(
+                f"peer advertises {geo.num_layers} KV layers, the local model has {num_layers}",
+                None, geo)
+        if geo.num_blocks != meta.num_blocks:
+            raise GeometryMismatch(
+                f"peer advertises {geo.num_blocks} blocks but its metadata says "
+                f"{meta.num_blocks}", None, geo)
+        geo = KVGeometry(geo.layers, int(meta.device_id), label)
+    else:
+        geo = geometry_from_handshake(
+            list(meta.kv_caches_base_addr), list(meta.block_lens), int(meta.num_blocks),
+            num_layers=num_layers, layout=layout,
+            block_strides=getattr(meta, "block_strides", None) or None,
+            device_id=int(meta.device_id), label=label)
+    return _with_heads(geo, heads, head_major_of(getattr(meta, "kv_cache_layout", None)))
+
+
+@dataclass
+class Conversion:
+    """A peer whose K/V placement differs from the local one, planned and validated."""
+
+    meta: Any
+    shadow: Any
+    plan: PairPlan
+    descs: list[tuple[int, int, int]]
+    factor: int
+    substituted: bool = False   # set by the inner wrapper that swapped vLLM's list
+
+    def substitute(self, stock: list, factor: int | None) -> list[tuple[int, int, int]]:
+        """pdpatch's descriptors in place of vLLM's ``stock`` list (checked); the wrapper that
+        started the conversion reads :attr:`substituted` to learn vLLM built a list to swap."""
+        self.check_against(stock, factor)
+        self.substituted = True
+        return list(self.descs)
+
+    def check_against(self, stock: list, factor: int | None) -> None:
+        """vLLM's own list (built from the shadow) must match pdpatch's in count, order and
+        lengths -- only addresses may differ -- or the desc ids would not line up."""
+        from pdpatch.kv import GeometryMismatch
+
+        stock_lens = [int(d[1]) for d in stock]
+        mine = [d[1] for d in self.descs]
+        problem = ""
+        if len(stock_lens) != len(mine):
+            problem = f"vLLM builds {len(stock_lens)} remote descriptors, pdpatch {len(mine)}"
+        elif stock_lens != mine:
+            i = next(i for i, (a, b) in enumerate(zip(stock_lens, mine, strict=True)) if a != b)
+            problem = (f"descriptor {i} is {stock_lens[i]} B in vLLM's list, {mine[i]} B in "
+                       "pdpatch's")
+        elif factor is not None and factor != self.factor:
+            problem = f"vLLM reads head slice {factor}, pdpatch computed {self.factor}"
+        if problem:
+            raise GeometryMismatch(
+                f"{problem}; this pair needs a descriptor layout pdpatch does not convert",
+                self.plan.local, self.plan.remote)
+
+
+def shadow(meta: Any, remote: KVGeometry, kind: str) -> Any:
+    """``meta`` describing the same bytes the way vLLM expects a peer of layout ``kind``:
+    split = per layer a K and a V region of one segment each; fused = one region per layer
+    whose ``block_len`` is K+V.  vLLM's validation then checks the real byte spans."""
+    from pdpatch.kv import KIND_SPLIT, ROLE_K, ROLE_V, GeometryMismatch
+
+    addrs: list[int] = []
+    lens: list[int] = []
+    for la in remote.layers:
+        if la.roles != (ROLE_K, ROLE_V):
+            raise GeometryMismatch("peer's layers are not K/V segments", None, remote)
+        k, v = la.segments
+        if kind == KIND_SPLIT:
+            addrs += [la.base + k.offset, la.base + v.offset]
+            lens += [k.length, v.length]
+        else:
+            addrs.append(la.base + k.offset)
+            lens.append(k.length + v.length)
+    return dataclasses.replace(meta, kv_caches_base_addr=addrs, block_lens=lens)
+
+
+def _same_regions(worker: Any, meta: Any, advertised: Any, version: Version) -> bool:
+    """Cheap test that stock code is right for a same-backend peer: from 0.26 there is no K/V
+    split to get wrong; before, vLLM's own view (2·L regions = split, L = fused) is the same on
+    both sides when the region counts are.  A peer that advertises its geometry gets the full
+    comparison (its true placement may differ from what its region count says: kvcached)."""
+    if version not in vllm_sites.KV_SPLIT_DESCRIPTORS:
+        return True
+    lens = getattr(worker, "block_len_per_layer", None)
+    return advertised is None and lens is not None and \
+        len(meta.kv_caches_base_addr) == len(lens)
+
+
+HEAD_ORDER_ADVICE = (
+    "To pair a head-major prefill with a token-major decode (kvcached, PDPATCH_LAYOUT_FORCE), "
+    "set enable_permute_local_kv=true in the decode engine's --kv-transfer-config (pdpatch's "
+    "layout patch does so where it makes the decode engine token-major, on vLLM 0.19-0.25), "
+    "or run the prefill engine token-major too (PDPATCH_LAYOUT_FORCE=1)")
+
+
+def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version, *,
+              local_true: KVGeometry | None = None, advertised: Mapping | None = None,
+              hash_accepted: bool = False) -> Conversion | None:
+    """None: stock code is right for this peer.  A :class:`Conversion`: K/V placements differ
+    and pdpatch's descriptors replace vLLM's.  Raises :class:`GeometryMismatch` for a peer whose
+    bytes cannot pair with ours (only that peer's requests fail).
+
+    ``local_true``: the worker's geometry from its tensors; ``advertised``: the peer rank's
+    advertised geometry; ``hash_accepted``: this handshake let a peer through whose hash
+    differed from ours only in the backend name."""
+    from pdpatch.kv import (
+        KIND_FUSED,
+        KIND_PACKED,
+        GeometryMismatch,
+        HeadOrderMismatch,
+        PairPlan,
+        UnsupportedLayout,
+        as_tuples,
+        handshake_kind,
+        slices_for,
+    )
+
+    if getattr(worker, "use_mla", False) or getattr(worker, "_has_mamba", False):
+        return None
+    local_name = getattr(worker, "backend_name", None)
+    remote_name = getattr(meta, "attn_backend_name", None)
+    mixed = (remote_name is not None and remote_name != local_name) or hash_accepted
+    if not mixed and _same_regions(worker, meta, advertised, version):
+        return None                 # the pass-through: no geometry is built for this peer
+    local = local_view(worker, version, local_true)
+    if local is None:
+        return None
+    try:
+        if local.kind == KIND_PACKED:
+            remote_kind = KIND_PACKED
+        else:
+            remote_kind = handshake_kind(len(meta.kv_caches_base_addr), local.num_layers,
+                                         advertised=advertised)
+        if remote_kind == local.kind and not mixed:
+            return None
+        total = int(worker.vllm_config.model_config.get_total_num_kv_heads())
+        sl = slices_for(total, vllm_sites.transfer_tp_size(worker),
+                        vllm_sites.transfer_tp_rank(worker), int(remote_tp_size),
+                        int(worker.block_size), int(meta.block_size))
+        if local.kind == KIND_FUSED and sl.block_size_ratio > 1:
+            # 0.19-0.25 `_build_fa_local`/`_build_fa_remote` do not divide the V descriptor by
+            # the ratio for blocks-first memory: the reads overrun into the next block.
+            raise GeometryMismatch(
+                f"vLLM {version} cannot receive a peer with {sl.block_size_ratio}x smaller "
+                "blocks into blocks-first (fused K|V) memory: its V descriptors are not "
+                "divided by the block-size ratio (the reads would overrun into the next "
+                "block); use equal block sizes or a split (K/V-first) decode layout")
+        reorders = vllm_sites.reorders_heads_on_receive(worker, meta, version)
+        remote = remote_geometry(meta, local.num_layers,
+                                 KIND_PACKED if local.kind == KIND_PACKED else "auto",
+                                 max(1, total // int(remote_tp_size)), advertised)
+        if remote_kind == local.kind:
+            # Mixed backend names, same placement: accept only an exact byte pairing.
+            mine = local.true if (advertised is not None and local.true is not None) else local.view
+            PairPlan(mine, remote, local_slice=sl.local, remote_slice=sl.remote,
+                     block_size_ratio=sl.block_size_ratio, receiver_reorders_heads=reorders)
+            count("mixed_accepted")
+            logger.info("pdpatch kv_segments: accepting %s peer %s for local %s: identical "
+                        "%s geometry (%s)", remote_name or "?", meta.engine_id, local_name,
+                        remote_kind, remote.describe())
+            return None
+        plan = PairPlan(local.view, remote, local_slice=sl.local, remote_slice=sl.remote,
+                        block_size_ratio=sl.block_size_ratio, receiver_reorders_heads=reorders)
+        descs = as_tuples(plan.remote_table())
+        return Conversion(meta, shadow(meta, remote, local.kind), plan, descs, sl.remote.index)
+    except (GeometryMismatch, UnsupportedLayout) as exc:
+        if isinstance(exc, UnsupportedLayout) and not mixed and advertised is None:
+            return None        # nothing pdpatch knows better than stock; let vLLM decide
+        err = exc if isinstance(exc, GeometryMismatch) else GeometryMismatch(str(exc))
+        if err.local is None:
+            err = GeometryMismatch(err.reason, local.view, err.remote)
+        if isinstance(err, HeadOrderMismatch):
+            err = HeadOrderMismatch(f"{err.reason}. {HEAD_ORDER_ADVICE}", err.local, err.remote)
+        count("rejected", str(err))
+        logger.error("pdpatch kv_segments: refusing peer %s (backend %s; local %s): %s",
+                     getattr(meta, "engine_id", "?"), remote_name or "?", local_name, err)
+        raise err from None
+
+

@@ -1,0 +1,50 @@
+"""Where ``kv_segments`` hands a converted peer's READs to :mod:`pdpatch.kv.staging`: a
+converted peer costs one NIXL descriptor per block segment (nothing merges across layouts);
+staged, its READs land in the peer's address order, so runs of blocks merge."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from pdpatch.patches.kv_segments.settings import GAP_ENV, STAGING_ENV, gap_kib, staging_mib
+
+if TYPE_CHECKING:
+    from pdpatch.kv import KVGeometry
+
+
+def _kv_memory(worker: Any, kv_caches: Any) -> list:
+    """The tensors the worker's local descriptor lists point into."""
+    if getattr(worker, "use_host_buffer", False):
+        return list((getattr(worker, "host_xfer_buffers", None) or {}).values())
+    return list(kv_caches.values()) if isinstance(kv_caches, Mapping) else []
+
+
+def install_staging(worker: Any, kv_caches: Any) -> None:
+    """Put a :class:`~pdpatch.kv.staging.StagingAgent` in front of the worker's NIXL agent,
+    before vLLM prepares its local lists (the agent must see them being prepared).  It acts
+    only on peers :func:`stage_peer` marks converted."""
+    from pdpatch.kv.staging import StagingAgent
+
+    mib, gap = staging_mib(), gap_kib()
+    agent = getattr(worker, "nixl_wrapper", None)
+    if mib == 0 or agent is None or isinstance(agent, StagingAgent) or \
+            getattr(worker, "use_mla", False):
+        return
+    worker.nixl_wrapper = StagingAgent(
+        agent, mem_type=getattr(worker, "nixl_memory_type", "VRAM"), capacity=mib << 20,
+        memory=lambda: _kv_memory(worker, kv_caches),
+        gap=None if gap is None else gap << 10, capacity_setting=STAGING_ENV,
+        gap_setting=GAP_ENV)
+
+
+def stage_peer(worker: Any, engine_id: str, rank: int, remote: KVGeometry) -> bool:
+    """Route the converted peer's READs through the staging agent, when there is one; gap
+    READs stay inside ``remote``'s read ranges."""
+    from pdpatch.kv.staging import StagingAgent
+
+    agent = getattr(worker, "nixl_wrapper", None)
+    handle = (getattr(worker, "dst_xfer_side_handles", None) or {}).get(engine_id, {}).get(rank)
+    if not isinstance(agent, StagingAgent) or handle is None:
+        return False
+    return agent.mark_converted(handle, f"{engine_id} rank {rank}", remote.read_ranges())

@@ -1,0 +1,163 @@
+"""``add_remote_agent`` for a peer whose K/V placement differs: vLLM's own code runs on a
+*shadow* of the peer's metadata that describes the same bytes in the local layout's terms, so
+its validation, TP mapping and local split handles apply unchanged; the remote descriptor list
+it builds is swapped for pdpatch's (same count, order and lengths -- checked -- only addresses
+differ).  Where: in ``_build_fa_remote`` from 0.21; at the ``get_xfer_descs`` /
+``prep_xfer_dlist`` pair inside ``add_remote_agent`` on 0.19/0.20 (the builder is a closure
+there)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from packaging.version import Version
+
+from pdpatch import vllm_sites
+from pdpatch.log import logger
+from pdpatch.patches.common import arg
+from pdpatch.patches.kv_segments.handshake import current_handshake
+from pdpatch.patches.kv_segments.planning import Conversion, plan_peer
+from pdpatch.patches.kv_segments.settings import allowed, count
+from pdpatch.patches.kv_segments.staged_reads import stage_peer
+from pdpatch.patches.kv_segments.state import existing_state, state_of
+from pdpatch.registry import Wrapper
+
+
+class _Pending:
+    """A descriptor list not yet handed to NIXL (0.19/0.20 substitution, see below)."""
+
+    __slots__ = ("args", "blocks", "kwargs")
+
+    def __init__(self, blocks: list, args: tuple, kwargs: dict) -> None:
+        self.blocks, self.args, self.kwargs = blocks, args, kwargs
+
+
+class _SubstitutingAgent:
+    """Stands in for ``worker.nixl_wrapper`` during one 0.19/0.20 ``add_remote_agent`` call.
+
+    There the remote builder is a closure; its list reaches NIXL as
+    ``prep_xfer_dlist(<remote agent>, get_xfer_descs(list))``.  On the handshake thread
+    ``get_xfer_descs`` is deferred until ``prep_xfer_dlist`` shows which agent the list is for,
+    and the remote agent's list is replaced by the converted one.  Everything else, and every
+    other thread, goes straight to the real agent.
+    """
+
+    def __init__(self, real: Any, conversion: Conversion) -> None:
+        self._real = real
+        self._conv = conversion
+        self._thread = threading.get_ident()
+        self._agent: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def add_remote_agent(self, metadata: Any, *args: Any, **kwargs: Any) -> Any:
+        name = self._real.add_remote_agent(metadata, *args, **kwargs)
+        if threading.get_ident() == self._thread:
+            self._agent = name
+        return name
+
+    def get_xfer_descs(self, blocks_data: Any, *args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != self._thread:
+            return self._real.get_xfer_descs(blocks_data, *args, **kwargs)
+        return _Pending(list(blocks_data), args, kwargs)
+
+    def prep_xfer_dlist(self, agent: Any, descs: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(descs, _Pending):
+            blocks = descs.blocks
+            if agent == self._agent and not self._conv.substituted:
+                blocks = self._conv.substitute(blocks, None)
+            descs = self._real.get_xfer_descs(blocks, *descs.args, **descs.kwargs)
+        return self._real.prep_xfer_dlist(agent, descs, *args, **kwargs)
+
+
+@contextmanager
+def _substituting_agent(worker: Any, conversion: Conversion) -> Iterator[None]:
+    real = worker.nixl_wrapper
+    worker.nixl_wrapper = _SubstitutingAgent(real, conversion)
+    try:
+        yield
+    finally:
+        if isinstance(worker.nixl_wrapper, _SubstitutingAgent):
+            worker.nixl_wrapper = real
+
+
+def _plan(worker: Any, meta: Any, tp_size: int, version: Version) -> Conversion | None:
+    """:func:`plan_peer` with what this worker and this thread's handshake know of the peer."""
+    ctx = current_handshake()
+    state = existing_state(worker)
+    try:
+        return plan_peer(worker, meta, tp_size, version,
+                         local_true=state.geometry if state is not None else None,
+                         advertised=ctx.advertised_by(meta) if ctx is not None else None,
+                         hash_accepted=bool(ctx and ctx.accepted))
+    except (AttributeError, KeyError, TypeError) as exc:
+        # a worker or metadata without what the planning reads (a stand-in): the
+        # release's own handshake decides, with its own errors
+        logger.warning("pdpatch kv_segments: peer %s not planned (%s: %s); vLLM's own "
+                       "handshake runs", getattr(meta, "engine_id", "?"),
+                       type(exc).__name__, exc)
+        return None
+
+
+def make_add_remote_wrapper(version: Version) -> Wrapper:
+    """``add_remote_agent``: plan the peer; a converted one runs stock code on its shadow with
+    the remote list swapped, then its READs are handed to staging."""
+    closure_builder = vllm_sites.remote_builder_is_closure(version)
+
+    def add_remote_agent(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if not allowed(instance):
+            return wrapped(*args, **kwargs)
+        meta = arg(args, kwargs, 0, "nixl_agent_meta", None)
+        rank = arg(args, kwargs, 1, "remote_tp_rank", 0)
+        tp_size = arg(args, kwargs, 2, "remote_tp_size", 1)
+        if meta is None or rank in getattr(instance, "_remote_agents", {}).get(
+                getattr(meta, "engine_id", None), {}):
+            return wrapped(*args, **kwargs)
+        conversion = _plan(instance, meta, tp_size, version)
+        if conversion is None:
+            return wrapped(*args, **kwargs)
+        if "nixl_agent_meta" in kwargs:
+            kwargs = {**kwargs, "nixl_agent_meta": conversion.shadow}
+        else:
+            args = (conversion.shadow, *args[1:])
+        state = state_of(instance)
+        state.begin(conversion)
+        try:
+            if closure_builder:
+                with _substituting_agent(instance, conversion):
+                    result = wrapped(*args, **kwargs)
+            else:
+                result = wrapped(*args, **kwargs)
+        finally:
+            state.end(conversion)
+        if not conversion.substituted:
+            from pdpatch.kv import GeometryMismatch
+
+            raise GeometryMismatch(
+                "vLLM built no remote descriptor list pdpatch could replace",
+                conversion.plan.local, conversion.plan.remote)
+        count("conversions")
+        staged = stage_peer(instance, meta.engine_id, rank, conversion.plan.remote)
+        logger.info("pdpatch kv_segments: peer %s rank %s converted (%s -> %s, %d descriptors%s)",
+                    meta.engine_id, rank, conversion.plan.remote.kind, conversion.plan.local.kind,
+                    len(conversion.descs), ", READs staged" if staged else "")
+        return result
+
+    return add_remote_agent
+
+
+def build_fa_remote_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``_build_fa_remote`` (0.21-0.25): vLLM's list for a converted peer's shadow, checked,
+    then replaced by pdpatch's."""
+    meta = arg(args, kwargs, 1, "nixl_agent_meta", None)
+    state = existing_state(instance)
+    conversion = state.converting(meta) if state is not None and meta is not None else None
+    if conversion is None:
+        return wrapped(*args, **kwargs)
+    stock = wrapped(*args, **kwargs)
+    plan = arg(args, kwargs, 0, "plan", None)
+    return conversion.substitute(stock, getattr(plan, "rank_offset_factor", None))
