@@ -21,7 +21,9 @@ import contextlib
 import importlib
 import inspect
 import json
+import os
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,7 +74,13 @@ def model_dir(kind: str = "llama", kv_heads: int = 2) -> Path:
                "torch_dtype": "bfloat16"}
     else:
         raise ValueError(kind)
-    (d / "config.json").write_text(json.dumps(cfg))
+    # Atomically: tests in other processes (xdist workers, release children) read this same
+    # file, and a plain write_text lets them see it empty (JSONDecodeError in ModelConfig).
+    path, text = d / "config.json", json.dumps(cfg)
+    if not path.is_file() or path.read_text() != text:
+        tmp = d / f"config.json.{os.getpid()}.{threading.get_ident()}"
+        tmp.write_text(text)
+        os.replace(tmp, path)
     return d
 
 

@@ -53,7 +53,7 @@ def patched_scenarios(version: Version) -> list[str]:
         # block-size receive post-processing need HND there, so those run from 0.20.
         names = ["pair", "pair_reverse", "pair_same", "pair_unstaged", "pair_gap",
                  "span_advertised",
-                 "span_stock_fields", "advert_ignored"]
+                 "span_stock_fields", "advert_ignored", *REORDER]
         return [*names, "globals"]
     names = ["pair", "pair_reverse", "pair_same", "tp_up", "tp_down", "span_advertised",
              "span_stock_fields", "advert_ignored"]
@@ -343,7 +343,7 @@ def test_triton_ignoring_hnd_is_refused_not_garbled() -> None:
         pytest.skip("no 0.19 source tree")
     for name in ("pair", "pair_reverse"):
         out = scenario(f"{ver}+hnd", "patched", name)
-        refused(out, "GeometryMismatch", "head-major", "token-major")
+        refused(out, "HeadOrderMismatch", "head-major", "token-major")
 
 
 # ------------------------------------------------------------ head-major P, token-major D
