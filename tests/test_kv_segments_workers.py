@@ -43,8 +43,9 @@ REORDER = ["pair_reorder", "pair_reorder_off", "pair_reorder_same"]
 
 
 def stock_scenarios(version: Version) -> list[str]:
-    return [*STOCK, "pair_reorder_same"] if version in vllm_sites.RECEIVE_PERMUTE_SOUND \
-        else STOCK
+    reorder = version in vllm_sites.RECEIVE_PERMUTE_SOUND or \
+        version in vllm_sites.RECEIVE_PERMUTE_SCRAMBLES
+    return [*STOCK, "pair_reorder_same"] if reorder else STOCK
 
 
 def patched_scenarios(version: Version) -> list[str]:
@@ -382,3 +383,20 @@ def test_head_order_left_alone_is_refused_by_name(ver: str) -> None:
     out = scenario(ver, "patched", "pair_reorder_off")
     assert out["permute_flag"] is False
     refused(out, "HeadOrderMismatch", "enable_permute_local_kv", "PDPATCH_LAYOUT_FORCE=1")
+
+
+SCRAMBLE_VERSIONS = [ver for ver in VERSIONS
+                     if v(ver) in vllm_sites.RECEIVE_PERMUTE_SCRAMBLES]
+
+
+@pytest.mark.parametrize("ver", SCRAMBLE_VERSIONS)
+def test_stock_reorder_scrambles_token_major_packed_caches(ver: str) -> None:
+    """0.26-0.28: vLLM's own reorder reshapes the logical view of a token-major cache, whose
+    logical shape is head-major there, instead of its memory order.  The pull completes
+    without an error and the blocks hold other bytes than P's K and V -- why pdpatch leaves
+    enable_permute_local_kv alone on these releases (vllm_sites.RECEIVE_PERMUTE_SCRAMBLES)."""
+    out = scenario(ver, "stock", "pair_reorder_same")
+    assert out["crash"] is None and out["handshake_errors"] == [], out
+    assert out["changed_blocks"] == [1, 2, 3]
+    wrong = {m.split(" <- ")[0].rsplit(" ", 1)[-1] for m in out["mismatches"]}
+    assert wrong == {"1", "2", "3"}, out["mismatches"]
