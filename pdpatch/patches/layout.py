@@ -219,7 +219,7 @@ def let_decode_reorder(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
             getattr(ktc, "kv_role", None) in DECODE_ROLES and \
             getattr(instance, "kv_cache_layout", None) == token_major and \
             not getattr(ktc, "enable_permute_local_kv", True) and decide(vllm_config)[0]:
-        reorder, why = _reorder_setting(vllm_config)
+        reorder, why = _setting(_extra_config(vllm_config), PERMUTE_KEY, PERMUTE_ENV)
         if reorder is False:
             logger.info("pdpatch layout: enable_permute_local_kv left off (%s)", why)
         else:
