@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lab"))
 
+from paired import median_ci, verdict
 from rig import proxy
 from rig.engine_env import runtime_versions
 from rig.model import model_dir, tiny_config
@@ -48,15 +49,6 @@ def group_rss_gib(engine: Engine) -> float:
 
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
-
-
-def median_ci(xs: list[float], n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95 % bootstrap interval of the median: how well this run resolves the ratio."""
-    if len(xs) < 3:
-        return float("nan"), float("nan")
-    rng = random.Random(seed)
-    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n_boot))
-    return meds[int(0.025 * n_boot)], meds[int(0.975 * n_boot) - 1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,21 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<28}{off:>14.2f}{on:>14.2f}{ratio:>8.3f}x")
     print(f"\noutputs on vs off identical: {compared - mismatches}/{compared}")
     print("\npaired ratios (same prompt back to back): median, 95% bootstrap CI of the median")
-    worst_hi = worst_lo = worst_med = 0.0
     for name, xs in (("TTFT on/off", pair_ttft), ("decode tok/s off/on", pair_tput)):
         lo, hi = median_ci(xs)
         print(f"  {name:<22}{med(xs):7.3f}x  [{lo:.3f} .. {hi:.3f}]")
-        worst_med = max(worst_med, med(xs))
-        worst_lo, worst_hi = max(worst_lo, lo), max(worst_hi, hi)
-    if worst_hi <= GOAL:
-        verdict = f"within the {GOAL:.2f}x goal"
-    elif worst_lo > GOAL:
-        verdict = f"ABOVE the {GOAL:.2f}x goal"
-    else:
-        verdict = (f"INCONCLUSIVE: this run cannot resolve {GOAL:.2f}x (CI up to {worst_hi:.2f}x); "
-                   "rerun on a quiet machine or with more --reps")
+    worst_med, said = verdict({"ttft": pair_ttft, "tput": pair_tput}, GOAL)
     print(f"RATIO (pdpatch on vs off, worst of paired TTFT and decode throughput): "
-          f"{worst_med:.3f}x -- {verdict}")
+          f"{worst_med:.3f}x -- {said}")
     return 0 if mismatches == 0 else 1
 
 

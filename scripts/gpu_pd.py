@@ -13,17 +13,23 @@ takes them from an earlier run), and its controls (P's first block read into eve
 another prompt's KV) must be caught.  Results go
 to ``$OUT/gpu_pd.json`` and a Markdown table to ``$OUT/gpu_pd.md``; every engine's log, compressed,
 to ``$OUT/logs.tar.xz`` (a device run returns at most 8 files).
+
+Scenarios with kvcached on D need the stage built with ``scripts/gpu_stage.sh --kvcached``: the
+sdist is built here, against the device's own torch and CUDA, once per warm machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
+import itertools
 import json
 import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -37,9 +43,11 @@ sys.path[:0] = [str(REPO / "lab" / "gpu"), str(REPO / "lab"), str(REPO)]
 
 import oracle  # noqa: E402
 import unpack  # noqa: E402
+from paired import median_ci, verdict  # noqa: E402
 from pdpatch.patches import block_keys  # noqa: E402
 from rig.proxy import PREFILL_KV_PARAMS as PREFILL  # noqa: E402
 from rig.proxy import TransferStats  # noqa: E402
+from rig.proxy import pd_request as streamed_pd_request  # noqa: E402
 from rig.servers import prometheus_counters  # noqa: E402
 
 MAX_TOKENS = 16
@@ -59,6 +67,8 @@ class Scenario:
     kill_p: bool = False                # last: P killed after prefilling, before D pulls
     p_stock: bool = False               # P without pdpatch even where D has it
     d_ktc: dict = field(default_factory=dict)   # more --kv-transfer-config keys for D
+    d_kvcached: bool = False            # D's KV cache in a kvcached (CUDA VMM) pool
+    load: int = 0                       # then this many P/D requests at once, 8 in flight
     note: str = ""
 
 
@@ -85,7 +95,20 @@ SCENARIOS: dict[str, Scenario] = {
     "nhd": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, controls=True,
                     d_env={"PDPATCH_LAYOUT_FORCE": "1"},
                     note="D token-major by pdpatch's layout override, P stock"),
+    # kvcached 0.1.6 on D (token-major VMM pool, over-allocated), P stock head-major
+    "stock-kvc": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", d_kvcached=True,
+                          note="kvcached pool on D, both stock"),
+    "kvc": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, d_kvcached=True,
+                    controls=True, load=48,
+                    note="kvcached pool on D with pdpatch's defaults, P stock"),
 }
+KVCACHED_ENV = {
+    "ENABLE_KVCACHED": "true",
+    "KVCACHED_CONTIGUOUS_LAYOUT": "false",   # kvcached refuses NixlConnector otherwise
+    "VLLM_USE_V2_MODEL_RUNNER": "0",         # kvcached 0.1.6 patches the V1 runner below 0.29
+    "KVCACHED_GPU_UTILIZATION": "0.3",
+}
+LOAD_IN_FLIGHT = 8
 KILL_BOUND_S = 120.0
 """How long D may take to fail a request whose P is gone (vLLM's own handshake and transfer
 timeouts decide; the bound only keeps a hang from stalling the run)."""
@@ -97,13 +120,53 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Paths:
+    site: Path                  # the unpacked stage
+    model: Path
+    logs: Path
+    kvcached: Path | None = None   # kvcached's site and its sitecustomize (install_kvcached)
+
+
+def install_kvcached(stage: Path, dest: Path) -> Path:
+    """Build kvcached's sdist against this machine's torch and CUDA into ``dest/site`` and
+    write ``dest/sitecustomize.py``: kvcached patches vLLM from a ``.pth`` file, which Python
+    runs only in a site directory, not in a ``--target`` folder on PYTHONPATH."""
+    if not (dest / "sitecustomize.py").exists():
+        t0 = time.time()
+        subprocess.run([sys.executable, "-m", "pip", "-q", "install", "--no-build-isolation",
+                        "--no-deps", "--no-index", "--target", str(dest / "site"),
+                        *map(str, sorted((stage / "kvcached").iterdir()))], check=True)
+        (dest / "sitecustomize.py").write_text(
+            f"import site\nsite.addsitedir({str(dest / 'site')!r})\n")
+        print(f"kvcached built in {time.time() - t0:.0f}s", flush=True)
+    return dest
+
+
+def kvcached_used(ipc_name: str, shm: Path = Path("/dev/shm")) -> int | None:
+    """Bytes of KV memory kvcached has mapped in engine ``ipc_name`` (its shared-memory
+    record: total, used, preallocated, int64 each), or None before it wrote one."""
+    try:
+        raw = (shm / ipc_name).read_bytes()[:24]
+    except OSError:
+        return None
+    return int.from_bytes(raw[8:16], "little", signed=True) if len(raw) == 24 else None
+
+
 class Engine:
-    def __init__(self, name: str, role: str, backend: str, sc: Scenario, site: Path,
-                 model: Path, logs: Path, gpu: int | None = None) -> None:
+    def __init__(self, name: str, role: str, backend: str, sc: Scenario, paths: Paths,
+                 gpu: int | None = None) -> None:
         self.name, self.port = name, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ)
-        path = [str(site)]
+        path = [str(paths.site)]
+        if role == "kv_consumer" and sc.d_kvcached:
+            if paths.kvcached is None:
+                raise SystemExit("kvcached scenarios need the stage's kvcached/ folder "
+                                 "(scripts/gpu_stage.sh --kvcached)")
+            path = [str(paths.kvcached), *path]
+            self.kvcached_ipc = f"pdpatch-{name}-{os.getpid()}"
+            env.update(KVCACHED_ENV, KVCACHED_IPC_NAME=self.kvcached_ipc)
         pdpatch = sc.pdpatch and not (role == "kv_producer" and sc.p_stock)
         if pdpatch:
             path = [str(REPO / "sitecustomize"), str(REPO), *path]
@@ -121,14 +184,14 @@ class Engine:
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--host", "127.0.0.1", "--port", str(self.port), "--model", str(model),
+               "--host", "127.0.0.1", "--port", str(self.port), "--model", str(paths.model),
                "--served-model-name", "tiny", "--skip-tokenizer-init", "--enforce-eager", "-O0",
                "--max-model-len", "2048", "--gpu-memory-utilization", "0.12", "--seed", "0",
                "--attention-backend", backend, "--no-enable-prefix-caching",
                "--kv-transfer-config",
                json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
                            **(sc.d_ktc if role == "kv_consumer" else {})})]
-        self.log = logs / f"{name}.log"
+        self.log = paths.logs / f"{name}.log"
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log.open("wb"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -169,7 +232,7 @@ class Engine:
                 "lp": (c.get("logprobs") or {}).get("token_logprobs") or [],
                 "kvp": d.get("kv_transfer_params"), "ms": 1000 * (time.perf_counter() - t0)}
 
-    def counters(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         try:
             with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
                 return prometheus_counters(r.read().decode())
@@ -179,15 +242,16 @@ class Engine:
     def pulled(self, prompt: list[int], kvp: dict, salt: str | None = None,
                timeout_s: float = 120.0) -> dict:
         """A decode with ``kvp``, and how many NIXL transfers (and bytes) it cost D."""
-        before = self.counters()
+        before = self.metrics()
         out = self.complete(prompt, MAX_TOKENS, kvp, salt=salt, timeout_s=timeout_s)
-        moved = TransferStats.delta(before, self.counters())
+        moved = TransferStats.delta(before, self.metrics())
         out["pulled"], out["bytes"] = moved.transfers, int(moved.bytes)
+        out["xfer_s"] = moved.xfer_time_s
         return out
 
 
-def start_pair(name: str, sc: Scenario, site: Path, model: Path, logs: Path,
-               two_gpus: bool = False, timeout_s: float = 300) -> tuple[Engine, Engine, float]:
+def start_pair(name: str, sc: Scenario, paths: Paths, two_gpus: bool = False,
+               timeout_s: float = 300) -> tuple[Engine, Engine, float]:
     """P and D on GPU 0, or P on GPU 0 and D on GPU 1.  On one GPU, P starts once D is up: an
     engine that profiles GPU memory while the other is still loading can find no room for its
     KV cache ("No available memory for the cache blocks", seen on an H100)."""
@@ -199,11 +263,11 @@ def start_pair(name: str, sc: Scenario, site: Path, model: Path, logs: Path,
                 return
             time.sleep(1)
 
-    d = Engine(f"{name}-D", "kv_consumer", sc.d_backend, sc, site, model, logs,
+    d = Engine(f"{name}-D", "kv_consumer", sc.d_backend, sc, paths,
                gpu=1 if two_gpus else None)
     if not two_gpus:
         wait(d)
-    p = Engine(f"{name}-P", "kv_producer", sc.p_backend, sc, site, model, logs,
+    p = Engine(f"{name}-P", "kv_producer", sc.p_backend, sc, paths,
                gpu=0 if two_gpus else None)
     wait(p, d)
     return p, d, time.time() - t0
@@ -253,9 +317,100 @@ def kill_p(p: Engine, d: Engine, prompts: dict[str, list[int]]) -> dict:
     return out
 
 
-def run_scenario(name: str, sc: Scenario, prompts: dict[str, list[int]], site: Path,
-                 model: Path, logs: Path, two_gpus: bool = False) -> dict:
-    p, d, start_s = start_pair(name, sc, site, model, logs, two_gpus)
+def under_load(p: Engine, d: Engine, prompts: dict[str, list[int]], n: int) -> dict:
+    """``n`` P/D requests, :data:`LOAD_IN_FLIGHT` at a time, cycling through the prompts; where
+    D runs kvcached, its mapped memory is sampled meanwhile (pages mapped for new requests and
+    unmapped for finished ones while other requests' transfers run).  Each answer is kept for
+    the oracle (against D's own prefill of the same prompt)."""
+    names = [list(prompts)[i % len(prompts)] for i in range(n)]
+    used: list[int] = []
+    ipc = getattr(d, "kvcached_ipc", None)
+    with concurrent.futures.ThreadPoolExecutor(LOAD_IN_FLIGHT) as pool:
+        t0 = time.perf_counter()
+        futs = [pool.submit(pd_request, p, d, prompts[nm]) for nm in names]
+        while ipc and not all(f.done() for f in futs):
+            if (u := kvcached_used(ipc)) is not None:
+                used.append(u)
+            time.sleep(0.02)
+        got = [f.result() for f in futs]
+        seconds = time.perf_counter() - t0
+    return {"seconds": round(seconds, 1), "answers": list(zip(names, got, strict=True)),
+            "kvcached_used": churn(used) if ipc else None}
+
+
+def churn(samples: list[int]) -> dict:
+    """How often kvcached's mapped memory grew (pages mapped) and shrank (pages unmapped)."""
+    steps = [b - a for a, b in itertools.pairwise(samples)]
+    return {"samples": len(samples), "grew": sum(1 for s in steps if s > 0),
+            "shrank": sum(1 for s in steps if s < 0),
+            "min": min(samples, default=None), "max": max(samples, default=None)}
+
+
+SPEED_GOAL = 1.02
+SPEED_LENGTHS = (100, 600, 1500)
+SPEED_TOKENS = 64
+
+
+def speed(paths: Paths, reps: int, warmup: int = 3) -> dict:
+    """P/D TTFT and decode throughput, pdpatch on vs off: two FLASH_ATTN pairs on one GPU, the
+    same fresh prompt sent to both back to back (order alternating), ``reps`` rounds per prompt
+    length.  TTFT is P's prefill round trip plus D's first streamed token; the paired ratios'
+    medians and bootstrap intervals say whether the run resolves the goal."""
+    rng = random.Random(11)
+    sides = {"off": Scenario(False, "FLASH_ATTN", "FLASH_ATTN"),
+             "on": Scenario(True, "FLASH_ATTN", "FLASH_ATTN")}
+    pairs = {k: start_pair(f"speed-{k}", sc, paths) for k, sc in sides.items()}
+    ttft: dict[str, list[float]] = {k: [] for k in sides}
+    tput: dict[str, list[float]] = {k: [] for k in sides}
+    xfer: dict[str, list[float]] = {k: [] for k in sides}
+    ratio_ttft, ratio_tput, errors, same = [], [], [], 0
+    try:
+        for rnd in range(warmup + reps):
+            for n in SPEED_LENGTHS:
+                prompt = [rng.randrange(3, 512) for _ in range(n)]
+                order = list(sides) if (rnd + n) % 2 == 0 else list(sides)[::-1]
+                outs = {}
+                for k in order:
+                    p, d, _ = pairs[k]
+                    try:
+                        outs[k] = streamed_pd_request(p, d, prompt, SPEED_TOKENS, timeout_s=120)
+                    except (OSError, RuntimeError) as e:  # recorded; the round is skipped
+                        errors.append(f"{k} len{n}: {type(e).__name__}: {e}"[:200])
+                if rnd < warmup or len(outs) < 2:
+                    continue
+                for k, r in outs.items():
+                    ttft[k].append(r.ttft_s)
+                    tput[k].append(r.decode.decode_tok_per_s or float("nan"))
+                    if r.transfer and r.transfer.transfers:
+                        xfer[k].append(r.transfer.xfer_time_s)
+                on, off = outs["on"], outs["off"]
+                ratio_ttft.append(on.ttft_s / off.ttft_s)
+                if on.decode.decode_tok_per_s and off.decode.decode_tok_per_s:
+                    ratio_tput.append(off.decode.decode_tok_per_s / on.decode.decode_tok_per_s)
+                same += on.decode.token_ids == off.decode.token_ids
+    finally:
+        for p, d, _ in pairs.values():
+            p.stop()
+            d.stop()
+    worst, said = verdict({"ttft": ratio_ttft, "tput": ratio_tput}, SPEED_GOAL)
+
+    def med(xs: list[float]) -> float | None:
+        return round(statistics.median(xs), 5) if xs else None
+
+    return {"rounds": len(ratio_ttft), "lengths": SPEED_LENGTHS, "max_tokens": SPEED_TOKENS,
+            "start_s": {k: round(v[2], 1) for k, v in pairs.items()},
+            "ttft_s": {k: med(v) for k, v in ttft.items()},
+            "decode_tok_s": {k: med(v) for k, v in tput.items()},
+            "xfer_s": {k: med(v) for k, v in xfer.items()},
+            "ratio_ttft_on_off": [med(ratio_ttft), *median_ci(ratio_ttft)],
+            "ratio_tput_off_on": [med(ratio_tput), *median_ci(ratio_tput)],
+            "outputs_identical": f"{same}/{len(ratio_ttft)}", "errors": errors[:10],
+            "worst": round(worst, 4), "verdict": said}
+
+
+def run_scenario(name: str, sc: Scenario, prompts: dict[str, list[int]], paths: Paths,
+                 two_gpus: bool = False) -> dict:
+    p, d, start_s = start_pair(name, sc, paths, two_gpus)
     res: dict = {"scenario": name, "pdpatch": sc.pdpatch, "P": sc.p_backend, "D": sc.d_backend,
                  "hashseed": sc.hashseed, "note": sc.note, "start_s": round(start_s, 1),
                  "requests": {}, "controls": {}}
@@ -267,7 +422,8 @@ def run_scenario(name: str, sc: Scenario, prompts: dict[str, list[int]], site: P
             got = pd_request(p, d, prompt)
             base = d.complete(prompt, MAX_TOKENS)
             entry = {k: got.get(k)
-                     for k in ("error", "pulled", "bytes", "remote_blocks", "ms", "p_lp0")}
+                     for k in ("error", "pulled", "bytes", "xfer_s", "remote_blocks", "ms",
+                               "p_lp0")}
             if "error" not in got and "error" not in base:
                 entry["pd"], entry["base"] = got, base
             res["requests"][pname] = entry
@@ -285,6 +441,8 @@ def run_scenario(name: str, sc: Scenario, prompts: dict[str, list[int]], site: P
             prompt = prompts[list(prompts)[-2]]
             got = pd_request(p, d, prompt, salt="another-tenant")
             res["salt_mismatch"] = {k: got.get(k) for k in ("error", "pulled")}
+        if sc.load:
+            res["load"] = under_load(p, d, prompts, sc.load)
         if sc.kill_p:
             res["kill_p"] = kill_p(p, d, prompts)
     finally:
@@ -316,12 +474,31 @@ def judge(results: list[dict], tol: dict[str, float]) -> None:
             c.update(caught=not v.intact, reason=v.reason, dlp0=v.dlp0)
             verdicts[f"{res['scenario']}/{cname}"] = v
         res["oracle"] = oracle.judge_run(verdicts).__dict__ if res["controls"] else None
+        if "load" in res:
+            judge_load(res["load"], res["requests"], tol)
         for pname, entry in res["requests"].items():
             if "pd" in entry:
                 v = oracle.judge(decoded(entry.pop("pd")), decoded(entry.pop("base")), tol[pname],
                                  entry.get("p_lp0"))
                 entry.update(intact=v.intact, reason=v.reason, dlp0=v.dlp0, tol=v.tol,
                              agree=v.agree)
+
+
+def judge_load(load: dict, requests: dict, tol: dict[str, float]) -> None:
+    """Replace the load phase's answers by their verdicts (against D's own prefill of the same
+    prompt, from the sequential phase)."""
+    verdicts = []
+    for pname, got in load.pop("answers"):
+        base = requests[pname].get("base")
+        if got.get("error") or base is None:
+            verdicts.append({"prompt": pname, "error": got.get("error") or "no baseline"})
+            continue
+        v = oracle.judge(decoded(got), decoded(base), tol[pname], got.get("p_lp0"))
+        verdicts.append({"prompt": pname, "intact": v.intact, "reason": v.reason,
+                         "dlp0": v.dlp0, "pulled": got.get("pulled")})
+    load.update(requests=len(verdicts), intact=sum(1 for v in verdicts if v.get("intact")),
+                errors=sorted({v["error"][:120] for v in verdicts if "error" in v}),
+                not_intact=[v for v in verdicts if v.get("intact") is False])
 
 
 def markdown(results: list[dict], gpu: str) -> str:
@@ -340,6 +517,12 @@ def markdown(results: list[dict], gpu: str) -> str:
         note = "; ".join(filter(None, [r.get("note", ""), r.get("error", ""), *errs]))
         if "salt_mismatch" in r:
             note += f"; salt mismatch: pulled={r['salt_mismatch'].get('pulled')}"
+        if "load" in r:
+            ld = r["load"]
+            note += (f"; {ld['requests']} at once ({LOAD_IN_FLIGHT} in flight): "
+                     f"{ld['intact']} intact in {ld['seconds']}s")
+            if ld.get("kvcached_used"):
+                note += f", kvcached memory {ld['kvcached_used']}"
         if "kill_p" in r:
             k = r["kill_p"]
             fails = [f"{v['seconds']}s {'error' if v['error'] else 'decoded ' + str(v['decoded'])}"
@@ -360,8 +543,13 @@ def main() -> int:
                     help="model and engine logs (only the summary and a log archive go to --out)")
     ap.add_argument("--tolerances", type=Path, help="gpu_pd.json of an earlier run's reference")
     ap.add_argument("--two-gpus", action="store_true", help="P on GPU 0, D on GPU 1")
-    ap.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
+    ap.add_argument("--speed", type=int, metavar="ROUNDS", default=0,
+                    help="also time P/D with pdpatch on vs off (paired, ROUNDS per prompt "
+                         "length); writes $OUT/gpu_speed.json")
+    ap.add_argument("scenarios", nargs="*", choices=sorted(SCENARIOS))
     args = ap.parse_args()
+    if not (args.scenarios or args.speed):
+        ap.error("name a scenario or --speed")
     args.out.mkdir(parents=True, exist_ok=True)
     logs = args.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -372,6 +560,9 @@ def main() -> int:
     from rig.model import model_dir
 
     model = model_dir(args.work / "model")
+    kvc = (install_kvcached(args.stage, args.work / "kvcached")
+           if any(SCENARIOS[n].d_kvcached for n in args.scenarios) else None)
+    paths = Paths(args.site, model, logs, kvc)
     gpu = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
            f"{' (P on GPU 0, D on GPU 1)' if args.two_gpus else ''}, torch {torch.__version__}, "
            "vLLM 0.25.1")
@@ -380,22 +571,27 @@ def main() -> int:
     results = []
     for name in args.scenarios:
         print(f"=== {name}", flush=True)
-        results.append(run_scenario(name, SCENARIOS[name], prompts, args.site, model, logs,
-                                    args.two_gpus))
-    ref = next((r for r in results if r["scenario"] == "ref"), None)
-    if ref is not None:
-        pairs = {k: (decoded(e["pd"]), decoded(e["base"]), e.get("p_lp0"))
-                 for k, e in ref["requests"].items() if "pd" in e}
-        tol = oracle.tolerances(pairs)
-    else:
-        tol = json.loads(args.tolerances.read_text())["tolerances"]
-    judge(results, tol)
-    (args.out / "gpu_pd.json").write_text(json.dumps(
-        {"gpu": gpu, "tolerances": tol, "results": results}, indent=1, default=str))
-    (args.out / "gpu_pd.md").write_text(markdown(results, gpu))
+        results.append(run_scenario(name, SCENARIOS[name], prompts, paths, args.two_gpus))
+    if results:
+        ref = next((r for r in results if r["scenario"] == "ref"), None)
+        if ref is not None:
+            pairs = {k: (decoded(e["pd"]), decoded(e["base"]), e.get("p_lp0"))
+                     for k, e in ref["requests"].items() if "pd" in e}
+            tol = oracle.tolerances(pairs)
+        else:
+            tol = json.loads(args.tolerances.read_text())["tolerances"]
+        judge(results, tol)
+        (args.out / "gpu_pd.json").write_text(json.dumps(
+            {"gpu": gpu, "tolerances": tol, "results": results}, indent=1, default=str))
+        (args.out / "gpu_pd.md").write_text(markdown(results, gpu))
+        print(markdown(results, gpu), flush=True)
+    if args.speed:
+        print("=== speed", flush=True)
+        timed = {"gpu": gpu, **speed(paths, args.speed)}
+        (args.out / "gpu_speed.json").write_text(json.dumps(timed, indent=1))
+        print(json.dumps(timed, indent=1), flush=True)
     with tarfile.open(args.out / "logs.tar.xz", "w:xz") as tf:
         tf.add(logs, arcname="logs")
-    print(markdown(results, gpu), flush=True)
     return 0
 
 

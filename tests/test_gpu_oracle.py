@@ -93,6 +93,37 @@ def test_judge_counts_errored_controls_as_no_evidence():
                                           "hashseed": "0", "start_s": 1.0}], "GPU")
 
 
+def test_load_answers_are_judged_against_d_own_prefill_and_errors_kept():
+    requests = {"p": {"base": {"ids": [1, 2], "lp": [-0.1, -0.2]}},
+                "q": {"base": {"ids": [4], "lp": [-0.5]}}}
+    load = {"seconds": 1.0, "kvcached_used": gpu_pd.churn([0, 8, 8, 4, 0]), "answers": [
+        ("p", {"ids": [1, 2], "lp": [-0.1, -0.2], "pulled": 1}),
+        ("q", {"ids": [9], "lp": [-4.0], "pulled": 1}),
+        ("p", {"error": "HTTP 500: engine dead"})]}
+    gpu_pd.judge_load(load, requests, {"p": 1e-2, "q": 1e-2})
+    assert (load["requests"], load["intact"]) == (3, 1)
+    assert load["errors"] == ["HTTP 500: engine dead"]
+    assert [v["prompt"] for v in load["not_intact"]] == ["q"]
+    assert load["kvcached_used"] == {"samples": 5, "grew": 1, "shrank": 2, "min": 0, "max": 8}
+    row = {"scenario": "kvc", "pdpatch": True, "P": "A", "D": "A", "hashseed": "0",
+           "start_s": 1.0, "requests": {}, "controls": {}, "load": load}
+    assert "3 at once (8 in flight): 1 intact" in gpu_pd.markdown([row], "GPU")
+
+
+def test_kvcached_mapped_memory_is_read_from_its_shared_record(tmp_path):
+    assert gpu_pd.kvcached_used("eng", tmp_path) is None
+    (tmp_path / "eng").write_bytes(struct.pack("<qqq", 1 << 30, 6 << 20, 2 << 20))
+    assert gpu_pd.kvcached_used("eng", tmp_path) == 6 << 20
+
+
+def test_paired_verdict_says_within_above_or_inconclusive():
+    from paired import verdict
+
+    assert verdict({"a": [1.0, 1.001, 0.999] * 10}, 1.02)[1].startswith("within")
+    assert verdict({"a": [1.2, 1.21, 1.19] * 10}, 1.02)[1].startswith("ABOVE")
+    assert verdict({"a": [0.9, 1.1, 1.0, 0.95, 1.08]}, 1.02)[1].startswith("INCONCLUSIVE")
+
+
 def _fatbin(entries: list[tuple[int, int, bytes]]) -> bytes:
     """One fat binary: (kind, arch, payload) entries, each with a 64-byte entry header."""
     body = b""

@@ -10,7 +10,10 @@ holds, each xz-compressed:
 * ``fa3.so.xz`` -- FlashAttention 3 (sm_90 only already);
 * ``site.tar.xz`` -- the rest of the vLLM wheel's Python tree (no other compiled kernels, no C++
   headers), NIXL with its UCX plugin only, and the wheels vLLM imports at serve time that the
-  device lacks (:data:`WHEELS`, as pip resolves vLLM next to the device's packages).
+  device lacks (:data:`WHEELS`, as pip resolves vLLM next to the device's packages);
+* ``kvcached/`` -- kvcached's sdist and the ``posix_ipc`` wheel it imports, uncompressed: the
+  device builds kvcached against its own torch and CUDA (``scripts/gpu_pd.py --kvcached``; about
+  20 s there), so no CUDA toolkit is needed here.
 
 Everything comes from the package index pip is configured with; the vLLM wheel's members are
 range-read (:mod:`release_files`), not downloaded whole.  ``unpack.py`` (standard library only)
@@ -62,6 +65,8 @@ PLATFORM_ARGS = ["--only-binary=:all:", "--python-version", "3.12", "--implement
                                  "manylinux_2_17_x86_64", "manylinux2014_x86_64",
                                  "manylinux1_x86_64", "any")
                    for a in ("--platform", tag)]]
+KVCACHED = "0.1.6"
+KVCACHED_WHEELS = ["posix-ipc==1.3.2"]
 NIXL_DROP_DIRS = ("nixl_ep_cu13",)
 UCX_MODULE_DROP = ("_ib", "perftest", "rdmacm", "mlx5", "efa", "gda")
 
@@ -168,6 +173,19 @@ def build(stage: Path, cache: Path) -> dict[str, int]:
     return {f.name: f.stat().st_size for f in sorted(stage.glob("*.xz"))}
 
 
+def build_kvcached(stage: Path) -> dict[str, int]:
+    """kvcached's sdist (checked against the index's sha256) and its runtime wheel under
+    ``stage/kvcached``; return each file's size."""
+    out = stage / "kvcached"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    name, url, sha = release_files.release_file(
+        "kvcached", lambda n: n == f"kvcached-{KVCACHED}.tar.gz")
+    release_files.download(url, out / name, sha)
+    pip("download", "--no-deps", *PLATFORM_ARGS, "-d", str(out), *KVCACHED_WHEELS)
+    return {f"kvcached/{f.name}": f.stat().st_size for f in sorted(out.iterdir())}
+
+
 def tracked_bytes(repo: Path = REPO) -> int:
     files = subprocess.run(["git", "-C", str(repo), "ls-files", "-z"], capture_output=True,
                            check=True).stdout.split(b"\0")
@@ -193,8 +211,12 @@ def main() -> int:
     ap.add_argument("--stage", type=Path, default=REPO / ".gpu_stage" / f"vllm-{VLLM}")
     ap.add_argument("--cache", type=Path,
                     default=Path.home() / ".cache" / "pdpatch" / f"gpu-stage-{VLLM}")
+    ap.add_argument("--kvcached", action="store_true",
+                    help=f"also stage kvcached {KVCACHED} (built on the device)")
     args = ap.parse_args()
     sizes = build(args.stage, args.cache)
+    if args.kvcached:
+        sizes.update(build_kvcached(args.stage))
     print("gpu_stage:", check_size(sizes, tracked_bytes()))
     return 0
 
