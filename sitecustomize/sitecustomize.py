@@ -21,17 +21,21 @@ def _pdpatch_bootstrap():
     except Exception as exc:
         print(f"pdpatch sitecustomize: not activated: {exc!r}", file=sys.stderr)
 
-    # Chain: hide this module and this directory, import the next sitecustomize, restore.
+    # Chain: hide this module and this directory, import the next sitecustomize, then put this
+    # directory back where it was -- keeping whatever the next one changed in sys.path (kvcached's,
+    # for one, adds its site directory there).
     me = sys.modules.pop("sitecustomize", None)
-    saved = list(sys.path)
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    hidden = [(i, p) for i, p in enumerate(sys.path) if os.path.abspath(p or ".") == here]
+    for i, _ in reversed(hidden):
+        del sys.path[i]
     try:
         if importlib.util.find_spec("sitecustomize") is not None:
             import sitecustomize  # noqa: F401
     except Exception as exc:
         print(f"pdpatch sitecustomize: the next sitecustomize failed: {exc!r}", file=sys.stderr)
     finally:
-        sys.path[:] = saved
+        for i, p in hidden:
+            sys.path.insert(i, p)
         if me is not None and "sitecustomize" not in sys.modules:
             sys.modules["sitecustomize"] = me
 

@@ -106,11 +106,19 @@ def test_pythonpath_sitecustomize_activates_and_chains(tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     marker = tmp_path / "chained"
-    (other / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    lib = tmp_path / "lib"           # what the chained one adds to the path (kvcached's way)
+    lib.mkdir()
+    (lib / "chained_mod.py").write_text("")
+    (other / "sitecustomize.py").write_text(
+        f"import site\nopen({str(marker)!r}, 'w').write('ran')\nsite.addsitedir({str(lib)!r})\n")
     path = os.pathsep.join([str(ROOT / "sitecustomize"), str(other)])
     result, err = probe(venv / "bin" / "python", ENABLE_PDPATCH="1", PYTHONPATH=path)
     assert result["wrapped"] and "[pdpatch] pdpatch: pid=" in err
     assert marker.read_text() == "ran"
+    kept = subprocess.run([str(venv / "bin" / "python"), "-c", "import chained_mod"],
+                          env=clean_env(ENABLE_PDPATCH="1", PYTHONPATH=path),
+                          capture_output=True, text=True, timeout=300)
+    assert kept.returncode == 0, kept.stderr[-2000:]
 
 
 def test_pdpatch_run_sets_up_sitecustomize(tmp_path):
