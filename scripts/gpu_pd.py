@@ -68,7 +68,7 @@ class Scenario:
     p_stock: bool = False               # P without pdpatch even where D has it
     d_ktc: dict = field(default_factory=dict)   # more --kv-transfer-config keys for D
     d_kvcached: bool = False            # D's KV cache in a kvcached (CUDA VMM) pool
-    load: int = 0                       # then this many P/D requests at once, 8 in flight
+    load: int = 0                       # then this many long P/D requests, LOAD_IN_FLIGHT at once
     note: str = ""
 
 
@@ -99,8 +99,11 @@ SCENARIOS: dict[str, Scenario] = {
     "stock-kvc": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", d_kvcached=True,
                           note="kvcached pool on D, both stock"),
     "kvc": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, d_kvcached=True,
-                    controls=True, load=48,
+                    controls=True, load=96,
                     note="kvcached pool on D with pdpatch's defaults, P stock"),
+    "kvc-unstaged": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, d_kvcached=True,
+                             load=96, d_env={"PDPATCH_KV_STAGING_MIB": "0"},
+                             note="as kvc, converted READs straight into the VMM pool"),
 }
 KVCACHED_ENV = {
     "ENABLE_KVCACHED": "true",
@@ -108,7 +111,10 @@ KVCACHED_ENV = {
     "VLLM_USE_V2_MODEL_RUNNER": "0",         # kvcached 0.1.6 patches the V1 runner below 0.29
     "KVCACHED_GPU_UTILIZATION": "0.3",
 }
-LOAD_IN_FLIGHT = 8
+LOAD_IN_FLIGHT = 32
+"""With the two longest prompts, ~34k tokens of KV in flight on D: 16 of kvcached's 2 MiB pages
+per layer for the tiny Llama, beyond the 5-10 it keeps reserved, so pages get mapped and
+unmapped while other requests' READs run."""
 KILL_BOUND_S = 120.0
 """How long D may take to fail a request whose P is gone (vLLM's own handshake and transfer
 timeouts decide; the bound only keeps a hang from stalling the run)."""
@@ -318,11 +324,11 @@ def kill_p(p: Engine, d: Engine, prompts: dict[str, list[int]]) -> dict:
 
 
 def under_load(p: Engine, d: Engine, prompts: dict[str, list[int]], n: int) -> dict:
-    """``n`` P/D requests, :data:`LOAD_IN_FLIGHT` at a time, cycling through the prompts; where
+    """``n`` P/D requests, :data:`LOAD_IN_FLIGHT` at a time, alternating the two longest prompts; where
     D runs kvcached, its mapped memory is sampled meanwhile (pages mapped for new requests and
     unmapped for finished ones while other requests' transfers run).  Each answer is kept for
     the oracle (against D's own prefill of the same prompt)."""
-    names = [list(prompts)[i % len(prompts)] for i in range(n)]
+    names = [list(prompts)[-1 - i % 2] for i in range(n)]
     used: list[int] = []
     ipc = getattr(d, "kvcached_ipc", None)
     with concurrent.futures.ThreadPoolExecutor(LOAD_IN_FLIGHT) as pool:
