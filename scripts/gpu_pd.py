@@ -324,8 +324,8 @@ def kill_p(p: Engine, d: Engine, prompts: dict[str, list[int]]) -> dict:
 
 
 def under_load(p: Engine, d: Engine, prompts: dict[str, list[int]], n: int) -> dict:
-    """``n`` P/D requests, :data:`LOAD_IN_FLIGHT` at a time, alternating the two longest prompts; where
-    D runs kvcached, its mapped memory is sampled meanwhile (pages mapped for new requests and
+    """``n`` P/D requests, :data:`LOAD_IN_FLIGHT` at a time, alternating the two longest prompts;
+    where D runs kvcached, its mapped memory is sampled meanwhile (pages mapped for new requests and
     unmapped for finished ones while other requests' transfers run).  Each answer is kept for
     the oracle (against D's own prefill of the same prompt)."""
     names = [list(prompts)[-1 - i % 2] for i in range(n)]

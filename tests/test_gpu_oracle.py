@@ -107,7 +107,8 @@ def test_load_answers_are_judged_against_d_own_prefill_and_errors_kept():
     assert load["kvcached_used"] == {"samples": 5, "grew": 1, "shrank": 2, "min": 0, "max": 8}
     row = {"scenario": "kvc", "pdpatch": True, "P": "A", "D": "A", "hashseed": "0",
            "start_s": 1.0, "requests": {}, "controls": {}, "load": load}
-    assert f"3 at once ({gpu_pd.LOAD_IN_FLIGHT} in flight): 1 intact" in gpu_pd.markdown([row], "GPU")
+    said = f"3 at once ({gpu_pd.LOAD_IN_FLIGHT} in flight): 1 intact"
+    assert said in gpu_pd.markdown([row], "GPU")
 
 
 def test_kvcached_mapped_memory_is_read_from_its_shared_record(tmp_path):
