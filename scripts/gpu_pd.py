@@ -75,6 +75,8 @@ class Scenario:
 SCENARIOS: dict[str, Scenario] = {
     "ref": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", controls=True,
                     note="reference: stock, same backend"),
+    "ref-load": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", load=96,
+                         note="stock, same backend, under load: the drift batching alone gives"),
     "stock-fa-triton": Scenario(False, "FLASH_ATTN", "TRITON_ATTN"),
     "stock-triton-fa": Scenario(False, "TRITON_ATTN", "FLASH_ATTN"),
     "fa-triton": Scenario(True, "FLASH_ATTN", "TRITON_ATTN", hashseed=None, controls=True),
@@ -501,7 +503,7 @@ def judge_load(load: dict, requests: dict, tol: dict[str, float]) -> None:
             continue
         v = oracle.judge(decoded(got), decoded(base), tol[pname], got.get("p_lp0"))
         verdicts.append({"prompt": pname, "intact": v.intact, "reason": v.reason,
-                         "dlp0": v.dlp0, "pulled": got.get("pulled")})
+                         "dlp0": v.dlp0, "agree": v.agree, "ids": got.get("ids")})
     load.update(requests=len(verdicts), intact=sum(1 for v in verdicts if v.get("intact")),
                 errors=sorted({v["error"][:120] for v in verdicts if "error" in v}),
                 not_intact=[v for v in verdicts if v.get("intact") is False])
