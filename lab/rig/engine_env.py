@@ -201,6 +201,11 @@ def runtime_versions() -> RuntimeInfo:
     return RuntimeInfo(importlib.metadata.version("vllm"), KERNEL_ORIGIN, build_overlay())
 
 
+QUIET_NIXL = Path(__file__).resolve().parent / "quiet_nixl"
+"""A ``sitecustomize`` that keeps each engine's idle NIXL progress thread from spinning a core
+(see its docstring); last on the engines' path, after anything a test puts there."""
+
+
 def engine_env(
     *,
     pdpatch: bool,
@@ -223,7 +228,7 @@ def engine_env(
         # file: another release sharing it would make every engine start re-inspect the model.
         env["VLLM_CACHE_ROOT"] = str(Path.home() / ".cache" / "vllm" / _tree_release(tree))
     old_pp = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = str(code) + (os.pathsep + old_pp if old_pp else "")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), old_pp, str(QUIET_NIXL)]))
     env.update(
         {
             "VLLM_TARGET_DEVICE": "cpu",
