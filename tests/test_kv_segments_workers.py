@@ -138,8 +138,10 @@ def refused(out: dict[str, Any], *needles: str, crash: tuple = (None,)) -> str:
         assert needle in err, err
     assert out["copied_bytes"] == 0
     assert out["changed_blocks"] == []           # D's memory untouched
-    # vLLM records the failure for this request only (failed / invalid blocks)
-    assert out["results"]["failed_recving"] or out["results"]["invalid_blocks"]
+    if out["crash"] is None:
+        # vLLM records the failure for this request only (failed / invalid blocks); a worker
+        # the release kills may die before or after it reported the request (CI saw both)
+        assert out["results"]["failed_recving"] or out["results"]["invalid_blocks"]
     return err
 
 
