@@ -14,7 +14,7 @@ py=.venv/bin/python
 
 rc=0
 step() {  # run pytest with "$@"; fold its status into rc (exit 5, nothing collected, fails)
-  "$py" -m pytest -ra -p no:cacheprovider "$@"
+  "$py" -m pytest -ra -p no:cacheprovider --durations=20 "$@"
   local s=$?
   if [ "$s" -eq 5 ]; then
     echo "run_tests: pytest collected no tests ($*) - failing" >&2
