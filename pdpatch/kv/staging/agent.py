@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from pdpatch.agent_layers import Layer
 from pdpatch.kv.stage import (
     CopyPlan,
     range_ids,
@@ -97,8 +98,9 @@ class StagingStats:
     not_staged: Counter = field(default_factory=Counter)   # reason -> requests
 
 
-class StagingAgent(GapCalibration):
-    """A worker's NIXL agent with staged READs for converted peers (see the module doc).
+class StagingAgent(GapCalibration, Layer):
+    """A worker's NIXL agent with staged READs for converted peers (see the module doc): the
+    ``staging`` layer of :mod:`pdpatch.agent_layers`.
 
     ``memory`` gives, at the first READ to stage, the tensors whose memory the
     local descriptor lists point into (the KV caches, or vLLM's host buffers); the staging
@@ -117,7 +119,7 @@ class StagingAgent(GapCalibration):
                  memory: Callable[[], Sequence[Any]], gap: int | None = None,
                  capacity_setting: str = "the staging capacity",
                  gap_setting: str = "the gap budget") -> None:
-        self._agent = agent
+        Layer.__init__(self, agent)
         self._capacity_setting = capacity_setting
         self._gap_setting = gap_setting
         self._mem_type = mem_type
@@ -139,8 +141,7 @@ class StagingAgent(GapCalibration):
         self._copier: ByteCopier | None = None
         self.stats = StagingStats()
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._agent, name)
+    kind = "staging"
 
     @property
     def agent(self) -> Any:
