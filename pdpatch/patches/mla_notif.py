@@ -78,7 +78,7 @@ def _targets(version: Version) -> list[Target]:
 PATCH = Patch(
     name=NAME,
     summary="MLA notifications to non-read prefill ranks use the prefill request id",
-    versions=">=0.19,<0.21",
+    versions=vllm_sites.supported_until("0.21"),
     why_version="fixed upstream in vLLM 0.21.0 (the notification uses meta.remote.request_id)",
     targets=_targets,
 )
