@@ -2,9 +2,9 @@
 
 Why: a converted peer pairs a contiguous run on one side with a strided run on the other, so
 NIXL cannot merge anything and a READ costs one descriptor per block segment -- 0.04-1.1x of
-the fused path on an H100/H200 (docs/gpu_results.md).  Staging (:mod:`pdpatch.kv.stage`)
-turns the same request into a READ into a staging buffer laid out in the peer's address
-order (remote-contiguous runs merge into one descriptor) plus one local gather.
+the fused path on an H100/H200 (docs/gpu_results.md).  Staging (:mod:`.plans`) turns the
+same request into a READ into a staging buffer laid out in the peer's address order
+(remote-contiguous runs merge into one descriptor) plus one local gather.
 
 :class:`StagingAgent` does that without touching vLLM's read path: it stands in for the
 worker's ``nixl_wrapper`` and
@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 
 from pdpatch.agent_layers import Layer
-from pdpatch.kv.stage import range_ids
 from pdpatch.kv.staging.buffer import StagingBuffer
 from pdpatch.kv.staging.lists import PreparedLists
 from pdpatch.kv.staging.nixl_states import DONE, ERR, PROC
+from pdpatch.kv.staging.plans import range_ids
 from pdpatch.kv.staging.reads import NotStaged, ReadPlanner, StagedRead, StagingStats
 from pdpatch.kv.staging.rows import RowTable, SortedTwin
 from pdpatch.log import logger

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from pdpatch.kv.stage import staging_table
 from pdpatch.kv.staging.copier import ByteAllocator, ByteCopier, arenas_of
 from pdpatch.kv.staging.nixl_states import INIT_AGENT
+from pdpatch.kv.staging.plans import staging_table
 from pdpatch.kv.staging.reads import NotStaged, StagedRead
 from pdpatch.kv.staging.rows import RowTable
 from pdpatch.log import logger

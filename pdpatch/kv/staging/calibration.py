@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from pdpatch.kv.stage import TransportCost
 from pdpatch.kv.staging.nixl_states import DONE, INIT_AGENT, PROC
+from pdpatch.kv.staging.plans import TransportCost
 from pdpatch.kv.staging.rows import SortedTwin, longest_run
 from pdpatch.log import logger
 
@@ -51,7 +51,7 @@ class GapCalibration:
         READs of its memory into staging -- :data:`CALIBRATION_DESCS` rows one apart, the
         same bytes as one descriptor, and one descriptor of up to
         :data:`CALIBRATION_MAX_BYTES` -- best of :data:`CALIBRATION_REPS` each
-        (:meth:`~pdpatch.kv.stage.TransportCost.from_reads`).
+        (:meth:`~pdpatch.kv.staging.plans.TransportCost.from_reads`).
 
         Why measure: the budget is ``cost x bandwidth``, a few MiB over cuda_ipc on one node,
         tens of KiB over host memory, a few KiB over TCP: no default fits every transport.

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pdpatch.kv.stage import CopyPlan, read_spans, span_layout
 from pdpatch.kv.staging.calibration import GapCalibration
 from pdpatch.kv.staging.nixl_states import INIT_AGENT
+from pdpatch.kv.staging.plans import CopyPlan, read_spans, span_layout
 from pdpatch.kv.staging.rows import SortedTwin, Spans, address_order, posted_descriptors
 
 if TYPE_CHECKING:
