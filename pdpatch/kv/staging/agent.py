@@ -75,7 +75,7 @@ class StagingAgent(Layer):
         self._gap_setting = gap_setting
         self._mem_type = mem_type
         self._staging = StagingBuffer(agent, mem_type=mem_type, capacity=capacity,
-                                      memory=memory)
+                                      memory=memory, setting=capacity_setting)
         self._lists = PreparedLists()
         self._lock = threading.Lock()
         self._converted: dict[Any, SortedTwin] = {}      # remote dlist handle -> sorted twin
@@ -152,8 +152,8 @@ class StagingAgent(Layer):
                 twin.range_id = range_ids(twin.table.addr, end, read_ranges)
         except Exception as exc:
             logger.warning("pdpatch kv_segments: no staging for peer %s (%s: %s); converted "
-                           "READs go per segment (PDPATCH_KV_STAGING_MIB=0 silences this)",
-                           peer, type(exc).__name__, exc)
+                           "READs go per segment (%s=0 silences this)", peer,
+                           type(exc).__name__, exc, self._capacity_setting)
             return False
         with self._lock:
             self._converted[remote_handle] = twin

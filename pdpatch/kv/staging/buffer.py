@@ -23,14 +23,16 @@ from pdpatch.log import logger
 class StagingBuffer:
     """``agent``: the NIXL agent that registers the buffer; ``memory``: the tensors the local
     descriptor lists point into, asked for when the buffer is made (it goes on their device).
-    ``capacity`` 0: staging off (also once the buffer could not be made, or was closed)."""
+    ``capacity`` 0: staging off (also once the buffer could not be made, or was closed);
+    ``setting``: what the operator sets to change it, named in the messages."""
 
     def __init__(self, agent: Any, *, mem_type: str, capacity: int,
-                 memory: Callable[[], Sequence[Any]]) -> None:
+                 memory: Callable[[], Sequence[Any]], setting: str) -> None:
         self._agent = agent
         self._mem_type = mem_type
         self.capacity = capacity
         self._memory = memory
+        self._setting = setting
         self._lock = threading.Lock()
         self._alloc = ByteAllocator(capacity)
         self._tensor: Any = None
@@ -71,8 +73,8 @@ class StagingBuffer:
         except Exception as exc:
             self.capacity = 0
             logger.warning("pdpatch kv_segments: no staging buffer (%s: %s); converted READs "
-                           "go per segment (PDPATCH_KV_STAGING_MIB=0 silences this)",
-                           type(exc).__name__, exc)
+                           "go per segment (%s=0 silences this)", type(exc).__name__, exc,
+                           self._setting)
             raise NotStaged("no staging buffer could be made") from None
 
     def _make(self) -> None:
@@ -84,7 +86,7 @@ class StagingBuffer:
         self._copier = ByteCopier(arenas_of([*memory, tensor]))
         self._tensor, self.base = tensor, int(tensor.data_ptr())
         logger.info("pdpatch kv_segments: %d MiB staging buffer on %s for converted READs "
-                    "(PDPATCH_KV_STAGING_MIB)", self.capacity >> 20, device)
+                    "(%s)", self.capacity >> 20, device, self._setting)
 
     def slot_list(self, slot: int, dev: int) -> Any:
         """The buffer as a prepared list of ``slot``-byte entries, registered with the device id
