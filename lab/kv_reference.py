@@ -14,13 +14,14 @@ that tests and benches compare pdpatch's runtime planning against (lab code, not
   patched ``_build_fa_remote`` / ``_build_fa_local`` in each release's form (tuples, Nx3, Nx5),
   built independently of :meth:`~pdpatch.kv.plan.PairPlan.local_rows`, which the tests check
   them against.
-* staged transfers as whole plans (see :mod:`pdpatch.kv.stage` for why staging): :func:`stage`
-  routes a per-request :class:`~pdpatch.kv.plan.DescPlan` through a staging buffer in remote
-  address order, :func:`stage_ids` does the same in vLLM's form (tables prepared once per peer,
-  per request only descriptor ids, which NIXL merges), :func:`split_staged` cuts a staged
-  transfer into pieces whose copies can overlap the rest of the transfer.  The runtime's form,
+* staged transfers as whole plans (see :mod:`pdpatch.kv.staging.plans` for why staging):
+  :func:`stage` routes a per-request :class:`~pdpatch.kv.plan.DescPlan` through a staging
+  buffer in remote address order, :func:`stage_ids` does the same in vLLM's form (tables
+  prepared once per peer, per request only descriptor ids, which NIXL merges),
+  :func:`split_staged` cuts a staged transfer into pieces whose copies can overlap the rest of
+  the transfer.  The runtime's form,
   :class:`pdpatch.kv.staging.StagingAgent`, is built from the same pieces of
-  :mod:`pdpatch.kv.stage`; the tests and the bench compare it with these.
+  :mod:`pdpatch.kv.staging.plans`; the tests and the bench compare it with these.
 * :func:`whole_blocks` gives the same-layout fused path its best tables: one descriptor per
   ``[K|V]`` block, so consecutive blocks are consecutive, contiguous entries that NIXL merges
   (what vLLM >= 0.26 does for its packed layout).  :func:`nixl_merged_count` predicts NIXL's
@@ -48,7 +49,7 @@ from pdpatch.kv.geometry import (
     Segment,
 )
 from pdpatch.kv.plan import DescPlan, HeadSlice, PairPlan, as_tuples
-from pdpatch.kv.stage import CopyPlan, range_ids, read_spans, span_layout
+from pdpatch.kv.staging.plans import CopyPlan, range_ids, read_spans, span_layout
 
 _U64 = np.uint64
 OPS = ("READ", "WRITE")
@@ -293,7 +294,7 @@ def stage(plan: DescPlan, staging_base: int, *, op: str = "READ",
     ``max_gap`` (READ only, needs the peer's registered ``remote_ranges``): also read across
     gaps of up to ``max_gap`` unrequested bytes inside one registered range, so nearby blocks
     share a descriptor.  Worth it while a gap costs less wire time than a descriptor:
-    :meth:`~pdpatch.kv.stage.TransportCost.gap_budget` of the measured transport (3-7 MiB
+    :meth:`~pdpatch.kv.staging.plans.TransportCost.gap_budget` of the measured transport (3-7 MiB
     between two processes on one H100/H200 over cuda_ipc); the gap bytes land in staging only
     and are never copied out.  Never for WRITE, which would overwrite other blocks.  When
     ``staging_bytes`` is too small for the gaps, the allowed gap is halved until it fits.

@@ -38,6 +38,14 @@ def release_of(version: Version) -> Version:
     return Version(".".join(str(p) for p in version.release))
 
 
+def parse_release(text: str | Version) -> Version:
+    """A release as people write it -- ``0.33.0``, ``v0.33``, ``0.33.0+cpu``, ``0.34.0rc1`` --
+    as the bare three-part release (``0.33.0``, ``0.33.0``, ``0.33.0``, ``0.34.0``).  Raises
+    ``InvalidVersion`` for text that is no version."""
+    v = text if isinstance(text, Version) else Version(text.strip().lstrip("vV"))
+    return Version(".".join(str(p) for p in (*v.release, 0, 0)[:3]))
+
+
 def _release_key(release: tuple[int, ...]) -> tuple[int, ...]:
     """Release numbers as packaging orders them: trailing zeros do not count (0.21 == 0.21.0)."""
     end = len(release)
@@ -80,6 +88,12 @@ class VersionRange:
     def __contains__(self, version: Version) -> bool:
         release = _release_key(version.release)
         return all(_OPS[op](release, bound) for op, bound in self._clauses)
+
+    def lower(self) -> Version | None:
+        """The lowest release in this range by its ``>=`` bounds (their highest); None if
+        it has none."""
+        bounds = [bound for op, bound in self._clauses if op == ">="]
+        return Version(".".join(map(str, max(bounds)))) if bounds else None
 
     def upper(self) -> Version | None:
         """The release this range stops before (its lowest ``<`` bound); None if open-ended."""

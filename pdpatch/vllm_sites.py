@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 from packaging.version import Version
 
+from pdpatch import versions
 from pdpatch.versions import VersionRange, release_of
 
 KVC = "vllm.distributed.kv_transfer.kv_connector"
@@ -19,11 +20,24 @@ NIXL_SINGLE_FILE = f"{KVC}.v1.nixl_connector"      # 0.19 only
 # The releases whose NIXL code pdpatch was written against and checked on; a patch that holds
 # for all of them declares this range.
 SUPPORTED = VersionRange(">=0.19,<0.34")
+# The newest of them: what a patch assumes where no installed distribution names the release
+# (a vLLM source tree on the path).
+NEWEST_SUPPORTED = Version("0.33.0")
 
 
 def supported_from(release: str) -> VersionRange:
     """The supported releases from ``release`` on (a patch for a fault vLLM introduced later)."""
     return VersionRange(f">={release},<{SUPPORTED.upper()}")
+
+
+def supported_until(release: str) -> VersionRange:
+    """The supported releases before ``release`` (a patch for a fault vLLM fixed there)."""
+    return VersionRange(f">={SUPPORTED.lower()},<{release}")
+
+
+def running_release() -> Version:
+    """The installed vLLM release, or :data:`NEWEST_SUPPORTED` where no distribution says."""
+    return versions.vllm_version() or NEWEST_SUPPORTED
 
 
 class Site(NamedTuple):
@@ -190,9 +204,10 @@ GET_FINISHED = (
 # The decode worker's view of TP sizes and KV heads: `kv_topo` (TpKVTopology) in 0.19,
 # `transfer_topo` (TransferTopology) from 0.20.  Both hold `tp_size` and `total_num_kv_heads`
 # (the release's own count, which its TP maths divides).
+TRANSFER_TOPOLOGY_FROM = Version("0.20")
 TOPOLOGY_ATTRS = (
-    (VersionRange(">=0.19,<0.20"), "kv_topo"),
-    (VersionRange(">=0.20"), "transfer_topo"),
+    (VersionRange(f">=0.19,<{TRANSFER_TOPOLOGY_FROM}"), "kv_topo"),
+    (VersionRange(f">={TRANSFER_TOPOLOGY_FROM}"), "transfer_topo"),
 )
 
 
@@ -243,7 +258,7 @@ def transfer_tp_rank(worker: Any) -> int:
 def remote_engine_known(worker: Any, engine_id: str, version: Version) -> bool:
     """Whether ``get_finished``'s remote-engine lookup (0.19-0.21) would succeed."""
     try:
-        if release_of(version) < Version("0.20"):
+        if release_of(version) < TRANSFER_TOPOLOGY_FROM:
             worker.kv_topo.block_size_ratio_from_engine_id(engine_id)
         else:
             worker.transfer_topo.get_engine_info(engine_id)
@@ -256,10 +271,14 @@ def split_len_source(version: Version) -> str | None:
     return next((src for spec, src in SPLIT_LEN_SOURCES if version in spec), None)
 
 
+# The layout names of RFC #42082 (5-D: LBNHC/LBHNC) replace NHD/HND from 0.29.
+LAYOUT_5D_NAMES_FROM = Version("0.29")
+
+
 def layout_names(version: Version) -> tuple[str, str]:
     """(token-major, head-major) layout names of a release: NHD/HND up to 0.28, the 5-D names
     of RFC #42082 (LBNHC/LBHNC) from 0.29."""
-    if release_of(version) >= Version("0.29"):
+    if release_of(version) >= LAYOUT_5D_NAMES_FROM:
         return "LBNHC", "LBHNC"
     return "NHD", "HND"
 
@@ -422,6 +441,10 @@ ENGINE_CORE_INIT = (
 )
 
 
+# From 0.20 EngineCore takes the hash block size from `resolve_kv_cache_block_sizes`.
+RESOLVED_HASH_BLOCK_SIZE_FROM = Version("0.20")
+
+
 def hash_block_size(vllm_config: Any, kv_cache_config: Any, version: Version) -> int:
     """Tokens per entry of ``request.block_hashes``, as EngineCore passes it to
     ``get_request_block_hasher``.
@@ -434,7 +457,7 @@ def hash_block_size(vllm_config: Any, kv_cache_config: Any, version: Version) ->
     stored = getattr(kv_cache_config, "hash_block_size", None)
     if isinstance(stored, int) and stored > 0:
         return stored
-    if release_of(version) < Version("0.20"):
+    if release_of(version) < RESOLVED_HASH_BLOCK_SIZE_FROM:
         par = vllm_config.parallel_config
         return (vllm_config.cache_config.block_size * par.decode_context_parallel_size
                 * par.prefill_context_parallel_size)

@@ -1,5 +1,5 @@
-"""Staged K/V conversion (lab/kv_reference.py over pdpatch.kv.stage): byte-exact against the
-independent logical oracle of kv_helpers, in both directions and both forms (address plans,
+"""Staged K/V conversion (lab/kv_reference.py over pdpatch.kv.staging.plans): byte-exact against
+the independent logical oracle of kv_helpers, in both directions and both forms (address plans,
 vLLM tables + ids), with the descriptor counts that make it fast: one per remote-contiguous
 run."""
 
@@ -21,7 +21,7 @@ from kv_reference import (
     whole_blocks,
 )
 from pdpatch.kv import HeadSlice, KVPlanError, PairPlan, infer_geometry
-from pdpatch.kv.stage import CopyPlan, TransportCost, staging_table
+from pdpatch.kv.staging.plans import CopyPlan, TransportCost, staging_table
 
 L, N, BS, H, D, ES = 2, 24, 4, 2, 4, 2
 SEG = BS * H * D * ES

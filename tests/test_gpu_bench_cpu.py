@@ -1,8 +1,8 @@
 """The CPU mode of scripts/gpu_kv_bench.py (the script that produced docs/gpu_results.md on
 the GPU machine): the same planning, staging and copy code over real NIXL between two
 processes on host memory.  Every case must be byte-exact, NIXL's descCount must equal what
-pdpatch.kv.stage predicts, and the registration policy must hold.  Timings on CPU mean nothing
-and are not asserted."""
+pdpatch.kv.staging.plans predicts, and the registration policy must hold.  Timings on CPU mean
+nothing and are not asserted."""
 
 from __future__ import annotations
 

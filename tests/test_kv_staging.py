@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdpatch.kv.stage import CopyPlan
 from pdpatch.kv.staging import ByteAllocator, ByteCopier, address_order, arenas_of
+from pdpatch.kv.staging.plans import CopyPlan
 
 
 @settings(max_examples=200, deadline=None)

@@ -68,3 +68,31 @@ def test_random_ranges_answer_like_specifierset(clauses):
 def test_what_specifierset_means_differently_is_refused_when_declared(spec):
     with pytest.raises(ValueError, match="version range"):
         VersionRange(spec)
+
+
+def test_release_parsing_and_bounds():
+    from packaging.version import InvalidVersion
+
+    from pdpatch.versions import parse_release
+
+    for text in ("0.33.0", "v0.33", " 0.33.0+cpu ", Version("0.33"), "0.33.0.1"):
+        assert parse_release(text) == Version("0.33.0"), text
+    assert parse_release("0.34.0rc1") == Version("0.34.0")
+    with pytest.raises(InvalidVersion):
+        parse_release("latest")
+    assert (VersionRange(">=0.19,<0.34").lower(), VersionRange("<0.34").lower()) == \
+        (Version("0.19"), None)
+
+
+def test_newest_supported_is_the_last_release_of_supported(monkeypatch):
+    from pdpatch import versions
+
+    newest = vllm_sites.NEWEST_SUPPORTED
+    upper = vllm_sites.SUPPORTED.upper()
+    assert newest in vllm_sites.SUPPORTED
+    assert upper == Version(f"{newest.major}.{newest.minor + 1}")
+    assert str(vllm_sites.supported_until("0.21")) == "<0.21,>=0.19"
+    monkeypatch.setattr(versions, "vllm_version", lambda: None)
+    assert vllm_sites.running_release() == newest
+    monkeypatch.setattr(versions, "vllm_version", lambda: Version("0.25.1"))
+    assert vllm_sites.running_release() == Version("0.25.1")

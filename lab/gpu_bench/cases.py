@@ -20,8 +20,8 @@ from kv_reference import (
     whole_blocks,
 )
 from pdpatch.kv import KVGeometry, PairPlan
-from pdpatch.kv.stage import TransportCost, staging_table
 from pdpatch.kv.staging import ByteCopier
+from pdpatch.kv.staging.plans import TransportCost, staging_table
 
 from .agents import register
 from .initiator import Bench

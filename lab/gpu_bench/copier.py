@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from pdpatch.kv.stage import CopyPlan
+from pdpatch.kv.staging.plans import CopyPlan
 
 from .pools import lazy_torch
 

@@ -10,8 +10,8 @@ import numpy as np
 
 from kv_reference import nixl_merged_count
 from pdpatch.kv import PairPlan
-from pdpatch.kv.stage import CopyPlan
 from pdpatch.kv.staging import ByteCopier, StagingAgent
+from pdpatch.kv.staging.plans import CopyPlan
 from pdpatch.transport import cuda_context_current
 
 from .agents import Clock, new_agent, poll, wait

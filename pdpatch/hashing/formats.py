@@ -20,13 +20,13 @@ from typing import Literal
 
 from packaging.version import InvalidVersion, Version
 
-from pdpatch import vllm_sites
+from pdpatch import versions, vllm_sites
 from pdpatch.hashing.errors import KeyConfigError, shown
 
 logger = logging.getLogger("pdpatch.hashing")
 
 FIRST_SUPPORTED = Version("0.10.2")
-LAST_VERIFIED = Version("0.33.0")
+LAST_VERIFIED = vllm_sites.NEWEST_SUPPORTED
 
 LoraKey = Literal["int_id", "name", "tagged"]
 MMKey = Literal["bare", "pair", "tagged"]
@@ -96,19 +96,17 @@ _SHA = frozenset({"sha256", "sha256_cbor"})
 _ALL = frozenset({"sha256", "sha256_cbor", "xxhash", "xxhash_cbor"})
 
 
-def parse_release(vllm_version: str | Version) -> Version:
-    """``0.33.0``, ``v0.33``, ``0.33.0+cpu`` or ``0.34.0rc1`` -> the bare release."""
-    if isinstance(vllm_version, Version):
-        v = vllm_version
-    elif not isinstance(vllm_version, str) or len(vllm_version) > 64:
+def _release(vllm_version: str | Version) -> Version:
+    """The caller's release (:func:`pdpatch.versions.parse_release`), or a
+    :class:`KeyConfigError` saying what is wrong with it."""
+    if not isinstance(vllm_version, Version) and (not isinstance(vllm_version, str)
+                                                  or len(vllm_version) > 64):
         raise KeyConfigError(f"the vLLM release must be a string like '0.33.0', got "
                              f"{shown(vllm_version)}")
-    else:
-        try:
-            v = Version(vllm_version.strip().lstrip("vV"))
-        except InvalidVersion as e:
-            raise KeyConfigError(f"not a vLLM version: {shown(vllm_version)}") from e
-    return Version(".".join(str(p) for p in (*v.release, 0, 0)[:3]))
+    try:
+        return versions.parse_release(vllm_version)
+    except InvalidVersion as e:
+        raise KeyConfigError(f"not a vLLM version: {shown(vllm_version)}") from e
 
 
 @lru_cache(maxsize=64)
@@ -145,4 +143,4 @@ def _format_for(release: Version) -> HashFormat:
 
 def format_for(vllm_version: str | Version) -> HashFormat:
     """The rules of ``vllm_version``."""
-    return _format_for(parse_release(vllm_version))
+    return _format_for(_release(vllm_version))

@@ -1,10 +1,10 @@
 """KV geometry and descriptor planning for peers whose K/V layouts differ.
 
 Pure core (numpy only; no torch, no vLLM): :mod:`geometry` (the model), :mod:`infer` (from
-tensor strides), :mod:`plan` (descriptor pairs and vLLM-ordered tables), :mod:`stage` (staged
-READs); :mod:`staging` (torch, no vLLM) runs them inside a worker.  Planning that only tests and
-benches use (coalescing, NIXL strided rows, vLLM-form descriptor lists) is lab code:
-``lab/kv_reference.py``.
+tensor strides), :mod:`plan` (descriptor pairs and vLLM-ordered tables).  :mod:`staging` (torch,
+no vLLM) stages a converted peer's READs inside a worker; its :mod:`staging.plans` are the pure
+(numpy) pieces of a staged READ.  Planning that only tests and benches use (coalescing, NIXL
+strided rows, vLLM-form descriptor lists) is lab code: ``lab/kv_reference.py``.
 
 Wiring into vLLM (the PDPATCH_KV_SEGMENTS patch):
 

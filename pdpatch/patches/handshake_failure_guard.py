@@ -63,7 +63,7 @@ def _targets(version: Version) -> list[Target]:
 PATCH = Patch(
     name=NAME,
     summary="a failed handshake fails its requests without crashing get_finished (0.19-0.21)",
-    versions=">=0.19,<0.22",
+    versions=vllm_sites.supported_until("0.22"),
     why_version="fixed upstream in vLLM 0.22.0 (get_finished skips failed requests)",
     targets=_targets,
 )

@@ -21,7 +21,8 @@ from typing import Any
 
 from packaging.version import Version
 
-from pdpatch import vllm_sites
+from pdpatch import agent_layers, vllm_sites
+from pdpatch.agent_layers import Layer
 from pdpatch.log import logger
 from pdpatch.patches.common import allowed
 from pdpatch.registry import Patch, Target
@@ -29,11 +30,15 @@ from pdpatch.registry import Patch, Target
 NAME = "mla_notif"
 
 
-class _NotifIdFix:
-    """Delegates everything to the worker's NIXL agent; rewrites one notification payload."""
+class _NotifIdFix(Layer):
+    """Delegates everything to the worker's NIXL agent; rewrites one notification payload (the
+    ``notif_fix`` layer of :mod:`pdpatch.agent_layers`)."""
+
+    kind = "notif_fix"
 
     def __init__(self, agent: Any, wrong: bytes, right: bytes) -> None:
-        self._agent, self._wrong, self._right = agent, wrong, right
+        super().__init__(agent)
+        self._wrong, self._right = wrong, right
         self.rewritten = 0
 
     def send_notif(self, remote_agent: Any, notif_msg: Any = None, *args: Any,
@@ -42,9 +47,6 @@ class _NotifIdFix:
             notif_msg = self._right
             self.rewritten += 1
         return self._agent.send_notif(remote_agent, *args, notif_msg=notif_msg, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._agent, name)
 
 
 def fix_notif_id(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -55,16 +57,14 @@ def fix_notif_id(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
             or remote.request_id == req_id or not allowed(NAME, instance)):
         return wrapped(*args, **kwargs)
     world = instance.world_size
-    agent = instance.nixl_wrapper
-    view = _NotifIdFix(agent, f"{req_id}:{world}".encode(),
-                       f"{remote.request_id}:{world}".encode())
-    # The attribute is swapped only for this call; other threads that touch the agent
-    # meanwhile (the handshake initiator) get the delegating view, which is the same agent.
-    instance.nixl_wrapper = view
+    # The view is in place only for this call; other threads that touch the agent meanwhile
+    # (the handshake initiator) get the delegating view, which is the same agent.
+    view = agent_layers.push(instance, _NotifIdFix, f"{req_id}:{world}".encode(),
+                             f"{remote.request_id}:{world}".encode())
     try:
         return wrapped(*args, **kwargs)
     finally:
-        instance.nixl_wrapper = agent
+        agent_layers.remove(instance, view)
         if view.rewritten:
             logger.debug("pdpatch: MLA notification for %s sent as prefill request %s "
                          "[mla_notif]", req_id, remote.request_id)
@@ -78,7 +78,7 @@ def _targets(version: Version) -> list[Target]:
 PATCH = Patch(
     name=NAME,
     summary="MLA notifications to non-read prefill ranks use the prefill request id",
-    versions=">=0.19,<0.21",
+    versions=vllm_sites.supported_until("0.21"),
     why_version="fixed upstream in vLLM 0.21.0 (the notification uses meta.remote.request_id)",
     targets=_targets,
 )

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from packaging.version import Version
 
-from pdpatch import config, kvcached, versions, vllm_sites
+from pdpatch import config, kvcached, vllm_sites
 from pdpatch.log import logger
 from pdpatch.registry import Patch, Target
 
@@ -65,7 +65,7 @@ _lock = threading.Lock()
 
 
 def _version() -> Version:
-    return versions.vllm_version() or Version("0.33.0")
+    return vllm_sites.running_release()
 
 
 def _extra(worker: Any) -> Mapping | None:

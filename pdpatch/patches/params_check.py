@@ -1,8 +1,9 @@
 """Patch ``params_check``: a malformed ``kv_transfer_params`` is a 400 for that request, not an
 engine crash or a silent read of the wrong blocks.
 
-Found by the issue-7 bad-input sweep against a real vLLM 0.33 decode engine.  The NIXL connector
-trusts the proxy's ``kv_transfer_params`` completely:
+Found by a bad-input sweep against a real vLLM 0.33 decode engine (replayed by
+``tests/e2e/test_robustness_e2e.py``).  The NIXL connector trusts the proxy's
+``kv_transfer_params`` completely:
 
 * ``{"do_remote_prefill": true}`` without ``remote_block_ids`` (or with ``[]``):
   ``get_num_new_matched_tokens`` promises remote tokens, then ``update_state_after_alloc``

@@ -1,9 +1,10 @@
 """Patch ``peer_check``: a prefill peer's handshake metadata with impossible values is rejected
 at handshake time, naming the field, instead of being used.
 
-Found by the issue-7 bad-input sweep (a fake side channel serving P's real handshake reply with
-one field corrupted, against a real vLLM 0.33 decode engine).  msgspec's typed decode already
-rejects wrong *types*; nothing checks *values*.  A peer advertising ``num_blocks`` of -5, 0 or
+Found by a bad-input sweep (a fake side channel serving P's real handshake reply with one field
+corrupted, against a real vLLM 0.33 decode engine; replayed by
+``tests/e2e/test_robustness_e2e.py``).  msgspec's typed decode already rejects wrong *types*;
+nothing checks *values*.  A peer advertising ``num_blocks`` of -5, 0 or
 10**12 is accepted and read from (0.33 builds its descriptors from ``region_num_blocks`` and
 happens to read the right bytes; up to 0.29 the count sizes the descriptor list itself --
 ``range(num_blocks)`` in 0.19-0.25, ``np.arange`` in 0.26-0.29 -- so 10**12 exhausts the

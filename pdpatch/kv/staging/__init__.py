@@ -1,9 +1,10 @@
 """Staged READs inside a worker's NIXL agent (torch, no vLLM), for peers whose K/V placement
 was converted: :mod:`.agent` the :class:`StagingAgent` that stands in for the worker's
-``nixl_wrapper``; :mod:`.calibration` its per-peer gap budget; :mod:`.copier` the staging
-buffer's allocator and the gather's copier; :mod:`.rows` descriptor rows as arrays and the
-pure address-order helpers.  The plans it executes are :mod:`pdpatch.kv.stage`'s (pure
-numpy)."""
+``nixl_wrapper``; :mod:`.lists` the descriptor lists it saw prepared; :mod:`.reads` one staged
+READ, its planning and its state; :mod:`.calibration` a peer's gap budget; :mod:`.buffer` the
+staging memory; :mod:`.copier` its allocator and the gather's copier; :mod:`.rows` descriptor
+rows as arrays and the pure address-order helpers; :mod:`.nixl_states` NIXL's state names;
+:mod:`.plans` the pure (numpy) pieces a staged READ is planned from, and why staging pays."""
 
 from pdpatch.kv.staging.agent import StagingAgent, StagingStats
 from pdpatch.kv.staging.copier import ByteAllocator, ByteCopier, arenas_of

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from pdpatch.kv.stage import TransportCost
 from pdpatch.kv.staging.nixl_states import DONE, INIT_AGENT, PROC
+from pdpatch.kv.staging.plans import TransportCost
 from pdpatch.kv.staging.rows import SortedTwin, longest_run
 from pdpatch.log import logger
 
@@ -23,14 +23,13 @@ SLOW_READ_S = 0.01
 
 
 class GapCalibration:
-    """The calibration half of :class:`~pdpatch.kv.staging.agent.StagingAgent`, kept apart
-    because it is a measurement, not the READ path.  It runs inside the agent: its NIXL agent,
-    staging buffer, allocator, lock and stats, and its ``_prep`` / ``_release_range``."""
+    """The calibration half of the staging agent's READ planning
+    (:class:`~pdpatch.kv.staging.reads.ReadPlanner`), kept apart because it is a measurement,
+    not the READ path.  It runs inside the planner: its NIXL agent, staging buffer, lock and
+    stats, and its ``_prep``."""
 
     _agent: Any
-    _alloc: Any
-    _base: int
-    _capacity: int
+    _staging: Any
     _gap: int | None
     _gap_setting: str
     _lock: Any
@@ -52,20 +51,19 @@ class GapCalibration:
         READs of its memory into staging -- :data:`CALIBRATION_DESCS` rows one apart, the
         same bytes as one descriptor, and one descriptor of up to
         :data:`CALIBRATION_MAX_BYTES` -- best of :data:`CALIBRATION_REPS` each
-        (:meth:`~pdpatch.kv.stage.TransportCost.from_reads`).
+        (:meth:`~pdpatch.kv.staging.plans.TransportCost.from_reads`).
 
         Why measure: the budget is ``cost x bandwidth``, a few MiB over cuda_ipc on one node,
         tens of KiB over host memory, a few KiB over TCP: no default fits every transport.
         None (try again at the next READ) while other READs hold the staging it needs."""
         run_start, run_len = longest_run(twin)
-        room = min(CALIBRATION_MAX_BYTES, self._capacity, run_len * slot) // (2 * slot)
+        room = min(CALIBRATION_MAX_BYTES, self._staging.capacity, run_len * slot) // (2 * slot)
         descs = min(CALIBRATION_DESCS, run_len // 2, 2 * room)
         if descs < 2:
             logger.info("pdpatch kv_segments: no gap reads from %s: no run of its rows, or "
                         "no staging, large enough to measure the transport with", twin.peer)
             return 0
-        with self._lock:
-            start = self._alloc.alloc(2 * room * slot, slot)
+        start = self._staging.reserve(2 * room * slot, slot)
         if start is None:
             return None
         addr = twin.table.addr
@@ -81,7 +79,7 @@ class GapCalibration:
                            type(exc).__name__, exc, self._gap_setting)
             return 0
         finally:
-            self._release_range(start, 2 * room * slot)
+            self._staging.free(start, 2 * room * slot)
         gap = cost.gap_budget()
         with self._lock:
             self.stats.gap_budgets[twin.peer] = gap
@@ -97,7 +95,7 @@ class GapCalibration:
         into staging at ``start``, posted and polled as vLLM does."""
         n = remote.size
         lens = np.full(n, length, dtype=np.int64)
-        local = self._base + start + np.arange(n, dtype=np.int64) * length
+        local = self._staging.base + start + np.arange(n, dtype=np.int64) * length
         lh = self._prep(INIT_AGENT, local, lens, dev)
         ids = np.arange(n, dtype=np.int64)
         best = math.inf

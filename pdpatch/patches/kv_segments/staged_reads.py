@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from pdpatch import agent_layers
 from pdpatch.patches.kv_segments.settings import GAP_ENV, STAGING_ENV, gap_kib, staging_mib
 
 if TYPE_CHECKING:
@@ -21,19 +22,19 @@ def _kv_memory(worker: Any, kv_caches: Any) -> list:
 
 
 def install_staging(worker: Any, kv_caches: Any) -> None:
-    """Put a :class:`~pdpatch.kv.staging.StagingAgent` in front of the worker's NIXL agent,
-    before vLLM prepares its local lists (the agent must see them being prepared).  It acts
-    only on peers :func:`stage_peer` marks converted."""
+    """Put a :class:`~pdpatch.kv.staging.StagingAgent` in front of the worker's NIXL agent (its
+    ``staging`` layer), before vLLM prepares its local lists (the agent must see them being
+    prepared).  It acts only on peers :func:`stage_peer` marks converted."""
     from pdpatch.kv.staging import StagingAgent
 
     mib, gap = staging_mib(), gap_kib()
-    agent = getattr(worker, "nixl_wrapper", None)
-    if mib == 0 or agent is None or isinstance(agent, StagingAgent) or \
+    if mib == 0 or getattr(worker, "nixl_wrapper", None) is None or \
+            agent_layers.find(worker, StagingAgent) is not None or \
             getattr(worker, "use_mla", False):
         return
-    worker.nixl_wrapper = StagingAgent(
-        agent, mem_type=getattr(worker, "nixl_memory_type", "VRAM"), capacity=mib << 20,
-        memory=lambda: _kv_memory(worker, kv_caches),
+    agent_layers.push(
+        worker, StagingAgent, mem_type=getattr(worker, "nixl_memory_type", "VRAM"),
+        capacity=mib << 20, memory=lambda: _kv_memory(worker, kv_caches),
         gap=None if gap is None else gap << 10, capacity_setting=STAGING_ENV,
         gap_setting=GAP_ENV)
 
@@ -43,8 +44,8 @@ def stage_peer(worker: Any, engine_id: str, rank: int, remote: KVGeometry) -> bo
     READs stay inside ``remote``'s read ranges."""
     from pdpatch.kv.staging import StagingAgent
 
-    agent = getattr(worker, "nixl_wrapper", None)
+    agent = agent_layers.find(worker, StagingAgent)
     handle = (getattr(worker, "dst_xfer_side_handles", None) or {}).get(engine_id, {}).get(rank)
-    if not isinstance(agent, StagingAgent) or handle is None:
+    if agent is None or handle is None:
         return False
     return agent.mark_converted(handle, f"{engine_id} rank {rank}", remote.read_ranges())

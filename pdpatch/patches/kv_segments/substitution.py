@@ -9,13 +9,12 @@ there)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from packaging.version import Version
 
 from pdpatch import vllm_sites
+from pdpatch.agent_layers import Layer, layered
 from pdpatch.log import logger
 from pdpatch.patches.common import arg
 from pdpatch.patches.kv_segments.handshake import current_handshake
@@ -35,54 +34,43 @@ class _Pending:
         self.blocks, self.args, self.kwargs = blocks, args, kwargs
 
 
-class _SubstitutingAgent:
-    """Stands in for ``worker.nixl_wrapper`` during one 0.19/0.20 ``add_remote_agent`` call.
+class _SubstitutingAgent(Layer):
+    """Stands in for ``worker.nixl_wrapper`` during one 0.19/0.20 ``add_remote_agent`` call
+    (the ``substitution`` layer of :mod:`pdpatch.agent_layers`).
 
     There the remote builder is a closure; its list reaches NIXL as
     ``prep_xfer_dlist(<remote agent>, get_xfer_descs(list))``.  On the handshake thread
     ``get_xfer_descs`` is deferred until ``prep_xfer_dlist`` shows which agent the list is for,
     and the remote agent's list is replaced by the converted one.  Everything else, and every
-    other thread, goes straight to the real agent.
+    other thread, goes straight to the agent below.
     """
 
-    def __init__(self, real: Any, conversion: Conversion) -> None:
-        self._real = real
+    kind = "substitution"
+
+    def __init__(self, agent: Any, conversion: Conversion) -> None:
+        super().__init__(agent)
         self._conv = conversion
         self._thread = threading.get_ident()
-        self._agent: Any = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
+        self._remote: Any = None
 
     def add_remote_agent(self, metadata: Any, *args: Any, **kwargs: Any) -> Any:
-        name = self._real.add_remote_agent(metadata, *args, **kwargs)
+        name = self._agent.add_remote_agent(metadata, *args, **kwargs)
         if threading.get_ident() == self._thread:
-            self._agent = name
+            self._remote = name
         return name
 
     def get_xfer_descs(self, blocks_data: Any, *args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != self._thread:
-            return self._real.get_xfer_descs(blocks_data, *args, **kwargs)
+            return self._agent.get_xfer_descs(blocks_data, *args, **kwargs)
         return _Pending(list(blocks_data), args, kwargs)
 
     def prep_xfer_dlist(self, agent: Any, descs: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(descs, _Pending):
             blocks = descs.blocks
-            if agent == self._agent and not self._conv.substituted:
+            if agent == self._remote and not self._conv.substituted:
                 blocks = self._conv.substitute(blocks, None)
-            descs = self._real.get_xfer_descs(blocks, *descs.args, **descs.kwargs)
-        return self._real.prep_xfer_dlist(agent, descs, *args, **kwargs)
-
-
-@contextmanager
-def _substituting_agent(worker: Any, conversion: Conversion) -> Iterator[None]:
-    real = worker.nixl_wrapper
-    worker.nixl_wrapper = _SubstitutingAgent(real, conversion)
-    try:
-        yield
-    finally:
-        if isinstance(worker.nixl_wrapper, _SubstitutingAgent):
-            worker.nixl_wrapper = real
+            descs = self._agent.get_xfer_descs(blocks, *descs.args, **descs.kwargs)
+        return self._agent.prep_xfer_dlist(agent, descs, *args, **kwargs)
 
 
 def _plan(worker: Any, meta: Any, tp_size: int, version: Version) -> Conversion | None:
@@ -128,7 +116,7 @@ def make_add_remote_wrapper(version: Version) -> Wrapper:
         state.begin(conversion)
         try:
             if closure_builder:
-                with _substituting_agent(instance, conversion):
+                with layered(instance, _SubstitutingAgent, conversion):
                     result = wrapped(*args, **kwargs)
             else:
                 result = wrapped(*args, **kwargs)

@@ -27,8 +27,9 @@ The whole-plan forms the tests and the bench compare the agent with (``stage``, 
 ``split_staged``, ``whole_blocks``, ``nixl_merged_count``) are lab code:
 ``lab/kv_reference.py``.
 
-Pure module: numpy only.  The copy itself is the caller's (a device kernel or host memmove) and
-is described by a :class:`CopyPlan`.
+Pure module: numpy only; the rest of :mod:`pdpatch.kv.staging` executes these plans.  The copy
+itself is the caller's (a device kernel or host memmove) and is described by a
+:class:`CopyPlan`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,153 @@
+"""A staging agent's memory: ``capacity`` bytes on the KV cache's device, made at the first READ
+to stage (a worker that only writes to a converted peer never pays for it), registered with
+NIXL once per device id the local lists use and prepared as a list of equal slots per slot
+length, shared out by a first-fit allocator, and copied into the KV memory by a
+:class:`~pdpatch.kv.staging.copier.ByteCopier`.  Needs torch once made."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from pdpatch.kv.staging.copier import ByteAllocator, ByteCopier, arenas_of
+from pdpatch.kv.staging.nixl_states import INIT_AGENT
+from pdpatch.kv.staging.plans import staging_table
+from pdpatch.kv.staging.reads import NotStaged, StagedRead
+from pdpatch.kv.staging.rows import RowTable
+from pdpatch.log import logger
+
+
+class StagingBuffer:
+    """``agent``: the NIXL agent that registers the buffer; ``memory``: the tensors the local
+    descriptor lists point into, asked for when the buffer is made (it goes on their device).
+    ``capacity`` 0: staging off (also once the buffer could not be made, or was closed);
+    ``setting``: what the operator sets to change it, named in the messages."""
+
+    def __init__(self, agent: Any, *, mem_type: str, capacity: int,
+                 memory: Callable[[], Sequence[Any]], setting: str) -> None:
+        self._agent = agent
+        self._mem_type = mem_type
+        self.capacity = capacity
+        self._memory = memory
+        self._setting = setting
+        self._lock = threading.Lock()
+        self._alloc = ByteAllocator(capacity)
+        self._tensor: Any = None
+        self.base = 0                                  # the buffer's address, once made
+        self._copier: ByteCopier | None = None
+        self._registered: dict[int, Any] = {}         # dev -> NIXL registration
+        self._slot_lists: dict[tuple[int, int], Any] = {}   # (slot len, dev) -> dlist
+        self._covers: dict[Any, bool] = {}            # local dlist handle -> inside memory
+
+    @property
+    def allocated(self) -> int:
+        """Bytes of staging memory held (0 until the first READ to stage)."""
+        return 0 if self._tensor is None else int(self._tensor.numel())
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes not held by a READ in flight."""
+        with self._lock:
+            return self._alloc.free_bytes
+
+    def reserve(self, nbytes: int, align: int) -> int | None:
+        """The offset of ``nbytes`` free bytes starting at a multiple of ``align``, now held;
+        None while other READs hold the room."""
+        with self._lock:
+            return self._alloc.alloc(nbytes, align)
+
+    def free(self, start: int, nbytes: int) -> None:
+        with self._lock:
+            self._alloc.free(start, nbytes)
+
+    def ensure(self) -> None:
+        """Make the buffer if it is not made yet; :class:`NotStaged` if it cannot be (then
+        staging is off for good)."""
+        if self._tensor is not None:
+            return
+        try:
+            self._make()
+        except Exception as exc:
+            self.capacity = 0
+            logger.warning("pdpatch kv_segments: no staging buffer (%s: %s); converted READs "
+                           "go per segment (%s=0 silences this)", type(exc).__name__, exc,
+                           self._setting)
+            raise NotStaged("no staging buffer could be made") from None
+
+    def _make(self) -> None:
+        import torch
+
+        memory = list(self._memory())
+        device = ByteCopier(arenas_of(memory)).device
+        tensor = torch.empty(self.capacity, dtype=torch.uint8, device=device)
+        self._copier = ByteCopier(arenas_of([*memory, tensor]))
+        self._tensor, self.base = tensor, int(tensor.data_ptr())
+        logger.info("pdpatch kv_segments: %d MiB staging buffer on %s for converted READs "
+                    "(%s)", self.capacity >> 20, device, self._setting)
+
+    def slot_list(self, slot: int, dev: int) -> Any:
+        """The buffer as a prepared list of ``slot``-byte entries, registered with the device id
+        the local lists use (NIXL matches a descriptor to its registration by it)."""
+        key = (slot, dev)
+        with self._lock:
+            handle = self._slot_lists.get(key)
+            registered = dev in self._registered
+        if handle is not None:
+            return handle
+        if not registered:
+            self._register(dev)
+        table = staging_table(self.base, slot, self.capacity // slot, dev)
+        handle = self._agent.prep_xfer_dlist(INIT_AGENT,
+                                             self._agent.get_xfer_descs(table, self._mem_type))
+        with self._lock:
+            self._slot_lists[key] = handle
+        return handle
+
+    def _register(self, dev: int) -> None:
+        descs = self._agent.get_reg_descs([(self.base, self.capacity, dev, "")], self._mem_type)
+        reg = self._agent.register_memory(descs)
+        with self._lock:
+            self._registered[dev] = reg if reg is not None else descs
+
+    def covers(self, handle: Any, table: RowTable) -> bool:
+        """Every row of the local list ``handle`` lies in memory the gather can write
+        (checked once per list)."""
+        with self._lock:
+            known = self._covers.get(handle)
+        if known is None:
+            try:
+                self._copier.locate(table.addr, np.full(table.addr.size, table.length or 0))
+                known = True
+            except ValueError:
+                known = False
+            with self._lock:
+                self._covers[handle] = known
+        return known
+
+    def prepare(self, read: StagedRead) -> list:
+        """The read's gather, prepared (host work that can overlap the wire)."""
+        return self._copier.prepare(read.gather(self.base))
+
+    def launch(self, ops: list) -> Any:
+        """Start a prepared gather; returns its event (``query()``, ``synchronize()``)."""
+        return self._copier.launch(ops, sync=False)
+
+    def turn_off(self) -> None:
+        """No READ is staged from now on."""
+        with self._lock:
+            self.capacity = 0
+
+    def close(self) -> None:
+        """Release the slot lists and the registration, and let the buffer go."""
+        with self._lock:
+            handles, self._slot_lists = list(self._slot_lists.values()), {}
+            regs, self._registered = list(self._registered.values()), {}
+            self.capacity = 0
+        for handle in handles:
+            self._agent.release_dlist_handle(handle)
+        for reg in regs:
+            self._agent.deregister_memory(reg)
+        self._tensor = self._copier = None
