@@ -388,7 +388,8 @@ def speed(paths: Paths, reps: int, warmup: int = 3) -> dict:
                     continue
                 for k, r in outs.items():
                     ttft[k].append(r.ttft_s)
-                    tput[k].append(r.decode.decode_tok_per_s or float("nan"))
+                    if r.decode.decode_tok_per_s:
+                        tput[k].append(r.decode.decode_tok_per_s)
                     if r.transfer and r.transfer.transfers:
                         xfer[k].append(r.transfer.xfer_time_s)
                 on, off = outs["on"], outs["off"]
