@@ -37,8 +37,8 @@ def test_mla_notification_uses_prefill_request_id(ver):
     assert_released(robust_matrix.scenario(ver, "patched", "mla_notif"))
 
 
-def test_mla_notif_skipped_where_fixed_upstream_0_21():
-    ver = "0.21.0"
+@pytest.mark.parametrize("ver", ["0.21.0"])  # a release parameter: runs with 0.21.0's group
+def test_mla_notif_skipped_where_fixed_upstream_0_21(ver):
     if ver not in robust_matrix.OLD_RELEASES:
         pytest.skip("0.21.0 source tree not extracted")
     assert_released(robust_matrix.scenario(ver, "stock", "mla_notif"))

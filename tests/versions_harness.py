@@ -51,6 +51,7 @@ from typing import Any
 import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+from xdist_groups import grouped
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -230,9 +231,23 @@ def child_env(version: str, env: dict[str, str] | None = None) -> dict[str, str]
     return base
 
 
+def _check_worker_group(version: str) -> None:
+    """Under the test command's ``-n 2 --dist loadgroup`` every test taking a release parameter
+    runs in that release's group (``tests/xdist_groups.py``), where the callers cache their
+    reports; a test outside the group would run the release's code again on the other worker
+    (a test hard-coding 0.21.0 once cost CI 73 s that way).  Node ids carry the group only
+    under loadgroup."""
+    nodeid = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    if grouped(nodeid) and not nodeid.endswith(f"@vllm-{version}"):
+        raise AssertionError(
+            f"{nodeid} runs vLLM {version}'s code outside that release's worker group: "
+            "give the test a `ver` parameter (tests/xdist_groups.py)")
+
+
 def run_in_release(version: str, snippet: str, *, env: dict[str, str] | None = None,
                    timeout: float = 300) -> ReleaseRun:
     """Run ``snippet`` under vLLM ``version``'s source tree; see the module docstring."""
+    _check_worker_group(version)
     tree = require_tree(version)
     code = _PRELUDE.format(version=version, tree=str(tree), mark=RESULT_MARK) \
         + textwrap.dedent(snippet)
