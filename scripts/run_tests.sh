@@ -2,7 +2,7 @@
 # The test command: lint; the do-no-harm gate (vLLM 0.33.0's own NIXL connector tests with pdpatch
 # disabled and enabled, compared test by test); then every test of ours: unit, real-NIXL and
 # version-matrix tests on two pytest-xdist workers (each old release's tests on one worker, see
-# tests/conftest.py), then the end-to-end engine tests alone (they start several vLLM servers
+# tests/xdist_groups.py), then the end-to-end engine tests alone (they start several vLLM servers
 # and must not share the two cores with other tests).  Extra arguments replace the last two
 # steps with one pytest run taking them (e.g. -m "not e2e").  pytest's "no tests ran" (exit 5)
 # fails.
