@@ -359,19 +359,21 @@ SPEED_LENGTHS = (100, 600, 1500)
 SPEED_TOKENS = 64
 
 
-def speed(paths: Paths, reps: int, warmup: int = 3) -> dict:
+def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False) -> dict:
     """P/D TTFT and decode throughput, pdpatch on vs off: two FLASH_ATTN pairs on one GPU, the
     same fresh prompt sent to both back to back (order alternating), ``reps`` rounds per prompt
     length.  TTFT is P's prefill round trip plus D's first streamed token; the paired ratios'
-    medians and bootstrap intervals say whether the run resolves the goal."""
+    medians and bootstrap intervals say whether the run resolves the goal.  ``control`` runs
+    the "on" pair stock too (an A/A run): what the ratios read when only the pairs differ."""
     rng = random.Random(11)
     sides = {"off": Scenario(False, "FLASH_ATTN", "FLASH_ATTN"),
-             "on": Scenario(True, "FLASH_ATTN", "FLASH_ATTN")}
+             "on": Scenario(not control, "FLASH_ATTN", "FLASH_ATTN")}
     pairs = {k: start_pair(f"speed-{k}", sc, paths) for k, sc in sides.items()}
     ttft: dict[str, list[float]] = {k: [] for k in sides}
     tput: dict[str, list[float]] = {k: [] for k in sides}
     xfer: dict[str, list[float]] = {k: [] for k in sides}
-    ratio_ttft, ratio_tput, errors, same = [], [], [], 0
+    ttft_by_len: dict[str, dict[int, list[float]]] = {k: {} for k in sides}
+    ratio_ttft, ratio_tput, ratio_xfer, errors, same = [], [], [], [], 0
     try:
         for rnd in range(warmup + reps):
             for n in SPEED_LENGTHS:
@@ -388,6 +390,7 @@ def speed(paths: Paths, reps: int, warmup: int = 3) -> dict:
                     continue
                 for k, r in outs.items():
                     ttft[k].append(r.ttft_s)
+                    ttft_by_len[k].setdefault(n, []).append(r.ttft_s)
                     if r.decode.decode_tok_per_s:
                         tput[k].append(r.decode.decode_tok_per_s)
                     if r.transfer and r.transfer.transfers:
@@ -396,6 +399,9 @@ def speed(paths: Paths, reps: int, warmup: int = 3) -> dict:
                 ratio_ttft.append(on.ttft_s / off.ttft_s)
                 if on.decode.decode_tok_per_s and off.decode.decode_tok_per_s:
                     ratio_tput.append(off.decode.decode_tok_per_s / on.decode.decode_tok_per_s)
+                if (on.transfer and on.transfer.transfers and off.transfer
+                        and off.transfer.transfers and off.transfer.xfer_time_s):
+                    ratio_xfer.append(on.transfer.xfer_time_s / off.transfer.xfer_time_s)
                 same += on.decode.token_ids == off.decode.token_ids
     finally:
         for p, d, _ in pairs.values():
@@ -406,13 +412,20 @@ def speed(paths: Paths, reps: int, warmup: int = 3) -> dict:
     def med(xs: list[float]) -> float | None:
         return round(statistics.median(xs), 5) if xs else None
 
-    return {"rounds": len(ratio_ttft), "lengths": SPEED_LENGTHS, "max_tokens": SPEED_TOKENS,
+    return {"control": control, "rounds": len(ratio_ttft), "lengths": SPEED_LENGTHS,
+            "max_tokens": SPEED_TOKENS,
             "start_s": {k: round(v[2], 1) for k, v in pairs.items()},
             "ttft_s": {k: med(v) for k, v in ttft.items()},
+            "ttft_s_by_length": {k: {n: med(v) for n, v in by.items()}
+                                 for k, by in ttft_by_len.items()},
             "decode_tok_s": {k: med(v) for k, v in tput.items()},
             "xfer_s": {k: med(v) for k, v in xfer.items()},
             "ratio_ttft_on_off": [med(ratio_ttft), *median_ci(ratio_ttft)],
             "ratio_tput_off_on": [med(ratio_tput), *median_ci(ratio_tput)],
+            # D's NIXL transfer time alone, where pdpatch's read-path wrappers run
+            "ratio_xfer_on_off": [med(ratio_xfer), *median_ci(ratio_xfer)] if ratio_xfer else None,
+            "paired": {"ttft_on_off": ratio_ttft, "tput_off_on": ratio_tput,
+                       "xfer_on_off": ratio_xfer},
             "outputs_identical": f"{same}/{len(ratio_ttft)}", "errors": errors[:10],
             "worst": round(worst, 4), "verdict": said}
 
@@ -555,6 +568,8 @@ def main() -> int:
     ap.add_argument("--speed", type=int, metavar="ROUNDS", default=0,
                     help="also time P/D with pdpatch on vs off (paired, ROUNDS per prompt "
                          "length); writes $OUT/gpu_speed.json")
+    ap.add_argument("--speed-control", action="store_true",
+                    help="with --speed: both pairs stock (A/A), to measure the pairs' own bias")
     ap.add_argument("scenarios", nargs="*", choices=sorted(SCENARIOS))
     args = ap.parse_args()
     if not (args.scenarios or args.speed):
@@ -596,7 +611,7 @@ def main() -> int:
         print(markdown(results, gpu), flush=True)
     if args.speed:
         print("=== speed", flush=True)
-        timed = {"gpu": gpu, **speed(paths, args.speed)}
+        timed = {"gpu": gpu, **speed(paths, args.speed, control=args.speed_control)}
         (args.out / "gpu_speed.json").write_text(json.dumps(timed, indent=1))
         print(json.dumps(timed, indent=1), flush=True)
     with tarfile.open(args.out / "logs.tar.xz", "w:xz") as tf:
