@@ -46,7 +46,7 @@ import unpack  # noqa: E402
 from paired import median_ci, verdict  # noqa: E402
 from pdpatch.patches import block_keys  # noqa: E402
 from rig.proxy import PREFILL_KV_PARAMS as PREFILL  # noqa: E402
-from rig.proxy import TransferStats  # noqa: E402
+from rig.proxy import PDResult, TransferStats  # noqa: E402
 from rig.proxy import pd_request as streamed_pd_request  # noqa: E402
 from rig.servers import prometheus_counters  # noqa: E402
 
@@ -359,6 +359,11 @@ SPEED_LENGTHS = (100, 600, 1500)
 SPEED_TOKENS = 64
 
 
+def _xfer_s(r: PDResult) -> float | None:
+    """D's NIXL transfer time for one streamed P/D request; None where it pulled nothing."""
+    return r.transfer.xfer_time_s if r.transfer and r.transfer.transfers else None
+
+
 def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False) -> dict:
     """P/D TTFT and decode throughput, pdpatch on vs off: two FLASH_ATTN pairs on one GPU, the
     same fresh prompt sent to both back to back (order alternating), ``reps`` rounds per prompt
@@ -369,10 +374,9 @@ def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False) -> di
     sides = {"off": Scenario(False, "FLASH_ATTN", "FLASH_ATTN"),
              "on": Scenario(not control, "FLASH_ATTN", "FLASH_ATTN")}
     pairs = {k: start_pair(f"speed-{k}", sc, paths) for k, sc in sides.items()}
-    ttft: dict[str, list[float]] = {k: [] for k in sides}
+    ttft_by_len: dict[str, dict[int, list[float]]] = {k: {} for k in sides}
     tput: dict[str, list[float]] = {k: [] for k in sides}
     xfer: dict[str, list[float]] = {k: [] for k in sides}
-    ttft_by_len: dict[str, dict[int, list[float]]] = {k: {} for k in sides}
     ratio_ttft, ratio_tput, ratio_xfer, errors, same = [], [], [], [], 0
     try:
         for rnd in range(warmup + reps):
@@ -389,19 +393,17 @@ def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False) -> di
                 if rnd < warmup or len(outs) < 2:
                     continue
                 for k, r in outs.items():
-                    ttft[k].append(r.ttft_s)
                     ttft_by_len[k].setdefault(n, []).append(r.ttft_s)
                     if r.decode.decode_tok_per_s:
                         tput[k].append(r.decode.decode_tok_per_s)
-                    if r.transfer and r.transfer.transfers:
-                        xfer[k].append(r.transfer.xfer_time_s)
+                    if _xfer_s(r) is not None:
+                        xfer[k].append(_xfer_s(r))
                 on, off = outs["on"], outs["off"]
                 ratio_ttft.append(on.ttft_s / off.ttft_s)
                 if on.decode.decode_tok_per_s and off.decode.decode_tok_per_s:
                     ratio_tput.append(off.decode.decode_tok_per_s / on.decode.decode_tok_per_s)
-                if (on.transfer and on.transfer.transfers and off.transfer
-                        and off.transfer.transfers and off.transfer.xfer_time_s):
-                    ratio_xfer.append(on.transfer.xfer_time_s / off.transfer.xfer_time_s)
+                if _xfer_s(on) is not None and _xfer_s(off):
+                    ratio_xfer.append(_xfer_s(on) / _xfer_s(off))
                 same += on.decode.token_ids == off.decode.token_ids
     finally:
         for p, d, _ in pairs.values():
@@ -415,7 +417,8 @@ def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False) -> di
     return {"control": control, "rounds": len(ratio_ttft), "lengths": SPEED_LENGTHS,
             "max_tokens": SPEED_TOKENS,
             "start_s": {k: round(v[2], 1) for k, v in pairs.items()},
-            "ttft_s": {k: med(v) for k, v in ttft.items()},
+            "ttft_s": {k: med([x for xs in by.values() for x in xs])
+                       for k, by in ttft_by_len.items()},
             "ttft_s_by_length": {k: {n: med(v) for n, v in by.items()}
                                  for k, by in ttft_by_len.items()},
             "decode_tok_s": {k: med(v) for k, v in tput.items()},

@@ -125,6 +125,47 @@ def test_paired_verdict_says_within_above_or_inconclusive():
     assert verdict({"a": [0.9, 1.1, 1.0, 0.95, 1.08]}, 1.02)[1].startswith("INCONCLUSIVE")
 
 
+def test_speed_pairs_each_request_with_its_twin_and_keeps_the_ratios(monkeypatch):
+    """``gpu_pd.speed`` without engines: the "on" pair answers 1.1x slower with twice D's
+    transfer time; a request that pulled nothing gives no transfer ratio; --speed-control runs
+    both pairs stock."""
+    from rig.proxy import Completion, PDResult, TransferStats
+
+    started = {}
+
+    class Eng:
+        def __init__(self, on: bool) -> None:
+            self.on = on
+
+        def stop(self) -> None:
+            pass
+
+    def start_pair(name, sc, paths):
+        started[name] = sc.pdpatch
+        return Eng(name == "speed-on"), Eng(name == "speed-on"), 1.0
+
+    def pd_request(p, d, prompt, max_tokens, timeout_s):
+        slower = 1.1 if p.on else 1.0
+        moved = None if len(prompt) == 100 else TransferStats(
+            1, 0.002 * (2 if p.on else 1), 1e6, 0, len(prompt), 0, 0)
+        dec = Completion([1, 2, 3], [0.0] * 3, 0.1, token_times=[0.0, 0.01, 0.02])
+        return PDResult(Completion([1], [0.0], 0.01), dec, 0.04 * len(prompt) / 100 * slower,
+                        moved)
+
+    monkeypatch.setattr(gpu_pd, "start_pair", start_pair)
+    monkeypatch.setattr(gpu_pd, "streamed_pd_request", pd_request)
+    got = gpu_pd.speed(None, reps=4, warmup=1)
+    assert started == {"speed-off": False, "speed-on": True}
+    assert got["rounds"] == 4 * len(gpu_pd.SPEED_LENGTHS)
+    assert got["ratio_ttft_on_off"][0] == pytest.approx(1.1)
+    assert got["paired"]["xfer_on_off"] == pytest.approx([2.0] * 8)  # not the 100-token ones
+    assert got["ttft_s_by_length"]["off"][1500] == pytest.approx(0.6)
+    assert got["ttft_s"]["off"] == pytest.approx(0.24)          # median over every length
+    assert got["outputs_identical"] == "12/12"
+    gpu_pd.speed(None, reps=1, warmup=0, control=True)
+    assert started == {"speed-off": False, "speed-on": False}
+
+
 def _fatbin(entries: list[tuple[int, int, bytes]]) -> bytes:
     """One fat binary: (kind, arch, payload) entries, each with a 64-byte entry header."""
     body = b""
