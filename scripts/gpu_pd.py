@@ -28,7 +28,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,7 +47,7 @@ from pdpatch.patches import block_keys  # noqa: E402
 from rig.proxy import PREFILL_KV_PARAMS as PREFILL  # noqa: E402
 from rig.proxy import PDResult, TransferStats  # noqa: E402
 from rig.proxy import pd_request as streamed_pd_request  # noqa: E402
-from rig.servers import prometheus_counters  # noqa: E402
+from rig.servers import free_port, prometheus_counters  # noqa: E402
 
 MAX_TOKENS = 16
 PROMPT_LENGTHS = (7, 16, 17, 100, 600, 1500)
@@ -120,12 +119,6 @@ unmapped while other requests' READs run."""
 KILL_BOUND_S = 120.0
 """How long D may take to fail a request whose P is gone (vLLM's own handshake and transfer
 timeouts decide; the bound only keeps a hang from stalling the run)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

