@@ -433,6 +433,17 @@ GET_NUM_NEW_MATCHED_TOKENS = (
 )
 NO_EXTERNAL_TOKENS = (0, False)
 
+# The scheduler half's NIXL side channel.  `set_xfer_handshake_metadata(metadata)` starts the
+# `nixl_handshake_listener` thread, whose target is the static `_nixl_handshake_listener(
+# encoded_data, ready_event, stop_event, [host,] port)`, then waits on `ready_event` with no
+# timeout; the listener sets it only once its ZMQ socket is bound.  Same in every release
+# 0.19-0.33 (the class moved twice).
+HANDSHAKE_LISTENER_OWNER = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorScheduler"),
+    _site(">=0.20,<0.24", f"{NIXL_PKG}.scheduler", "NixlConnectorScheduler"),
+    _site(">=0.24", f"{NIXL_PKG}.base_scheduler", "NixlBaseConnectorScheduler"),
+)
+
 # Engine start: `EngineCore.__init__` has created the scheduler (and the connector's scheduler
 # half), then `init_none_hash` and the request block hasher -- when prefix caching or a KV
 # connector is on -- in every release 0.19-0.33.

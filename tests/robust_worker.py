@@ -665,8 +665,80 @@ def scenario_transport() -> dict[str, Any]:
     return {"warnings": records}
 
 
+def scheduler_half(role: str = "kv_producer", extra: dict | None = None) -> Any:
+    """The release's real scheduler half, built through its connector facade with the
+    scheduler role, as ``EngineCore``'s scheduler builds it."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    facade = importlib.import_module(
+        vllm_sites.lookup(vllm_sites.REQUEST_FINISHED, version_of()).module).NixlConnector
+    cfg = vllm_config("llama", 2, role, 1, extra)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+    kvc = kv_cache_config(32, layers, attention_spec("llama", 2))
+    with set_current_vllm_config(cfg):
+        return facade(cfg, KVConnectorRole.SCHEDULER, kvc).connector_scheduler
+
+
+LISTENER_WAIT_S = 3.0  # a listener that cannot bind dies within milliseconds
+
+
+def start_side_channel(port: int, extra: dict | None = None) -> dict[str, Any]:
+    """``set_xfer_handshake_metadata`` of a fresh scheduler half whose side channel is
+    ``port``, in a thread: did it return, raise, or still wait after ``LISTENER_WAIT_S``, and
+    is the listener thread alive?  A caller still waiting on a dead listener waits forever
+    (nothing else sets its ``ready_event``)."""
+    saved = {k: os.environ.get(k) for k in ("VLLM_NIXL_SIDE_CHANNEL_PORT",
+                                              "VLLM_NIXL_SIDE_CHANNEL_HOST")}
+    os.environ.update(VLLM_NIXL_SIDE_CHANNEL_PORT=str(port), VLLM_NIXL_SIDE_CHANNEL_HOST=HOST)
+    try:
+        half = scheduler_half(extra=extra)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    outcome: dict[str, Any] = {"port": half.side_channel_port}
+
+    def call() -> None:
+        try:
+            half.set_xfer_handshake_metadata({})
+            outcome["returned"] = True
+        except Exception as exc:
+            outcome["raised"] = f"{type(exc).__name__}: {exc}"
+
+    t0 = time.monotonic()
+    caller = threading.Thread(target=call, daemon=True, name="side-channel-starter")
+    caller.start()
+    caller.join(LISTENER_WAIT_S)
+    outcome["seconds"] = round(time.monotonic() - t0, 2)
+    outcome["waiting"] = caller.is_alive()
+    listener = half._nixl_handshake_listener_t
+    if listener is not None:
+        listener.join(1.0)                  # a dying listener may still be unwinding
+    outcome["listener_alive"] = bool(listener is not None and listener.is_alive())
+    half._stop_event.set()
+    if listener is not None:
+        listener.join(5.0)
+    return outcome
+
+
+def scenario_side_channel_taken(extra: dict | None = None) -> dict[str, Any]:
+    """The scheduler half's NIXL side channel on a port another socket listens on, then on a
+    free port (the control)."""
+    import socket
+
+    with socket.socket() as blocker:
+        blocker.bind((HOST, 0))
+        blocker.listen()
+        taken = start_side_channel(blocker.getsockname()[1], extra)
+    return {"taken": taken, "free": start_side_channel(free_port(), extra)}
+
+
 SCENARIOS = {
     "transport": scenario_transport,
+    "side_channel": scenario_side_channel_taken,
     "read_assert_hma": scenario_read_assert_hma,
     "dead_peer": scenario_dead_peer,
     "read_assert": scenario_read_assert,

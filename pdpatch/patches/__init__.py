@@ -21,6 +21,7 @@ def all_patches() -> list[Patch]:
         params_check,
         peer_check,
         read_guard,
+        side_channel_listen,
         spec_classify,
         transport_check,
     )
@@ -28,7 +29,7 @@ def all_patches() -> list[Patch]:
     return [read_guard.PATCH, layout.PATCH, num_blocks.PATCH, mla_notif.PATCH,
             division_checks.PATCH, spec_classify.PATCH, handshake_failure_guard.PATCH,
             kv_segments.PATCH, block_keys.PATCH, params_check.PATCH, transport_check.PATCH,
-            peer_check.PATCH]
+            peer_check.PATCH, side_channel_listen.PATCH]
 
 
 def patch_names() -> list[str]:
