@@ -357,16 +357,20 @@ def _xfer_s(r: PDResult) -> float | None:
     return r.transfer.xfer_time_s if r.transfer and r.transfer.transfers else None
 
 
-def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False) -> dict:
+def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False,
+          on_first: bool = False) -> dict:
     """P/D TTFT and decode throughput, pdpatch on vs off: two FLASH_ATTN pairs on one GPU, the
     same fresh prompt sent to both back to back (order alternating), ``reps`` rounds per prompt
     length.  TTFT is P's prefill round trip plus D's first streamed token; the paired ratios'
     medians and bootstrap intervals say whether the run resolves the goal.  ``control`` runs
-    the "on" pair stock too (an A/A run): what the ratios read when only the pairs differ."""
+    the "on" pair stock too (an A/A run): what the ratios read when only the pairs differ.
+    The pair started second was the faster one in an A/A run; ``on_first`` starts the "on"
+    pair first, so two runs with opposite orders cross pdpatch over between the start slots."""
     rng = random.Random(11)
     sides = {"off": Scenario(False, "FLASH_ATTN", "FLASH_ATTN"),
              "on": Scenario(not control, "FLASH_ATTN", "FLASH_ATTN")}
-    pairs = {k: start_pair(f"speed-{k}", sc, paths) for k, sc in sides.items()}
+    start_order = ["on", "off"] if on_first else ["off", "on"]
+    pairs = {k: start_pair(f"speed-{k}", sides[k], paths) for k in start_order}
     ttft_by_len: dict[str, dict[int, list[float]]] = {k: {} for k in sides}
     tput: dict[str, list[float]] = {k: [] for k in sides}
     xfer: dict[str, list[float]] = {k: [] for k in sides}
@@ -407,7 +411,8 @@ def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False) -> di
     def med(xs: list[float]) -> float | None:
         return round(statistics.median(xs), 5) if xs else None
 
-    return {"control": control, "rounds": len(ratio_ttft), "lengths": SPEED_LENGTHS,
+    return {"control": control, "started_first": start_order[0],
+            "rounds": len(ratio_ttft), "lengths": SPEED_LENGTHS,
             "max_tokens": SPEED_TOKENS,
             "start_s": {k: round(v[2], 1) for k, v in pairs.items()},
             "ttft_s": {k: med([x for xs in by.values() for x in xs])
@@ -566,6 +571,9 @@ def main() -> int:
                          "length); writes $OUT/gpu_speed.json")
     ap.add_argument("--speed-control", action="store_true",
                     help="with --speed: both pairs stock (A/A), to measure the pairs' own bias")
+    ap.add_argument("--speed-on-first", action="store_true",
+                    help="with --speed: start the pdpatch pair first (the default starts it "
+                         "second); two runs with opposite orders cancel a start-order bias")
     ap.add_argument("scenarios", nargs="*", choices=sorted(SCENARIOS))
     args = ap.parse_args()
     if not (args.scenarios or args.speed):
@@ -607,7 +615,8 @@ def main() -> int:
         print(markdown(results, gpu), flush=True)
     if args.speed:
         print("=== speed", flush=True)
-        timed = {"gpu": gpu, **speed(paths, args.speed, control=args.speed_control)}
+        timed = {"gpu": gpu, **speed(paths, args.speed, control=args.speed_control,
+                                       on_first=args.speed_on_first)}
         (args.out / "gpu_speed.json").write_text(json.dumps(timed, indent=1))
         print(json.dumps(timed, indent=1), flush=True)
     with tarfile.open(args.out / "logs.tar.xz", "w:xz") as tf:

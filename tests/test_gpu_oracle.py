@@ -128,7 +128,8 @@ def test_paired_verdict_says_within_above_or_inconclusive():
 def test_speed_pairs_each_request_with_its_twin_and_keeps_the_ratios(monkeypatch):
     """``gpu_pd.speed`` without engines: the "on" pair answers 1.1x slower with twice D's
     transfer time; a request that pulled nothing gives no transfer ratio; --speed-control runs
-    both pairs stock."""
+    both pairs stock; --speed-on-first starts the pdpatch pair first and still divides on by
+    off."""
     from rig.proxy import Completion, PDResult, TransferStats
 
     started = {}
@@ -162,8 +163,14 @@ def test_speed_pairs_each_request_with_its_twin_and_keeps_the_ratios(monkeypatch
     assert got["ttft_s_by_length"]["off"][1500] == pytest.approx(0.6)
     assert got["ttft_s"]["off"] == pytest.approx(0.24)          # median over every length
     assert got["outputs_identical"] == "12/12"
+    assert list(started) == ["speed-off", "speed-on"] and got["started_first"] == "off"
+    started.clear()
     gpu_pd.speed(None, reps=1, warmup=0, control=True)
     assert started == {"speed-off": False, "speed-on": False}
+    started.clear()
+    crossed = gpu_pd.speed(None, reps=4, warmup=1, on_first=True)
+    assert list(started) == ["speed-on", "speed-off"] and crossed["started_first"] == "on"
+    assert crossed["ratio_ttft_on_off"][0] == pytest.approx(1.1)
 
 
 def _fatbin(entries: list[tuple[int, int, bytes]]) -> bytes:
