@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import pytest
 from packaging.version import Version
 from versions_harness import releases_in, run_in_release
 
@@ -45,3 +46,14 @@ def scenario(version: str, phase: str, name: str) -> dict[str, Any]:
         raise AssertionError(f"{name} ({phase}) could not run on vLLM {version}:\n"
                              f"{data['error']}")
     return data
+
+
+def stock_and_patched(ver: str, name: str, patch: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Scenario ``name`` on old release ``ver``: its stock observations, and those with
+    pdpatch installed, where ``patch`` must be active."""
+    if ver == "<none>":
+        pytest.skip("no old vLLM source tree extracted (scripts/fetch_vllm_sources.sh)")
+    stock = scenario(ver, "stock", name)
+    rep = report(ver)
+    assert rep["status"][patch] == "active", rep["summary"]
+    return stock, scenario(ver, "patched", name)

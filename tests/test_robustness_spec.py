@@ -58,11 +58,9 @@ def test_spec_classify_0_33_clear_error(fresh_pdpatch):
 
 @pytest.mark.parametrize("ver", WITH_LOOKUP or ["<none>"])
 def test_spec_types_on_old_release(ver):
-    if ver == "<none>":
-        pytest.skip("no 0.21-0.32 source tree extracted (scripts/fetch_vllm_sources.sh)")
-    assert_bare_stop(robust_matrix.scenario(ver, "stock", "spec_types"))
-    assert robust_matrix.report(ver)["status"]["spec_classify"] == "active"
-    assert_clear(robust_matrix.scenario(ver, "patched", "spec_types"))
+    stock, patched = robust_matrix.stock_and_patched(ver, "spec_types", "spec_classify")
+    assert_bare_stop(stock)
+    assert_clear(patched)
 
 
 @pytest.mark.parametrize("ver", WITHOUT_LOOKUP or ["<none>"])
