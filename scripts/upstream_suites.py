@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("releases", nargs="*", help="vLLM releases (default: the installed one)")
     ap.add_argument("--all", action="store_true",
-                    help="every release whose source tree is fetched, below the installed one")
+                    help="every release pdpatch supports whose source tree is fetched, "
+                         "below the installed one")
     ap.add_argument("--work", type=Path, default=suites.CACHE / "upstream-runs",
                     help="where junit XML and logs go")
     ap.add_argument("--record", action="store_true",

@@ -310,13 +310,20 @@ RESULTS_HEADER = ("| vLLM | tests | stock passed | pdpatch passed | lost with pd
 
 
 def fetched_releases() -> list[str]:
-    """Releases whose wheel source tree is fetched (``scripts/fetch_vllm_sources.sh``)."""
+    """The newest fetched release of each minor pdpatch supports (``scripts/
+    fetch_vllm_sources.sh`` also fetches older trees for the block-key library, whose NIXL
+    connectors pdpatch does not patch, and a leftover older patch release must not run twice),
+    oldest first."""
     from packaging.version import Version
+
+    from pdpatch.vllm_sites import SUPPORTED
 
     if not SOURCES_ROOT.is_dir():
         return []
-    found = [d.name for d in SOURCES_ROOT.iterdir() if (d / ".complete").exists()]
-    return sorted(found, key=Version)
+    found = sorted(Version(d.name) for d in SOURCES_ROOT.iterdir()
+                   if (d / ".complete").exists() and Version(d.name) in SUPPORTED)
+    newest = {v.release[:2]: v for v in found}
+    return [str(v) for v in newest.values()]
 
 
 def _row(r: Mapping[str, object]) -> str:
