@@ -688,17 +688,9 @@ def start_side_channel(port: int, extra: dict | None = None) -> dict[str, Any]:
     ``port``, in a thread: did it return, raise, or still wait after ``LISTENER_WAIT_S``, and
     is the listener thread alive?  A caller still waiting on a dead listener waits forever
     (nothing else sets its ``ready_event``)."""
-    saved = {k: os.environ.get(k) for k in ("VLLM_NIXL_SIDE_CHANNEL_PORT",
-                                              "VLLM_NIXL_SIDE_CHANNEL_HOST")}
-    os.environ.update(VLLM_NIXL_SIDE_CHANNEL_PORT=str(port), VLLM_NIXL_SIDE_CHANNEL_HOST=HOST)
-    try:
+    with patch.dict(os.environ, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
+                                 "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST}):
         half = scheduler_half(extra=extra)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     outcome: dict[str, Any] = {"port": half.side_channel_port}
 
     def call() -> None:
