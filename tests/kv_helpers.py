@@ -205,7 +205,8 @@ def peer_main(conn, name: str = "pdpatch-peer") -> None:
 
     Commands: ("alloc", nbytes) -> (agent metadata, buffer address);
     ("register", [(start, end), ...]) -> True; ("add_remote", metadata) -> name;
-    ("set", bytes) / ("get",) -> buffer contents; ("quit",).
+    ("set", bytes) / ("get",) -> buffer contents; ("notifs",) -> the notifications received
+    since the last ask, per sending agent; ("quit",).
     """
     from nixl._api import nixl_agent, nixl_agent_config
 
@@ -235,6 +236,8 @@ def peer_main(conn, name: str = "pdpatch-peer") -> None:
                     conn.send(("ok", True))
                 elif cmd == "get":
                     conn.send(("ok", buf.tobytes()))
+                elif cmd == "notifs":
+                    conn.send(("ok", {k: list(v) for k, v in agent.get_new_notifs().items()}))
                 elif cmd == "quit":
                     conn.send(("ok", True))
                     return

@@ -1,10 +1,13 @@
-"""The staging agent's parts on their own: the staging allocator and the torch gather.
+"""The staging agent's parts on their own: the staging allocator, the torch gather and the
+chunk schedule of READs larger than the staging buffer.
 
 The agent itself runs against real NIXL in ``test_nixl_transfer.py`` and inside real vLLM
 workers in ``test_kv_segments_workers.py``.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pytest
@@ -13,7 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdpatch.kv.staging import ByteAllocator, ByteCopier, address_order, arenas_of
-from pdpatch.kv.staging.plans import CopyPlan
+from pdpatch.kv.staging.plans import (
+    CopyPlan,
+    chunk_bounds,
+    chunk_descriptors,
+    chunk_rows,
+    lane_rows_to_try,
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -129,3 +138,56 @@ def test_address_order_is_the_stable_argsort(regions: int, blocks: list[int], in
     address = block * regions + region if interleave else region * n_table + block
     position = np.argsort(np.argsort(address))[ids]
     assert np.array_equal(address_order(position, ids), np.argsort(position, kind="stable"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.integers(1, 400), slot=st.sampled_from([1, 7, 128, 4096]),
+       capacity_slots=st.integers(0, 100), lanes=st.integers(1, 4), shrink=st.integers(1, 32))
+def test_chunk_schedule_covers_the_request_in_lanes_that_fit(rows: int, slot: int,
+                                                             capacity_slots: int, lanes: int,
+                                                             shrink: int) -> None:
+    """Every size tried fits ``lanes`` times in the buffer, halves down to its floor and no
+    further; the chunks tile the rows in order, at least two of them (one read while the
+    other is gathered)."""
+    capacity = capacity_slots * slot + (slot - 1 if slot > 1 else 0)
+    sizes = lane_rows_to_try(rows, slot, capacity, lanes, shrink)
+    first = chunk_rows(rows, slot, capacity, lanes)
+    if capacity // lanes < slot:
+        assert sizes == [] and first == 0
+        return
+    assert sizes[0] == first and first >= 1
+    assert all(lanes * n * slot <= capacity for n in sizes)
+    assert all(b == a // 2 for a, b in itertools.pairwise(sizes))
+    assert sizes[-1] >= max(first // shrink, 1) and sizes[-1] // 2 < max(first // shrink, 1)
+    for n in sizes:
+        bounds = chunk_bounds(rows, n)
+        assert bounds[0] == 0 and bounds[-1] == rows
+        assert np.all(np.diff(bounds) >= 1) and np.all(np.diff(bounds) <= n)
+        assert np.all(np.diff(bounds)[:-1] == n)
+    chunks = chunk_bounds(rows, first).size - 1
+    if lanes >= 2 and rows >= 2:
+        assert chunks >= 2                   # one chunk is read while another is gathered
+    # the even share: a request that fits the lanes is cut evenly, not into a full lane + tail
+    assert first == min(capacity // lanes // slot, -(-rows // lanes))
+
+
+@settings(max_examples=300, deadline=None)
+@given(joins=st.lists(st.booleans(), max_size=80), per=st.integers(1, 20))
+def test_chunk_descriptors_count_runs_cut_by_chunk_edges(joins: list[bool], per: int) -> None:
+    """Per chunk: the runs of joined rows inside it (a chunk edge starts a new descriptor)."""
+    rows = len(joins) + 1
+    bounds = chunk_bounds(rows, per)
+    got = chunk_descriptors(np.asarray(joins, dtype=bool), bounds)
+    for c in range(bounds.size - 1):
+        a, b = int(bounds[c]), int(bounds[c + 1])
+        assert got[c] == 1 + sum(not j for j in joins[a:b - 1])
+    assert int(got.sum()) >= rows - sum(joins)
+
+
+def test_chunk_schedule_refuses_what_it_cannot_plan() -> None:
+    with pytest.raises(ValueError):
+        chunk_rows(0, 8, 64, 2)
+    with pytest.raises(ValueError):
+        chunk_rows(4, 8, -1, 2)
+    with pytest.raises(ValueError):
+        chunk_bounds(4, 0)

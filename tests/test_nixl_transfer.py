@@ -350,13 +350,16 @@ def test_staged_read_is_byte_exact_with_the_predicted_descriptors(pair: NixlPair
     assert run.free_after == STAGING
 
 
-def test_request_larger_than_staging_goes_per_segment(pair: NixlPair) -> None:
+def test_descriptor_larger_than_half_the_staging_goes_per_segment(pair: NixlPair) -> None:
+    """Two lanes of one row each is the least a chunked READ needs: a smaller buffer leaves
+    the request to vLLM's own READ."""
     s = set_up(pair, "fused->split")
-    run = staged_read(pair, s, LIDS, remote_ids(s.case), capacity=256)
+    slot = int(s.plan.local_table()[0, 1])
+    run = staged_read(pair, s, LIDS, remote_ids(s.case), capacity=2 * slot - 1)
     assert run.state == "DONE"
     assert np.array_equal(s.lbuf, expected_read(s, LIDS, remote_ids(s.case)))
     assert run.stats.staged_reads == 0
-    assert [r for r in run.stats.not_staged if "larger than the 0 MiB staging buffer" in r]
+    assert [r for r in run.stats.not_staged if "does not fit 2 times" in r]
 
 
 def test_gather_outside_known_memory_goes_per_segment(pair: NixlPair) -> None:
@@ -524,5 +527,141 @@ def test_peer_with_unequal_descriptors_is_not_staged(pair: NixlPair, caplog) -> 
             assert not agent.mark_converted(rh, PEER, s.plan.remote.read_ranges())
         assert "differ in length" in caplog.text
     finally:
+        agent.release_dlist_handle(rh)
+        agent.close()
+
+
+# ------------------------------------------------------- chunked READs (larger than staging)
+ALL_LOCAL = list(range(N_LOCAL))
+ALL_REMOTE = [2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15]      # two runs of six
+
+
+class ScriptedAgent:
+    """The real NIXL agent, except that the ``nth`` READ made through it (1-based) answers
+    ``state`` to every poll (``ERR``: a chunk READ that fails; ``PROC``: one that never
+    ends, so a test can abort mid-pipeline)."""
+
+    def __init__(self, agent, nth: int, state: str) -> None:
+        self._agent, self._nth, self._state = agent, nth, state
+        self.made: list = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._agent, name)
+
+    def make_prepped_xfer(self, *args, **kwargs):
+        handle = self._agent.make_prepped_xfer(*args, **kwargs)
+        self.made.append(handle)
+        return handle
+
+    def check_xfer_state(self, handle):
+        state = self._agent.check_xfer_state(handle)
+        scripted = len(self.made) >= self._nth and handle == self.made[self._nth - 1]
+        return self._state if scripted and state != "ERR" else state
+
+
+def drain_notifs(pair: NixlPair, want: int = 0, wait_s: float = 5.0) -> list[bytes]:
+    """The notifications the peer received from this agent since the last ask; waits up to
+    ``wait_s`` for ``want`` of them."""
+    got: list[bytes] = []
+    deadline = time.monotonic() + wait_s
+    while True:
+        got += pair.call("notifs").get("pdpatch-init", [])
+        if len(got) >= want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.01)
+
+
+def read_through(agent: StagingAgent, lh, rh, lid, rid, *, poll: bool = True) -> tuple:
+    """One READ posted and polled as vLLM does; ``(state, telemetry or None)``."""
+    h = agent.make_prepped_xfer("READ", lh, lid, rh, rid, notif_msg=b"chunked")
+    state = agent.transfer(h)
+    deadline = time.monotonic() + 30
+    while poll and state == "PROC" and time.monotonic() < deadline:
+        state = agent.check_xfer_state(h)
+    telemetry = agent.get_xfer_telemetry(h) if state == "DONE" else None
+    agent.release_xfer_handle(h)
+    return state, telemetry
+
+
+@pytest.mark.parametrize("name", ["fused->split", "split->fused"])
+@pytest.mark.parametrize("factor", [1, 2.5, 10])
+def test_read_larger_than_staging_is_chunked_and_byte_exact(pair: NixlPair, name: str,
+                                                            factor: float) -> None:
+    """Requests of 1x, 2.5x and 10x the staging buffer: 1x is one staged READ as before,
+    larger ones are read in chunks through two lanes -- byte-exact, one notification to the
+    peer once all chunks landed, vLLM's telemetry for the whole READ, staging all back."""
+    s = set_up(pair, name)
+    lid, rid = s.plan.desc_ids(ALL_LOCAL, ALL_REMOTE)
+    slot = int(s.plan.local_table()[0, 1])
+    need = len(lid) * slot
+    capacity = int(need / factor) // slot * slot
+    drain_notifs(pair)
+    agent = StagingAgent(pair.agent, mem_type="DRAM", capacity=capacity,
+                         memory=lambda: [torch.from_numpy(s.lbuf)], gap=0)
+    lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", s.plan.local_table(), "DRAM")
+    rh = agent.prep_xfer_dlist(PEER, s.plan.remote_table(), "DRAM")
+    try:
+        assert agent.mark_converted(rh, PEER)
+        state, tele = read_through(agent, lh, rh, lid, rid)
+        assert state == "DONE"
+        assert np.array_equal(s.lbuf, expected_read(s, ALL_LOCAL, ALL_REMOTE)), name
+        st = agent.stats
+        assert st.staged_reads == 1 and not st.not_staged
+        assert st.chunked_reads == (factor > 1)
+        if factor > 1:
+            lane_rows = min(capacity // 2 // slot, -(-len(lid) // 2))
+            assert st.chunks == -(-len(lid) // lane_rows) >= 2
+            assert tele.totalBytes == need and tele.descCount == st.descriptors_staged
+            assert tele.xferDuration > 0
+        assert st.descriptors_staged < st.descriptors_stock
+        assert drain_notifs(pair, 1) == [b"chunked"]
+        assert agent.staging_free == capacity
+    finally:
+        agent.release_dlist_handle(lh)
+        agent.release_dlist_handle(rh)
+        agent.close()
+
+
+@pytest.mark.parametrize(("nth", "state"), [(3, "ERR"), (3, "PROC")])
+def test_chunked_read_failed_or_aborted_mid_request(pair: NixlPair, nth: int,
+                                                    state: str) -> None:
+    """The third chunk READ of ten fails (``ERR``), or never ends and vLLM releases the READ
+    mid-pipeline (an abort): the request ends ``ERR`` (vLLM recomputes it) or is let go, no
+    notification tells the peer it may free its blocks, every chunk is released and all
+    staging comes back, and the next request through the same agent is byte-exact."""
+    s = set_up(pair, "fused->split")
+    lid, rid = s.plan.desc_ids(ALL_LOCAL, ALL_REMOTE)
+    slot = int(s.plan.local_table()[0, 1])
+    capacity = len(lid) * slot // 10 // slot * slot
+    drain_notifs(pair)
+    scripted = ScriptedAgent(pair.agent, nth, state)
+    agent = StagingAgent(scripted, mem_type="DRAM", capacity=capacity,
+                         memory=lambda: [torch.from_numpy(s.lbuf)], gap=0)
+    lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", s.plan.local_table(), "DRAM")
+    rh = agent.prep_xfer_dlist(PEER, s.plan.remote_table(), "DRAM")
+    try:
+        assert agent.mark_converted(rh, PEER)
+        made = len(scripted.made)
+        h = agent.make_prepped_xfer("READ", lh, lid, rh, rid, notif_msg=b"chunked")
+        got = agent.transfer(h)
+        deadline = time.monotonic() + 10
+        while got == "PROC" and time.monotonic() < deadline and (
+                state == "ERR" or len(scripted.made) < made + nth):
+            got = agent.check_xfer_state(h)
+        assert got == ("ERR" if state == "ERR" else "PROC")
+        agent.release_xfer_handle(h)
+        assert agent.stats.chunked_reads == 1
+        assert agent.stats.chunk_failures == (state == "ERR")
+        assert agent.staging_free == capacity
+        assert drain_notifs(pair, 1, wait_s=0.5) == []
+        s.lbuf[:] = 0
+        scripted._nth = 10**6                     # the next request's READs are left alone
+        state2, _ = read_through(agent, lh, rh, lid, rid)
+        assert state2 == "DONE"
+        assert np.array_equal(s.lbuf, expected_read(s, ALL_LOCAL, ALL_REMOTE))
+        assert drain_notifs(pair, 1) == [b"chunked"]
+        assert agent.staging_free == capacity
+    finally:
+        agent.release_dlist_handle(lh)
         agent.release_dlist_handle(rh)
         agent.close()

@@ -17,11 +17,14 @@ worker's ``nixl_wrapper`` and
 * when NIXL reports that READ ``DONE``, launches the gather staging -> KV cache (a side CUDA
   stream on GPU) and keeps answering ``PROC`` until it has finished: vLLM counts a request's
   blocks as received on ``DONE``, so they are complete by then.  A failed gather answers
-  ``ERR``, which vLLM turns into a per-request failure (its blocks are recomputed).
+  ``ERR``, which vLLM turns into a per-request failure (its blocks are recomputed);
+* reads a request larger than the free staging in chunks, pipelined through two lanes of
+  the buffer, behind one handle (:mod:`.chunked`).
 
 Everything else goes to the real agent unchanged.  A request that cannot be staged (staging
-full or too small, descriptors of unequal lengths, a local list not seen being prepared) is
-posted exactly as vLLM built it, and the reason is counted and logged once.
+full with other READs, a descriptor larger than half of it, descriptors of unequal lengths, a
+local list not seen being prepared) is posted exactly as vLLM built it, and the reason is
+counted and logged once.
 
 The staging buffer (``capacity`` bytes on the KV cache's device; :mod:`.buffer`) is allocated
 at the first READ to stage and registered with NIXL per slot length.  Needs torch (not vLLM).
@@ -37,6 +40,7 @@ import numpy as np
 
 from pdpatch.agent_layers import Layer
 from pdpatch.kv.staging.buffer import StagingBuffer
+from pdpatch.kv.staging.chunked import LANES, ChunkedRead, ChunkedReads
 from pdpatch.kv.staging.lists import PreparedLists
 from pdpatch.kv.staging.nixl_states import DONE, ERR, PROC
 from pdpatch.kv.staging.plans import range_ids
@@ -81,6 +85,7 @@ class StagingAgent(Layer):
         self._converted: dict[Any, SortedTwin] = {}      # remote dlist handle -> sorted twin
         self._reads: dict[Any, StagedRead] = {}         # xfer handle -> staged READ
         self.stats = StagingStats()
+        self._chunked = ChunkedReads(agent, self._staging, self._lock, self.stats)
         self._planner = ReadPlanner(agent, mem_type=mem_type, staging=self._staging,
                                     lists=self._lists, lock=self._lock, stats=self.stats,
                                     gap=gap, capacity_setting=capacity_setting,
@@ -178,12 +183,15 @@ class StagingAgent(Layer):
             return self._agent.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
                                                  remote_ids, *args, **kwargs)
         try:
-            read, slot_handle, slot_ids, r_ids = self._planner.plan(
-                local_handle, local_ids, twin, remote_handle, remote_ids)
+            planned = self._planner.plan(local_handle, local_ids, twin, remote_handle,
+                                         remote_ids)
         except NotStaged as why:
             self._not_staged(str(why))
             return self._agent.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
                                                  remote_ids, *args, **kwargs)
+        if isinstance(planned, ChunkedRead):
+            return self._post_chunked(planned, args, kwargs)
+        read, slot_handle, slot_ids, r_ids = planned
         if read.spans is not None:
             try:
                 read.dlists = self._planner.span_lists(twin, read)
@@ -217,14 +225,36 @@ class StagingAgent(Layer):
             f", reading {(read.nbytes - read.requested) >> 10} KiB between requested blocks")
         return handle
 
+    def _post_chunked(self, read: ChunkedRead, args: tuple, kwargs: dict) -> Any:
+        """A READ larger than the free staging: its first chunk's NIXL READ is vLLM's handle
+        (:mod:`.chunked`).  The notification vLLM asks for is sent once every chunk has
+        landed, not with any chunk."""
+        kwargs = dict(kwargs)
+        notif = kwargs.pop("notif_msg", args[0] if args else b"")
+        if len(args) > 1:
+            kwargs["backends"] = args[1]
+        read.notif = notif.encode() if isinstance(notif, str) else bytes(notif)
+        read.xfer_kwargs = {k: v for k, v in kwargs.items() if k != "skip_desc_merge"}
+        handle = self._chunked.make(read)
+        with self._lock:
+            first = self.stats.posted(read)
+        (logger.info if first else logger.debug)(
+            "pdpatch kv_segments: staged READ from %s in %d chunks of up to %d KiB, %d in "
+            "flight: %d KiB in %d descriptors instead of %d", read.peer, read.bounds.size - 1,
+            read.lane_bytes >> 10, LANES, read.nbytes >> 10, read.staged, read.stock)
+        return handle
+
     def transfer(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._chunked.owns(handle):
+            return self._chunked.transfer(handle)
         state = self._agent.transfer(handle, *args, **kwargs)
         with self._lock:
             read = self._reads.get(handle)
         if read is None:
             return state
         try:
-            read.ops = self._staging.prepare(read)   # host work while NIXL moves the bytes
+            # host work while NIXL moves the bytes
+            read.ops = self._staging.prepare(read.gather(self._staging.base))
         except Exception as exc:     # fail the request once NIXL is done with the staging slots
             read.failure = exc
         # Landed in staging is not landed in the KV cache: the caller must poll, which copies.
@@ -234,6 +264,8 @@ class StagingAgent(Layer):
         with self._lock:
             read = self._reads.get(handle)
         if read is None:
+            if self._chunked.owns(handle):
+                return self._chunked.state(handle)
             return self._agent.check_xfer_state(handle)
         if not read.landed:
             state = self._agent.check_xfer_state(handle)
@@ -246,7 +278,7 @@ class StagingAgent(Layer):
                 if read.failure is not None:
                     raise read.failure
                 if not read.ops:      # posted without our transfer(): plan the gather now
-                    read.ops = self._staging.prepare(read)
+                    read.ops = self._staging.prepare(read.gather(self._staging.base))
                 read.event = self._staging.launch(read.ops)
             except Exception as exc:
                 return self._gather_failed(handle, exc)
@@ -264,7 +296,14 @@ class StagingAgent(Layer):
         self._finish(handle)
         return ERR
 
+    def get_xfer_telemetry(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._chunked.owns(handle):
+            return self._chunked.telemetry(handle)
+        return self._agent.get_xfer_telemetry(handle, *args, **kwargs)
+
     def release_xfer_handle(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._chunked.owns(handle):
+            return self._chunked.release(handle)
         # NIXL first: should it refuse to let go of a READ in flight, the staging slots stay
         # reserved rather than be handed to another READ while this one still writes them.
         result = self._agent.release_xfer_handle(handle, *args, **kwargs)
@@ -291,6 +330,7 @@ class StagingAgent(Layer):
             twins = [t.handle for t in self._converted.values()]
             self._converted.clear()
         self._staging.turn_off()
+        self._chunked.close()
         for handle in twins:
             self._agent.release_dlist_handle(handle)
         self._staging.close()

@@ -14,8 +14,8 @@ import numpy as np
 
 from pdpatch.kv.staging.copier import ByteAllocator, ByteCopier, arenas_of
 from pdpatch.kv.staging.nixl_states import INIT_AGENT
-from pdpatch.kv.staging.plans import staging_table
-from pdpatch.kv.staging.reads import NotStaged, StagedRead
+from pdpatch.kv.staging.plans import CopyPlan, staging_table
+from pdpatch.kv.staging.reads import NotStaged
 from pdpatch.kv.staging.rows import RowTable
 from pdpatch.log import logger
 
@@ -127,9 +127,10 @@ class StagingBuffer:
                 self._covers[handle] = known
         return known
 
-    def prepare(self, read: StagedRead) -> list:
-        """The read's gather, prepared (host work that can overlap the wire)."""
-        return self._copier.prepare(read.gather(self.base))
+    def prepare(self, plan: CopyPlan) -> list:
+        """A gather out of staging (a staged READ's, or one chunk's), prepared: host work that
+        can overlap the wire."""
+        return self._copier.prepare(plan)
 
     def launch(self, ops: list) -> Any:
         """Start a prepared gather; returns its event (``query()``, ``synchronize()``)."""

@@ -185,3 +185,46 @@ def staging_table(staging_base: int, slot_len: int, num_slots: int, dev: int = 0
     return out
 
 
+
+
+# ------------------------------------------------------------------ chunked READs: the schedule
+def chunk_rows(rows: int, slot: int, room: int, lanes: int) -> int:
+    """Rows per chunk of a READ of ``rows`` rows of ``slot`` bytes staged through ``lanes``
+    lanes that share ``room`` bytes: what one lane holds, but no more than an even share of the
+    request, so that every lane carries a chunk (a request just over the room is two halves,
+    not one full lane and a tail).  0 when a lane cannot hold one row."""
+    if min(rows, slot, lanes) <= 0 or room < 0:
+        raise ValueError(f"rows, slot and lanes must be > 0 and room >= 0, got {rows}, {slot}, "
+                         f"{lanes}, {room}")
+    return min(room // lanes // slot, -(-rows // lanes))
+
+
+def lane_rows_to_try(rows: int, slot: int, capacity: int, lanes: int, shrink: int) -> list[int]:
+    """Chunk sizes (rows) a chunked READ asks the staging allocator for, largest first: the
+    size :func:`chunk_rows` gives for the whole buffer, then halved while other READs hold
+    part of it, down to ``1/shrink`` of the first (a lane at least one row).  Smaller chunks
+    cost one NIXL READ each; below that floor the request goes the per-segment way."""
+    first = chunk_rows(rows, slot, capacity, lanes)
+    if first == 0:
+        return []
+    floor = max(first // shrink, 1)
+    out = [first]
+    while out[-1] // 2 >= floor:
+        out.append(out[-1] // 2)
+    return out
+
+
+def chunk_bounds(rows: int, per_chunk: int) -> np.ndarray:
+    """The first row of each chunk of ``per_chunk`` rows, then ``rows``: chunk ``c`` is rows
+    ``[bounds[c], bounds[c + 1])``, in the order they are read."""
+    if rows <= 0 or per_chunk <= 0:
+        raise ValueError(f"rows and per_chunk must be > 0, got {rows}, {per_chunk}")
+    return np.append(np.arange(0, rows, per_chunk, dtype=np.int64), rows)
+
+
+def chunk_descriptors(joins: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """NIXL descriptors of each chunk: its rows less the joins inside it.  ``joins[i]``: row
+    ``i + 1`` continues row ``i`` in one descriptor (a chunk's edge cuts a run in two)."""
+    inner = np.concatenate(([0], np.cumsum(joins, dtype=np.int64)))
+    first, end = bounds[:-1], bounds[1:]
+    return (end - first) - (inner[end - 1] - inner[first])

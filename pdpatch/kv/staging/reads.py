@@ -11,8 +11,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pdpatch.kv.staging.calibration import GapCalibration
+from pdpatch.kv.staging.chunked import LANES, ChunkedRead
 from pdpatch.kv.staging.nixl_states import INIT_AGENT
-from pdpatch.kv.staging.plans import CopyPlan, read_spans, span_layout
+from pdpatch.kv.staging.plans import (
+    CopyPlan,
+    chunk_bounds,
+    chunk_descriptors,
+    lane_rows_to_try,
+    read_spans,
+    span_layout,
+)
 from pdpatch.kv.staging.rows import SortedTwin, Spans, address_order, posted_descriptors
 
 if TYPE_CHECKING:
@@ -21,6 +29,9 @@ if TYPE_CHECKING:
 
 # Stage a READ only when it posts at most this fraction of vLLM's descriptors.
 MAX_STAGED_FRACTION = 0.75
+# A chunked READ's lanes shrink to 1/LANE_SHRINK of their full size while other READs hold
+# staging, no further: each chunk is one more NIXL READ to post and poll.
+LANE_SHRINK = 16
 
 
 class NotStaged(Exception):
@@ -72,15 +83,23 @@ class StagingStats:
     descriptors_stock: int = 0      # what the same READs would have posted unstaged
     descriptors_staged: int = 0
     gather_failures: int = 0
+    chunked_reads: int = 0          # staged READs larger than the free staging, in chunks
+    chunks: int = 0                 # their chunk READs
+    chunk_failures: int = 0         # chunked READs that ended ERR
     not_staged: Counter = field(default_factory=Counter)   # reason -> requests
 
-    def posted(self, read: StagedRead) -> bool:
+    def posted(self, read: StagedRead | ChunkedRead) -> bool:
         """Count a staged READ handed to NIXL; True for the first one."""
         first = self.staged_reads == 0
         self.staged_reads += 1
-        self.staged_bytes += read.requested
         self.descriptors_stock += read.stock
         self.descriptors_staged += read.staged
+        if isinstance(read, ChunkedRead):
+            self.staged_bytes += read.nbytes
+            self.chunked_reads += 1
+            self.chunks += read.bounds.size - 1
+            return first
+        self.staged_bytes += read.requested
         if read.spans is not None:
             self.gap_reads += 1
             self.gap_bytes += read.nbytes - read.requested
@@ -107,10 +126,11 @@ class ReadPlanner(GapCalibration):
         self._gap_setting = gap_setting
 
     def plan(self, lh: Any, local_ids: Any, twin: SortedTwin, rh: Any, remote_ids: Any
-             ) -> tuple[StagedRead, Any, np.ndarray, np.ndarray]:
+             ) -> tuple[StagedRead, Any, np.ndarray, np.ndarray] | ChunkedRead:
         """Staging slots and the peer's rows in address order: all NIXL needs to start.
         For a gap READ the read carries its spans and own lists, and the slot list and ids
-        are unused.  :class:`NotStaged` says why a request cannot be staged."""
+        are unused.  A request larger than the free staging is a :class:`ChunkedRead`.
+        :class:`NotStaged` says why a request cannot be staged."""
         capacity = self._staging.capacity
         if capacity <= 0:
             raise NotStaged("no staging buffer could be made")
@@ -125,9 +145,9 @@ class ReadPlanner(GapCalibration):
         if slot is None or slot != rtab.length:
             raise NotStaged("descriptors of unequal lengths")
         need = slot * lid.size
-        if need > capacity:
-            raise NotStaged(f"a request is larger than the {capacity >> 20} MiB staging "
-                            f"buffer (raise {self._capacity_setting})")
+        if LANES * slot > capacity:
+            raise NotStaged(f"a descriptor of {slot} B does not fit {LANES} times in the "
+                            f"{capacity} B staging buffer (raise {self._capacity_setting})")
         self._staging.ensure()
         if not self._staging.covers(lh, ltab):
             raise NotStaged("the local list points outside the KV memory staging copies into")
@@ -135,10 +155,10 @@ class ReadPlanner(GapCalibration):
         order = address_order(position, rid)
         r_ids = position[order]
         stock = posted_descriptors(lid, rid, ltab, rtab)
-        runs = lid.size - int(np.count_nonzero(
-            (r_ids[1:] == r_ids[:-1] + 1) & twin.table.contiguous_next[r_ids[:-1]]))
+        joins = (r_ids[1:] == r_ids[:-1] + 1) & twin.table.contiguous_next[r_ids[:-1]]
+        runs = lid.size - int(np.count_nonzero(joins))
         slot_handle = self._staging.slot_list(slot, ltab.dev)     # registers staging, too
-        spans = self._spans(twin, r_ids, slot, runs, ltab.dev)
+        spans = self._spans(twin, r_ids, slot, runs, ltab.dev) if need <= capacity else None
         start = None
         if spans is not None and spans.posted <= MAX_STAGED_FRACTION * stock:
             start = self._staging.reserve(spans.nbytes, slot)
@@ -149,14 +169,46 @@ class ReadPlanner(GapCalibration):
                 # 256 KiB isolated blocks from a split peer, 881 of 1024 descriptors, 0.6x)
                 raise NotStaged("staging saves under a quarter of the descriptors (blocks "
                                 "far apart, or head slices of K and V)")
-            start = self._staging.reserve(need, slot)
-            if start is None:
-                raise NotStaged("the staging buffer is full with other requests' READs")
+            if need <= capacity:
+                start = self._staging.reserve(need, slot)
+            if start is None:       # larger than the buffer, or than its free room: chunks
+                return self._chunked(twin, joins, r_ids, ltab.addr[lid[order]], slot,
+                                     ltab.dev, stock, slot_handle)
         staged = runs if spans is None else spans.posted
         slot_ids = start // slot + np.arange(lid.size, dtype=np.int64)
         read = StagedRead(start, need if spans is None else spans.nbytes, ltab.addr[lid[order]],
                           slot, twin.peer, stock, staged, ltab.dev, spans)
         return read, slot_handle, slot_ids, r_ids
+
+    def _chunked(self, twin: SortedTwin, joins: np.ndarray, r_ids: np.ndarray,
+                 local_addr: np.ndarray, slot: int, dev: int, stock: int, slot_handle: Any
+                 ) -> ChunkedRead:
+        """A READ staged in chunks through :data:`~.chunked.LANES` lanes of the staging
+        buffer, as large as the free room allows (:func:`~.plans.lane_rows_to_try`)."""
+        rows, lanes = 0, None
+        for rows in lane_rows_to_try(r_ids.size, slot, self._staging.capacity, LANES,
+                                     LANE_SHRINK):
+            lanes = self._reserve_lanes(rows * slot, slot)
+            if lanes is not None:
+                break
+        if lanes is None:
+            raise NotStaged("the staging buffer is full with other requests' READs")
+        bounds = chunk_bounds(r_ids.size, rows)
+        staged = int(chunk_descriptors(joins, bounds).sum())
+        return ChunkedRead(twin.peer, twin.agent_name, slot, dev, stock, staged, r_ids,
+                           local_addr, lanes, rows * slot, bounds, slot_handle, twin.handle)
+
+    def _reserve_lanes(self, nbytes: int, slot: int) -> list[int] | None:
+        """:data:`~.chunked.LANES` ranges of ``nbytes``, all held, or none."""
+        lanes: list[int] = []
+        for _ in range(LANES):
+            start = self._staging.reserve(nbytes, slot)
+            if start is None:
+                for held in lanes:
+                    self._staging.free(held, nbytes)
+                return None
+            lanes.append(start)
+        return lanes
 
     def _spans(self, twin: SortedTwin, r_ids: np.ndarray, slot: int, runs: int, dev: int
                ) -> Spans | None:
