@@ -539,10 +539,11 @@ ALL_REMOTE = [2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15]      # two runs of six
 class ScriptedAgent:
     """The real NIXL agent, except that the ``nth`` READ made through it (1-based) answers
     ``state`` to every poll (``ERR``: a chunk READ that fails; ``PROC``: one that never
-    ends, so a test can abort mid-pipeline)."""
+    ends, so a test can abort mid-pipeline) -- until ``until`` READs have been made, if
+    given (a READ that lands late)."""
 
-    def __init__(self, agent, nth: int, state: str) -> None:
-        self._agent, self._nth, self._state = agent, nth, state
+    def __init__(self, agent, nth: int, state: str, until: int | None = None) -> None:
+        self._agent, self._nth, self._state, self._until = agent, nth, state, until
         self.made: list = []
 
     def __getattr__(self, name: str):
@@ -555,7 +556,8 @@ class ScriptedAgent:
 
     def check_xfer_state(self, handle):
         state = self._agent.check_xfer_state(handle)
-        scripted = len(self.made) >= self._nth and handle == self.made[self._nth - 1]
+        scripted = len(self.made) >= self._nth and handle == self.made[self._nth - 1] and (
+            self._until is None or len(self.made) < self._until)
         return self._state if scripted and state != "ERR" else state
 
 
@@ -661,6 +663,33 @@ def test_chunked_read_failed_or_aborted_mid_request(pair: NixlPair, nth: int,
         assert np.array_equal(s.lbuf, expected_read(s, ALL_LOCAL, ALL_REMOTE))
         assert drain_notifs(pair, 1) == [b"chunked"]
         assert agent.staging_free == capacity
+    finally:
+        agent.release_dlist_handle(lh)
+        agent.release_dlist_handle(rh)
+        agent.close()
+
+
+def test_chunks_landing_out_of_order_never_share_a_lane(pair: NixlPair) -> None:
+    """The first chunk READ lands only after the third and fourth were posted (NIXL ends
+    READs in any order): the chunks after the second go into the lane the second one freed,
+    never into the first's while it is still being read -- byte-exact, staging all back."""
+    s = set_up(pair, "fused->split")
+    lid, rid = s.plan.desc_ids(ALL_LOCAL, ALL_REMOTE)
+    slot = int(s.plan.local_table()[0, 1])
+    capacity = len(lid) * slot // 10 // slot * slot
+    scripted = ScriptedAgent(pair.agent, 1, "PROC", until=4)
+    agent = StagingAgent(scripted, mem_type="DRAM", capacity=capacity,
+                         memory=lambda: [torch.from_numpy(s.lbuf)], gap=0)
+    lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", s.plan.local_table(), "DRAM")
+    rh = agent.prep_xfer_dlist(PEER, s.plan.remote_table(), "DRAM")
+    try:
+        assert agent.mark_converted(rh, PEER)
+        state, _ = read_through(agent, lh, rh, lid, rid)
+        assert state == "DONE"
+        assert agent.stats.chunks >= 4 and len(scripted.made) == agent.stats.chunks
+        assert np.array_equal(s.lbuf, expected_read(s, ALL_LOCAL, ALL_REMOTE))
+        assert agent.staging_free == capacity
+        drain_notifs(pair, 1)
     finally:
         agent.release_dlist_handle(lh)
         agent.release_dlist_handle(rh)

@@ -3,9 +3,10 @@
 Why: a request whose rows do not fit the staging buffer used to go the per-segment way (one
 NIXL descriptor per block segment), slower than the stock pair exactly where transfers are
 long (issue 24: 1,500 tokens at 8B geometry, 188 MiB, 106 ms against 85 ms stock).  Here its
-rows (in the peer's address order) are cut into chunks (:func:`~.plans.chunk_rows`); chunk
-``c`` is read into lane ``c % LANES`` of the staging buffer, and gathered from it into the KV
-cache once it has landed; the chunk after it in that lane is posted once that gather is done.
+rows (in the peer's address order) are cut into chunks (:func:`~.plans.chunk_rows`); the
+first :data:`LANES` chunks are read into one lane of the staging buffer each, and each chunk
+is gathered from its lane into the KV cache once it has landed; the next chunk not yet posted
+goes into the lane whose gather finished (chunks land in any order).
 So NIXL reads chunk ``c + 1`` while chunk ``c`` is gathered, and no lane is written while a
 gather still reads it.
 
@@ -101,8 +102,8 @@ class ChunkedRead:
     def done(self) -> bool:
         return len(self.chunks) == self.bounds.size - 1 and all(c.gathered for c in self.chunks)
 
-    def chunk(self, c: int) -> Chunk:
-        return Chunk(int(self.bounds[c]), int(self.bounds[c + 1]), c % LANES)
+    def chunk(self, c: int, lane: int) -> Chunk:
+        return Chunk(int(self.bounds[c]), int(self.bounds[c + 1]), lane)
 
     def slot_ids(self, chunk: Chunk) -> np.ndarray:
         return self.lanes[chunk.lane] // self.slot + np.arange(chunk.end - chunk.first,
@@ -153,7 +154,7 @@ class ChunkedReads:
     # ------------------------------------------------------------------ vLLM's calls
     def make(self, read: ChunkedRead) -> Any:
         """The first chunk's NIXL READ, which is the handle vLLM gets."""
-        first = read.chunk(0)
+        first = read.chunk(0, 0)
         try:
             first.handle = self._agent.make_prepped_xfer(
                 "READ", read.slot_handle, read.slot_ids(first), read.twin_handle,
@@ -174,7 +175,7 @@ class ChunkedReads:
             try:
                 self._post(read, read.chunks[0])
                 for c in range(1, min(LANES, read.bounds.size - 1)):
-                    self._post(read, read.chunk(c))
+                    self._post(read, read.chunk(c, c))
             except Exception as exc:
                 self._fail(read, f"posting a chunk READ failed ({type(exc).__name__}: {exc})")
             read.t_post = time.perf_counter()
@@ -270,8 +271,9 @@ class ChunkedReads:
                 continue
             chunk.gathered, chunk.ops, moved = True, [], True
             c = len(read.chunks)
-            if c < read.bounds.size - 1:        # the lane is free: its next chunk
-                nxt = read.chunk(c)
+            if c < read.bounds.size - 1:
+                # the lane is free (chunks may land out of order): the next chunk goes there
+                nxt = read.chunk(c, chunk.lane)
                 try:
                     self._post(read, nxt)
                 except Exception as exc:
