@@ -16,6 +16,10 @@ to ``$OUT/logs.tar.xz`` (a device run returns at most 8 files).
 
 Scenarios with kvcached on D need the stage built with ``scripts/gpu_stage.sh --kvcached``: the
 sdist is built here, against the device's own torch and CUDA, once per warm machine.
+
+``--geometry llama3-8b`` gives the tiny model Llama-3-8B's KV cache (32 layers, 8 KV heads of
+128: a request moves an 8B model's bytes over NIXL), ``--prompt-lengths 600,1500,4000,8000``
+the prompts; the table shows D's NIXL time per prompt (``vllm:nixl_xfer_time_seconds``).
 """
 
 from __future__ import annotations
@@ -51,6 +55,16 @@ from rig.servers import free_port, prometheus_counters  # noqa: E402
 
 MAX_TOKENS = 16
 PROMPT_LENGTHS = (7, 16, 17, 100, 600, 1500)
+MAX_MODEL_LEN = 2048
+GEOMETRIES: dict[str, dict] = {
+    "tiny": {},
+    # Llama-3-8B's KV cache (32 layers, 8 KV heads of 128): 128 KiB per token in bf16, so a
+    # request's NIXL READ moves what an 8B model's would; the rest of the model stays tiny
+    # (hidden 256: ~0.2 GB of seeded weights), its outputs judged by the same oracle.
+    "llama3-8b": {"num_hidden_layers": 32, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "head_dim": 128},
+}
+"""``--geometry``: config overrides of the rig's tiny Llama (2 layers, 4 KV heads of 64)."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +141,31 @@ class Paths:
     model: Path
     logs: Path
     kvcached: Path | None = None   # kvcached's site and its sitecustomize (install_kvcached)
+    max_model_len: int = MAX_MODEL_LEN
+
+
+def prompt_lengths(text: str) -> tuple[int, ...]:
+    """``--prompt-lengths 600,1500,4000``: at least two (the controls and the load use the
+    last two), each at least one token."""
+    try:
+        lengths = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated token counts, got {text!r}") from None
+    if len(lengths) < 2 or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"two or more token counts >= 1, got {text!r}")
+    return lengths
+
+
+def model_config(geometry: str, lengths: tuple[int, ...]) -> tuple[dict, int]:
+    """The model's config overrides and the engines' ``--max-model-len`` for ``geometry`` and
+    the longest prompt: a P/D request is the prompt plus :data:`MAX_TOKENS`, and ``--speed``
+    requests up to :data:`SPEED_TOKENS` after its own lengths; never below the rig's 2048."""
+    longest = max(*lengths, *SPEED_LENGTHS) + max(MAX_TOKENS, SPEED_TOKENS)
+    max_len = max(MAX_MODEL_LEN, -(-longest // 1024) * 1024)
+    overrides = dict(GEOMETRIES[geometry])
+    if max_len > MAX_MODEL_LEN:
+        overrides["max_position_embeddings"] = max_len
+    return overrides, max_len
 
 
 def install_kvcached(stage: Path, dest: Path) -> Path:
@@ -187,7 +226,8 @@ class Engine:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--host", "127.0.0.1", "--port", str(self.port), "--model", str(paths.model),
                "--served-model-name", "tiny", "--skip-tokenizer-init", "--enforce-eager", "-O0",
-               "--max-model-len", "2048", "--gpu-memory-utilization", "0.12", "--seed", "0",
+               "--max-model-len", str(paths.max_model_len), "--gpu-memory-utilization", "0.12",
+               "--seed", "0",
                "--attention-backend", backend, "--no-enable-prefix-caching",
                "--kv-transfer-config",
                json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
@@ -527,8 +567,9 @@ def judge_load(load: dict, requests: dict, tol: dict[str, float]) -> None:
 def markdown(results: list[dict], gpu: str) -> str:
     rows = [f"GPU: {gpu}", "",
             "| scenario | pdpatch | P -> D | PYTHONHASHSEED | start s | intact / requests | "
-            "KV pulled (requests) | max dlp0 | controls caught | note |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "KV pulled (requests) | D's NIXL time per prompt, ms | max dlp0 | controls caught | "
+            "note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         reqs = r["requests"].values()
         intact = sum(1 for e in reqs if e.get("intact"))
@@ -551,9 +592,11 @@ def markdown(results: list[dict], gpu: str) -> str:
             fails = [f"{v['seconds']}s {'error' if v['error'] else 'decoded ' + str(v['decoded'])}"
                      for n, v in k.items() if n != "after"]
             note += f"; P killed: {', '.join(fails)}; after: {k['after']}"
+        xfer = ", ".join(f"{n.removeprefix('len')}: {e['xfer_s'] * 1e3:.2f}"
+                         for n, e in r["requests"].items() if e.get("xfer_s"))
         rows.append(f"| {r['scenario']} | {r['pdpatch']} | {r['P']} -> {r['D']} | "
                     f"{r['hashseed']} | {r['start_s']} | {intact}/{len(r['requests'])} | "
-                    f"{pulled} | {dl:.1e} | {caught} | {note} |")
+                    f"{pulled} | {xfer or '-'} | {dl:.1e} | {caught} | {note} |")
     return "\n".join(rows) + "\n"
 
 
@@ -574,6 +617,11 @@ def main() -> int:
     ap.add_argument("--speed-on-first", action="store_true",
                     help="with --speed: start the pdpatch pair first (the default starts it "
                          "second); two runs with opposite orders cancel a start-order bias")
+    ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="tiny",
+                    help="the model's KV geometry (llama3-8b: 32 layers, 8 KV heads of 128)")
+    ap.add_argument("--prompt-lengths", type=prompt_lengths, default=PROMPT_LENGTHS,
+                    metavar="N,N,...", help="prompt lengths in tokens (default: "
+                    f"{','.join(map(str, PROMPT_LENGTHS))})")
     ap.add_argument("scenarios", nargs="*", choices=sorted(SCENARIOS))
     args = ap.parse_args()
     if not (args.scenarios or args.speed):
@@ -587,15 +635,17 @@ def main() -> int:
 
     from rig.model import model_dir
 
-    model = model_dir(args.work / "model")
+    overrides, max_len = model_config(args.geometry, args.prompt_lengths)
+    model = model_dir(args.work / f"model-{args.geometry}-{max_len}", **overrides)
     kvc = (install_kvcached(args.stage, args.work / "kvcached")
            if any(SCENARIOS[n].d_kvcached for n in args.scenarios) else None)
-    paths = Paths(args.site, model, logs, kvc)
+    paths = Paths(args.site, model, logs, kvc, max_len)
     gpu = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
            f"{' (P on GPU 0, D on GPU 1)' if args.two_gpus else ''}, torch {torch.__version__}, "
-           "vLLM 0.25.1")
+           f"vLLM 0.25.1, model geometry {args.geometry}")
     rng = random.Random(7)
-    prompts = {f"len{n}": [rng.randrange(3, 512) for _ in range(n)] for n in PROMPT_LENGTHS}
+    prompts = {f"len{n}": [rng.randrange(3, 512) for _ in range(n)]
+               for n in args.prompt_lengths}
     results = []
     for name in args.scenarios:
         print(f"=== {name}", flush=True)

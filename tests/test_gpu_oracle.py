@@ -252,3 +252,34 @@ def test_d_transfer_counters_are_summed_over_labels_and_missing_ones_count_zero(
     assert after["vllm:nixl_xfer_time_seconds_count"] == 3.0
     moved = TransferStats.delta({}, after)     # an unreachable /metrics reads as {}
     assert (moved.transfers, moved.bytes, moved.failed) == (3, 4096.0, 0)
+
+
+def test_geometry_and_prompt_lengths_options():
+    """``--geometry llama3-8b --prompt-lengths 600,1500,4000,8000``: the tiny Llama with
+    Llama-3-8B's KV (128 KiB per token in bf16, what an 8B model's READ moves), engines and
+    positions long enough for the longest prompt and its decode; the defaults leave the rig's
+    model and its 2048-token limit unchanged."""
+    import argparse
+
+    from rig.model import tiny_config
+
+    lengths = gpu_pd.prompt_lengths("600, 1500,4000,8000")
+    assert lengths == (600, 1500, 4000, 8000)
+    overrides, max_len = gpu_pd.model_config("llama3-8b", lengths)
+    cfg = {**tiny_config(), **overrides}
+    kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    assert kv_per_token == 128 << 10
+    assert cfg["num_attention_heads"] % cfg["num_key_value_heads"] == 0
+    assert max_len == cfg["max_position_embeddings"] >= 8000 + gpu_pd.MAX_TOKENS
+    assert max_len >= max(gpu_pd.SPEED_LENGTHS) + gpu_pd.SPEED_TOKENS
+    assert gpu_pd.model_config("tiny", gpu_pd.PROMPT_LENGTHS) == ({}, gpu_pd.MAX_MODEL_LEN)
+    for bad in ("600", "600,x", "0,600", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            gpu_pd.prompt_lengths(bad)
+
+
+def test_results_table_shows_each_prompts_nixl_time():
+    res = {"scenario": "kvc", "pdpatch": True, "P": "A", "D": "B", "hashseed": "0",
+           "start_s": 1.0, "controls": {},
+           "requests": {"len600": {"xfer_s": 0.0052}, "len1500": {"error": "HTTP 500"}}}
+    assert "| 600: 5.20 |" in gpu_pd.markdown([res], "GPU")
