@@ -326,7 +326,18 @@ def pull(d: Side, p_ranks: dict[int, Side], local_ids: list[int], remote_ids: li
                 **vars(staging), "not_staged": dict(staging.not_staged),
                 "free": nixl.staging_free, "allocated": nixl.staging_allocated},
             "copied_bytes": getattr(nixl, "copied_bytes", 0),
+            "read_notifs": [r["notif"] for r in getattr(nixl, "reads", [])],
+            "notifs_sent": [msg for _, msg in getattr(nixl, "notifs_sent", [])],
+            "xfer_stats": _xfer_stats(d.worker),
             "nixl_errors": list(getattr(nixl, "errors", [])), "changed_blocks": changed}
+
+
+def _xfer_stats(worker: Any) -> dict[str, Any]:
+    """What vLLM recorded of its finished READs (``NixlKVConnectorStats.record_transfer``, from
+    the agent's ``get_xfer_telemetry``)."""
+    stats = getattr(worker, "xfer_stats", None)
+    data = getattr(stats, "data", None) or {}
+    return {k: list(data.get(k, [])) for k in ("bytes_transferred", "num_descriptors")}
 
 
 def _block_dim(t: torch.Tensor) -> int:
@@ -451,6 +462,15 @@ def scenario_pair_gap() -> dict[str, Any]:
     one gap READ per layer and pool, where per-segment READs post one per block."""
     with patch.dict(os.environ, {"PDPATCH_KV_GAP_KIB": "1024"}):
         return scenario_pair(p_blocks=(3, 5, 8))
+
+
+def scenario_pair_chunked() -> dict[str, Any]:
+    """``pair`` with 512-token blocks (128 KiB segments: 1.5 MiB for the request) and 1 MiB
+    of staging (``PDPATCH_KV_STAGING_MIB=1``, no gap reads): a READ larger than the staging,
+    read in chunks behind the one handle vLLM polls."""
+    with patch.dict(os.environ, {"PDPATCH_KV_STAGING_MIB": "1", "PDPATCH_KV_GAP_KIB": "0"}):
+        out = scenario_pair(block_size=512)
+    return out
 
 
 def scenario_tp_up() -> dict[str, Any]:
@@ -612,6 +632,7 @@ SCENARIOS = {
     "pair_same": lambda: scenario_pair(P_BACKEND, P_BACKEND),
     "pair_unstaged": scenario_pair_unstaged,
     "pair_gap": scenario_pair_gap,
+    "pair_chunked": scenario_pair_chunked,
     "pair_no_enforce": lambda: scenario_pair(
         d_extra={"enforce_handshake_compat": False}),
     # CPU attention wants blocks of a multiple of 32 tokens from 0.23

@@ -53,7 +53,7 @@ def patched_scenarios(version: Version) -> list[str]:
         # Run token-major (NHD), the order 0.19's Triton really uses; head splits (TP) and the
         # block-size receive post-processing need HND there, so those run from 0.20.
         names = ["pair", "pair_reverse", "pair_same", "pair_unstaged", "pair_gap",
-                 "span_advertised",
+                 "pair_chunked", "span_advertised",
                  "span_stock_fields", "advert_ignored", *REORDER]
         return [*names, "globals"]
     names = ["pair", "pair_reverse", "pair_same", "tp_up", "tp_down", "span_advertised",
@@ -63,7 +63,8 @@ def patched_scenarios(version: Version) -> list[str]:
         # reproduce P's tokens after vLLM's receive post-processing on CPU; nothing to compare.
         names += ["block_ratio"]
     if version < SPLIT_ERA:
-        names += ["block_ratio_reverse", "pair_cpu", "pair_unstaged", "pair_gap"]
+        names += ["block_ratio_reverse", "pair_cpu", "pair_unstaged", "pair_gap",
+                  "pair_chunked"]
     if version >= PACKED_ERA:
         names += ["pair_cpu"]
     if version >= Version("0.33"):
@@ -236,6 +237,27 @@ def test_blocks_apart_share_descriptors_through_gap_reads(ver: str) -> None:
     assert staging["gap_bytes"] == 2 * 2 * 3 * 4096     # blocks 4, 6, 7 of each pool
     assert staging["gap_budgets"] == {}                  # set, not measured
     assert staging["free"] == staging["allocated"]
+
+
+@pytest.mark.parametrize("ver", [x for x in VERSIONS if v(x) < SPLIT_ERA])
+def test_read_larger_than_staging_is_chunked_behind_one_handle(ver: str) -> None:
+    """1.5 MiB of blocks through 1 MiB of staging: six chunk READs (two lanes of 256 KiB in
+    the half of the buffer one chunked READ may take) behind the one handle vLLM polls, the
+    right bytes in D's blocks only, vLLM's notification sent once, after the chunks, and
+    carried by none of them; vLLM records the whole READ from the agent's telemetry; every
+    lane back."""
+    out = scenario(ver, "patched", "pair_chunked")
+    ok_pull(out, [1, 2, 3])
+    assert moved(out) == 3 * 2 * 2 * 2 * 512 * 64 * 2
+    staging = out["staging"]
+    assert staging["staged_reads"] == staging["chunked_reads"] == 1, staging
+    assert staging["chunks"] == 6 and staging["chunk_failures"] == 0
+    assert staging["not_staged"] == {}
+    assert staging["free"] == staging["allocated"] == 1 << 20
+    assert out["read_notifs"] == [None] * 6
+    assert len(out["notifs_sent"]) == 1 and out["notifs_sent"][0].startswith("req-1")
+    assert out["xfer_stats"]["bytes_transferred"] == [moved(out)]
+    assert out["xfer_stats"]["num_descriptors"] == [staging["descriptors_staged"]]
 
 
 @pytest.mark.parametrize("ver", [x for x in VERSIONS if v(x) < SPLIT_ERA])

@@ -142,21 +142,23 @@ def test_address_order_is_the_stable_argsort(regions: int, blocks: list[int], in
 
 @settings(max_examples=300, deadline=None)
 @given(rows=st.integers(1, 400), slot=st.sampled_from([1, 7, 128, 4096]),
-       capacity_slots=st.integers(0, 100), lanes=st.integers(1, 4), shrink=st.integers(1, 32))
+       capacity_slots=st.integers(0, 100), lanes=st.integers(1, 4), shrink=st.integers(1, 32),
+       share=st.integers(1, 4))
 def test_chunk_schedule_covers_the_request_in_lanes_that_fit(rows: int, slot: int,
                                                              capacity_slots: int, lanes: int,
-                                                             shrink: int) -> None:
+                                                             shrink: int, share: int) -> None:
     """Every size tried fits ``lanes`` times in the buffer, halves down to its floor and no
     further; the chunks tile the rows in order, at least two of them (one read while the
     other is gathered)."""
     capacity = capacity_slots * slot + (slot - 1 if slot > 1 else 0)
-    sizes = lane_rows_to_try(rows, slot, capacity, lanes, shrink)
-    first = chunk_rows(rows, slot, capacity, lanes)
+    sizes = lane_rows_to_try(rows, slot, capacity, lanes, shrink, share)
+    room = capacity // share if capacity // share // lanes >= slot else capacity
+    first = chunk_rows(rows, slot, room, lanes)
     if capacity // lanes < slot:
         assert sizes == [] and first == 0
         return
     assert sizes[0] == first and first >= 1
-    assert all(lanes * n * slot <= capacity for n in sizes)
+    assert all(lanes * n * slot <= room for n in sizes)    # 1/share of the buffer if it can
     assert all(b == a // 2 for a, b in itertools.pairwise(sizes))
     assert sizes[-1] >= max(first // shrink, 1) and sizes[-1] // 2 < max(first // shrink, 1)
     for n in sizes:
@@ -168,7 +170,7 @@ def test_chunk_schedule_covers_the_request_in_lanes_that_fit(rows: int, slot: in
     if lanes >= 2 and rows >= 2:
         assert chunks >= 2                   # one chunk is read while another is gathered
     # the even share: a request that fits the lanes is cut evenly, not into a full lane + tail
-    assert first == min(capacity // lanes // slot, -(-rows // lanes))
+    assert first == min(room // lanes // slot, -(-rows // lanes))
 
 
 @settings(max_examples=300, deadline=None)

@@ -532,8 +532,34 @@ def test_peer_with_unequal_descriptors_is_not_staged(pair: NixlPair, caplog) -> 
 
 
 # ------------------------------------------------------- chunked READs (larger than staging)
-ALL_LOCAL = list(range(N_LOCAL))
-ALL_REMOTE = [2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15]      # two runs of six
+BIG_LAYERS, BIG_LOCAL, BIG_REMOTE = 4, 64, 80
+ALL_LOCAL = list(range(BIG_LOCAL))
+ALL_REMOTE = [*range(4, 36), *range(44, 76)]          # two runs of 32 blocks
+
+
+def big_setup(pair: NixlPair, name: str) -> Setup:
+    """``name``'s layouts (a READ case without head slices) over 4 layers of 64 local and 80
+    remote blocks: requests of 512 rows, enough for chunks of many rows in small staging."""
+    case = CASES[name]
+    remote = pair.remote_side(case.remote, BIG_LAYERS, BIG_REMOTE, BS, 2, D, ES,
+                              seed=zlib.crc32(name.encode()) + 1)
+    rgeo = infer_geometry(remote.infos, num_blocks=BIG_REMOTE, kv_dim=remote.kv_dim)
+    pair.register_remote(rgeo.registration_ranges())
+    lbuf = np.zeros(side_nbytes(case.local, BIG_LAYERS, BIG_LOCAL, BS, 2, D, ES),
+                    dtype=np.uint8)
+    local = build_side(case.local, BIG_LAYERS, BIG_LOCAL, BS, 2, D, ES, buf=lbuf,
+                       base=int(lbuf.ctypes.data))
+    lgeo = infer_geometry(local.infos, num_blocks=BIG_LOCAL, kv_dim=local.kv_dim)
+    pair.register_local(lgeo.registration_ranges())
+    return Setup(case, remote, local, lbuf, PairPlan(lgeo, rgeo))
+
+
+def big_expected(s: Setup) -> np.ndarray:
+    exp = np.zeros_like(s.lbuf)
+    el = build_side(s.case.local, BIG_LAYERS, BIG_LOCAL, BS, 2, D, ES, buf=exp,
+                    base=s.local.base)
+    expected_copy(el, s.remote, ALL_LOCAL, ALL_REMOTE)
+    return exp
 
 
 class ScriptedAgent:
@@ -592,7 +618,7 @@ def test_read_larger_than_staging_is_chunked_and_byte_exact(pair: NixlPair, name
     """Requests of 1x, 2.5x and 10x the staging buffer: 1x is one staged READ as before,
     larger ones are read in chunks through two lanes -- byte-exact, one notification to the
     peer once all chunks landed, vLLM's telemetry for the whole READ, staging all back."""
-    s = set_up(pair, name)
+    s = big_setup(pair, name)
     lid, rid = s.plan.desc_ids(ALL_LOCAL, ALL_REMOTE)
     slot = int(s.plan.local_table()[0, 1])
     need = len(lid) * slot
@@ -606,12 +632,13 @@ def test_read_larger_than_staging_is_chunked_and_byte_exact(pair: NixlPair, name
         assert agent.mark_converted(rh, PEER)
         state, tele = read_through(agent, lh, rh, lid, rid)
         assert state == "DONE"
-        assert np.array_equal(s.lbuf, expected_read(s, ALL_LOCAL, ALL_REMOTE)), name
+        assert np.array_equal(s.lbuf, big_expected(s)), name
         st = agent.stats
         assert st.staged_reads == 1 and not st.not_staged
         assert st.chunked_reads == (factor > 1)
         if factor > 1:
-            lane_rows = min(capacity // 2 // slot, -(-len(lid) // 2))
+            room = capacity // 2 if capacity // 4 >= slot else capacity   # CHUNKED_SHARE
+            lane_rows = min(room // 2 // slot, -(-len(lid) // 2))
             assert st.chunks == -(-len(lid) // lane_rows) >= 2
             assert tele.totalBytes == need and tele.descCount == st.descriptors_staged
             assert tele.xferDuration > 0
@@ -627,11 +654,11 @@ def test_read_larger_than_staging_is_chunked_and_byte_exact(pair: NixlPair, name
 @pytest.mark.parametrize(("nth", "state"), [(3, "ERR"), (3, "PROC")])
 def test_chunked_read_failed_or_aborted_mid_request(pair: NixlPair, nth: int,
                                                     state: str) -> None:
-    """The third chunk READ of ten fails (``ERR``), or never ends and vLLM releases the READ
+    """The third chunk READ fails (``ERR``), or never ends and vLLM releases the READ
     mid-pipeline (an abort): the request ends ``ERR`` (vLLM recomputes it) or is let go, no
     notification tells the peer it may free its blocks, every chunk is released and all
     staging comes back, and the next request through the same agent is byte-exact."""
-    s = set_up(pair, "fused->split")
+    s = big_setup(pair, "fused->split")
     lid, rid = s.plan.desc_ids(ALL_LOCAL, ALL_REMOTE)
     slot = int(s.plan.local_table()[0, 1])
     capacity = len(lid) * slot // 10 // slot * slot
@@ -660,7 +687,7 @@ def test_chunked_read_failed_or_aborted_mid_request(pair: NixlPair, nth: int,
         scripted._nth = 10**6                     # the next request's READs are left alone
         state2, _ = read_through(agent, lh, rh, lid, rid)
         assert state2 == "DONE"
-        assert np.array_equal(s.lbuf, expected_read(s, ALL_LOCAL, ALL_REMOTE))
+        assert np.array_equal(s.lbuf, big_expected(s))
         assert drain_notifs(pair, 1) == [b"chunked"]
         assert agent.staging_free == capacity
     finally:
@@ -673,7 +700,7 @@ def test_chunks_landing_out_of_order_never_share_a_lane(pair: NixlPair) -> None:
     """The first chunk READ lands only after the third and fourth were posted (NIXL ends
     READs in any order): the chunks after the second go into the lane the second one freed,
     never into the first's while it is still being read -- byte-exact, staging all back."""
-    s = set_up(pair, "fused->split")
+    s = big_setup(pair, "fused->split")
     lid, rid = s.plan.desc_ids(ALL_LOCAL, ALL_REMOTE)
     slot = int(s.plan.local_table()[0, 1])
     capacity = len(lid) * slot // 10 // slot * slot
@@ -687,10 +714,24 @@ def test_chunks_landing_out_of_order_never_share_a_lane(pair: NixlPair) -> None:
         state, _ = read_through(agent, lh, rh, lid, rid)
         assert state == "DONE"
         assert agent.stats.chunks >= 4 and len(scripted.made) == agent.stats.chunks
-        assert np.array_equal(s.lbuf, expected_read(s, ALL_LOCAL, ALL_REMOTE))
+        assert np.array_equal(s.lbuf, big_expected(s))
         assert agent.staging_free == capacity
         drain_notifs(pair, 1)
     finally:
         agent.release_dlist_handle(lh)
         agent.release_dlist_handle(rh)
         agent.close()
+
+
+def test_chunks_too_small_for_the_runs_go_per_segment(pair: NixlPair) -> None:
+    """Staging of four rows for a request of 48: lanes of one row would post one chunk READ
+    per row, no descriptor saved -- the request runs vLLM's own READ, and says why."""
+    s = set_up(pair, "fused->split")
+    lids, rids = list(range(N_LOCAL)), [2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15]
+    slot = int(s.plan.local_table()[0, 1])
+    run = staged_read(pair, s, lids, rids, capacity=4 * slot)
+    assert run.state == "DONE"
+    assert np.array_equal(s.lbuf, expected_read(s, lids, rids))
+    assert run.stats.staged_reads == 0
+    assert [r for r in run.stats.not_staged if "chunks of the staging buffer cut" in r]
+    assert run.free_after == 4 * slot

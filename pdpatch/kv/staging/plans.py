@@ -199,12 +199,16 @@ def chunk_rows(rows: int, slot: int, room: int, lanes: int) -> int:
     return min(room // lanes // slot, -(-rows // lanes))
 
 
-def lane_rows_to_try(rows: int, slot: int, capacity: int, lanes: int, shrink: int) -> list[int]:
+def lane_rows_to_try(rows: int, slot: int, capacity: int, lanes: int, shrink: int,
+                     share: int) -> list[int]:
     """Chunk sizes (rows) a chunked READ asks the staging allocator for, largest first: the
-    size :func:`chunk_rows` gives for the whole buffer, then halved while other READs hold
-    part of it, down to ``1/shrink`` of the first (a lane at least one row).  Smaller chunks
-    cost one NIXL READ each; below that floor the request goes the per-segment way."""
-    first = chunk_rows(rows, slot, capacity, lanes)
+    size :func:`chunk_rows` gives for ``1/share`` of the buffer (so that ``share`` chunked
+    READs run at once; the whole buffer when that part cannot hold a row per lane), then
+    halved while other READs hold part of it, down to ``1/shrink`` of the first (a lane at
+    least one row).  Smaller chunks cost one NIXL READ each; below that floor the request goes
+    the per-segment way."""
+    first = chunk_rows(rows, slot, capacity // share, lanes) or \
+        chunk_rows(rows, slot, capacity, lanes)
     if first == 0:
         return []
     floor = max(first // shrink, 1)

@@ -29,8 +29,10 @@ if TYPE_CHECKING:
 
 # Stage a READ only when it posts at most this fraction of vLLM's descriptors.
 MAX_STAGED_FRACTION = 0.75
-# A chunked READ's lanes shrink to 1/LANE_SHRINK of their full size while other READs hold
-# staging, no further: each chunk is one more NIXL READ to post and poll.
+# A chunked READ takes at most 1/CHUNKED_SHARE of the staging buffer, so that as many run at
+# once (vLLM posts every request of a step together); its lanes shrink to 1/LANE_SHRINK of
+# that while other READs hold staging, no further: each chunk is one more NIXL READ.
+CHUNKED_SHARE = 2
 LANE_SHRINK = 16
 
 
@@ -187,7 +189,7 @@ class ReadPlanner(GapCalibration):
         buffer, as large as the free room allows (:func:`~.plans.lane_rows_to_try`)."""
         rows, lanes = 0, None
         for rows in lane_rows_to_try(r_ids.size, slot, self._staging.capacity, LANES,
-                                     LANE_SHRINK):
+                                     LANE_SHRINK, CHUNKED_SHARE):
             lanes = self._reserve_lanes(rows * slot, slot)
             if lanes is not None:
                 break
@@ -195,6 +197,11 @@ class ReadPlanner(GapCalibration):
             raise NotStaged("the staging buffer is full with other requests' READs")
         bounds = chunk_bounds(r_ids.size, rows)
         staged = int(chunk_descriptors(joins, bounds).sum())
+        if staged > MAX_STAGED_FRACTION * stock:    # chunks too small to hold the runs
+            for held in lanes:
+                self._staging.free(held, rows * slot)
+            raise NotStaged("staging saves under a quarter of the descriptors (chunks of "
+                            "the staging buffer cut the runs of blocks)")
         return ChunkedRead(twin.peer, twin.agent_name, slot, dev, stock, staged, r_ids,
                            local_addr, lanes, rows * slot, bounds, slot_handle, twin.handle)
 
