@@ -735,3 +735,35 @@ def test_chunks_too_small_for_the_runs_go_per_segment(pair: NixlPair) -> None:
     assert run.stats.staged_reads == 0
     assert [r for r in run.stats.not_staged if "chunks of the staging buffer cut" in r]
     assert run.free_after == 4 * slot
+
+
+def test_chunks_advance_between_vllm_polls(pair: NixlPair) -> None:
+    """vLLM polls once per engine step; the chunks must not wait for it.  Posted and never
+    polled, a READ of tens of chunks still lands whole (the peer hears so) and the first poll
+    after that answers ``DONE``."""
+    s = big_setup(pair, "fused->split")
+    lid, rid = s.plan.desc_ids(ALL_LOCAL, ALL_REMOTE)
+    slot = int(s.plan.local_table()[0, 1])
+    capacity = len(lid) * slot // 10 // slot * slot
+    drain_notifs(pair)
+    agent = StagingAgent(pair.agent, mem_type="DRAM", capacity=capacity,
+                         memory=lambda: [torch.from_numpy(s.lbuf)], gap=0)
+    lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", s.plan.local_table(), "DRAM")
+    rh = agent.prep_xfer_dlist(PEER, s.plan.remote_table(), "DRAM")
+    try:
+        assert agent.mark_converted(rh, PEER)
+        h = agent.make_prepped_xfer("READ", lh, lid, rh, rid, notif_msg=b"chunked")
+        assert agent.transfer(h) == "PROC"
+        assert drain_notifs(pair, 1, wait_s=30) == [b"chunked"]    # no poll in between
+        assert agent.stats.chunks >= 10
+        deadline = time.monotonic() + 5
+        while (state := agent.check_xfer_state(h)) == "PROC" and time.monotonic() < deadline:
+            time.sleep(0.05)            # the last gathers (on GPU, async) may still run
+        assert state == "DONE"
+        agent.release_xfer_handle(h)
+        assert np.array_equal(s.lbuf, big_expected(s))
+        assert agent.staging_free == capacity
+    finally:
+        agent.release_dlist_handle(lh)
+        agent.release_dlist_handle(rh)
+        agent.close()
