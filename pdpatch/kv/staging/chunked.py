@@ -314,10 +314,14 @@ class ChunkedReads:
                 reads = list(self._active)
             moved = False
             for read in reads:
-                with read.lock:
+                if not read.lock.acquire(blocking=False):   # vLLM's thread polls or releases it
+                    continue
+                try:
                     if not read.released and read.failure is None and not read.done:
                         moved |= self._step(read)
                     over = read.released or read.failure is not None or read.done
+                finally:
+                    read.lock.release()
                 if over:
                     with self._wake:
                         self._active.remove(read)
