@@ -40,7 +40,7 @@ import numpy as np
 
 from pdpatch.agent_layers import Layer
 from pdpatch.kv.staging.buffer import StagingBuffer
-from pdpatch.kv.staging.chunked import LANES, ChunkedRead, ChunkedReads
+from pdpatch.kv.staging.chunked import LANES, ChunkedRead, ChunkedReads, SerialAgent
 from pdpatch.kv.staging.lists import PreparedLists
 from pdpatch.kv.staging.nixl_states import DONE, ERR, PROC
 from pdpatch.kv.staging.plans import range_ids
@@ -73,23 +73,30 @@ class StagingAgent(Layer):
                  capacity_setting: str = "the staging capacity",
                  gap_setting: str = "the gap budget") -> None:
         Layer.__init__(self, agent)
-        # Its parts hold ``agent`` itself: staging is the innermost layer (agent_layers.ORDER),
-        # so the agent below it never changes.
+        # Every call to the agent below takes one lock (:class:`SerialAgent`: the chunk driver
+        # thread calls it too).  Its parts hold that view of ``agent`` itself: staging is the
+        # innermost layer (agent_layers.ORDER), so the agent below it never changes.
+        self._nixl = SerialAgent(agent)
         self._capacity_setting = capacity_setting
         self._gap_setting = gap_setting
         self._mem_type = mem_type
-        self._staging = StagingBuffer(agent, mem_type=mem_type, capacity=capacity,
+        self._staging = StagingBuffer(self._nixl, mem_type=mem_type, capacity=capacity,
                                       memory=memory, setting=capacity_setting)
         self._lists = PreparedLists()
         self._lock = threading.Lock()
         self._converted: dict[Any, SortedTwin] = {}      # remote dlist handle -> sorted twin
         self._reads: dict[Any, StagedRead] = {}         # xfer handle -> staged READ
         self.stats = StagingStats()
-        self._chunked = ChunkedReads(agent, self._staging, self._lock, self.stats)
-        self._planner = ReadPlanner(agent, mem_type=mem_type, staging=self._staging,
+        self._chunked = ChunkedReads(self._nixl, self._staging, self._lock, self.stats)
+        self._planner = ReadPlanner(self._nixl, mem_type=mem_type, staging=self._staging,
                                     lists=self._lists, lock=self._lock, stats=self.stats,
                                     gap=gap, capacity_setting=capacity_setting,
                                     gap_setting=gap_setting)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("_agent", "_nixl"):      # not set yet: no delegation (and no recursion)
+            raise AttributeError(name)
+        return getattr(self._nixl, name)
 
     @property
     def agent(self) -> Any:
@@ -107,12 +114,12 @@ class StagingAgent(Layer):
 
     # ------------------------------------------------------------ descriptor-list bookkeeping
     def get_xfer_descs(self, descs: Any, *args: Any, **kwargs: Any) -> Any:
-        out = self._agent.get_xfer_descs(descs, *args, **kwargs)
+        out = self._nixl.get_xfer_descs(descs, *args, **kwargs)
         self._lists.built(out, descs)
         return out
 
     def prep_xfer_dlist(self, agent_name: Any, descs: Any, *args: Any, **kwargs: Any) -> Any:
-        handle = self._agent.prep_xfer_dlist(agent_name, descs, *args, **kwargs)
+        handle = self._nixl.prep_xfer_dlist(agent_name, descs, *args, **kwargs)
         self._lists.prepared(handle, agent_name, descs)
         return handle
 
@@ -121,8 +128,8 @@ class StagingAgent(Layer):
         with self._lock:
             twin = self._converted.pop(handle, None)
         if twin is not None:
-            self._agent.release_dlist_handle(twin.handle)
-        return self._agent.release_dlist_handle(handle, *args, **kwargs)
+            self._nixl.release_dlist_handle(twin.handle)
+        return self._nixl.release_dlist_handle(handle, *args, **kwargs)
 
     def mark_converted(self, remote_handle: Any, peer: str,
                        read_ranges: Sequence[tuple[int, int]] | None = None) -> bool:
@@ -170,8 +177,8 @@ class StagingAgent(Layer):
         position[order] = np.arange(order.size)
         sorted_rows = np.column_stack([table.addr[order], np.full(order.size, table.length),
                                        np.full(order.size, table.dev)]).astype(np.uint64)
-        handle = self._agent.prep_xfer_dlist(
-            agent_name, self._agent.get_xfer_descs(sorted_rows, self._mem_type))
+        handle = self._nixl.prep_xfer_dlist(
+            agent_name, self._nixl.get_xfer_descs(sorted_rows, self._mem_type))
         return SortedTwin(peer, agent_name, handle, position, RowTable(sorted_rows))
 
     # -------------------------------------------------------------------------- transfers
@@ -180,14 +187,14 @@ class StagingAgent(Layer):
         with self._lock:
             twin = self._converted.get(remote_handle) if op == "READ" else None
         if twin is None:
-            return self._agent.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
+            return self._nixl.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
                                                  remote_ids, *args, **kwargs)
         try:
             planned = self._planner.plan(local_handle, local_ids, twin, remote_handle,
                                          remote_ids)
         except NotStaged as why:
             self._not_staged(str(why))
-            return self._agent.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
+            return self._nixl.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
                                                  remote_ids, *args, **kwargs)
         if isinstance(planned, ChunkedRead):
             return self._post_chunked(planned, args, kwargs)
@@ -205,12 +212,12 @@ class StagingAgent(Layer):
                                               remote_ids, *args, **kwargs)
         try:
             if read.spans is None:
-                handle = self._agent.make_prepped_xfer("READ", slot_handle, slot_ids,
+                handle = self._nixl.make_prepped_xfer("READ", slot_handle, slot_ids,
                                                        twin.handle, r_ids, *args, **kwargs)
             else:
                 local, remote = read.dlists
                 ids = np.arange(read.spans.start.size, dtype=np.int64)
-                handle = self._agent.make_prepped_xfer("READ", local, ids, remote, ids,
+                handle = self._nixl.make_prepped_xfer("READ", local, ids, remote, ids,
                                                        *args, **kwargs)
         except BaseException:
             self._release(read)
@@ -247,7 +254,7 @@ class StagingAgent(Layer):
     def transfer(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
         if self._chunked.owns(handle):
             return self._chunked.transfer(handle)
-        state = self._agent.transfer(handle, *args, **kwargs)
+        state = self._nixl.transfer(handle, *args, **kwargs)
         with self._lock:
             read = self._reads.get(handle)
         if read is None:
@@ -266,9 +273,9 @@ class StagingAgent(Layer):
         if read is None:
             if self._chunked.owns(handle):
                 return self._chunked.state(handle)
-            return self._agent.check_xfer_state(handle)
+            return self._nixl.check_xfer_state(handle)
         if not read.landed:
-            state = self._agent.check_xfer_state(handle)
+            state = self._nixl.check_xfer_state(handle)
             if state != DONE:
                 if state != PROC:
                     self._finish(handle)
@@ -299,14 +306,14 @@ class StagingAgent(Layer):
     def get_xfer_telemetry(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
         if self._chunked.owns(handle):
             return self._chunked.telemetry(handle)
-        return self._agent.get_xfer_telemetry(handle, *args, **kwargs)
+        return self._nixl.get_xfer_telemetry(handle, *args, **kwargs)
 
     def release_xfer_handle(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
         if self._chunked.owns(handle):
             return self._chunked.release(handle)
         # NIXL first: should it refuse to let go of a READ in flight, the staging slots stay
         # reserved rather than be handed to another READ while this one still writes them.
-        result = self._agent.release_xfer_handle(handle, *args, **kwargs)
+        result = self._nixl.release_xfer_handle(handle, *args, **kwargs)
         self._finish(handle)
         return result
 
@@ -321,7 +328,7 @@ class StagingAgent(Layer):
 
     def _release(self, read: StagedRead) -> None:
         for dlist in read.dlists:
-            self._agent.release_dlist_handle(dlist)
+            self._nixl.release_dlist_handle(dlist)
         self._staging.free(read.start, read.nbytes)
 
     def close(self) -> None:
@@ -332,7 +339,7 @@ class StagingAgent(Layer):
         self._staging.turn_off()
         self._chunked.close()
         for handle in twins:
-            self._agent.release_dlist_handle(handle)
+            self._nixl.release_dlist_handle(handle)
         self._staging.close()
 
     def _not_staged(self, reason: str) -> None:

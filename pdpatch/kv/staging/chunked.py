@@ -52,6 +52,29 @@ END_WAIT_S = 30.0
 """How long a release waits for a chunk READ NIXL would not cancel to end by itself."""
 
 
+class SerialAgent:
+    """A NIXL agent whose calls take one lock, for the staging agent and its chunk driver.
+
+    Why: vLLM makes its agent without NIXL's own locking (``nixl_agent_config`` without a
+    listener thread: sync mode NONE), and chunked READs call it from a second thread, the
+    driver, while vLLM's thread posts and polls other READs.  The lock is held only for the
+    call into NIXL, never while it waits for a READ."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+        self._lock = threading.RLock()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._agent, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                return attr(*args, **kwargs)
+        return call
+
+
 @dataclass
 class Chunk:
     """Rows ``[first, end)`` of a chunked READ, read into lane ``lane``."""
