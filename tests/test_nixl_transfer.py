@@ -23,7 +23,9 @@ from kv_reference import coalesce, strided_pair_rows
 from pdpatch.kv import BlockIdError, GeometryMismatch, HeadSlice, PairPlan, infer_geometry
 from pdpatch.kv.staging import ByteCopier, StagingAgent, StagingStats
 
-pytestmark = pytest.mark.nixl
+# a staging agent's chunk driver thread must never die of an exception
+pytestmark = [pytest.mark.nixl,
+              pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")]
 nixl_api = pytest.importorskip("nixl._api")
 
 PEER = "pdpatch-peer"
@@ -762,6 +764,41 @@ def test_chunks_advance_between_vllm_polls(pair: NixlPair) -> None:
         assert state == "DONE"
         agent.release_xfer_handle(h)
         assert np.array_equal(s.lbuf, big_expected(s))
+        assert agent.staging_free == capacity
+    finally:
+        agent.release_dlist_handle(lh)
+        agent.release_dlist_handle(rh)
+        agent.close()
+
+
+def test_two_chunked_reads_at_once_each_in_its_own_lanes(pair: NixlPair) -> None:
+    """vLLM posts every request of a step before it polls any: two READs larger than the
+    staging run at once, each in lanes of its half of the buffer, both byte-exact, each
+    notifying the peer once; all staging back."""
+    s = big_setup(pair, "fused->split")
+    halves = [(ALL_LOCAL[:32], ALL_REMOTE[:32]), (ALL_LOCAL[32:], ALL_REMOTE[32:])]
+    ids = [s.plan.desc_ids(lo, re) for lo, re in halves]
+    slot = int(s.plan.local_table()[0, 1])
+    capacity = len(ids[0][0]) * slot // 3 // slot * slot
+    drain_notifs(pair)
+    agent = StagingAgent(pair.agent, mem_type="DRAM", capacity=capacity,
+                         memory=lambda: [torch.from_numpy(s.lbuf)], gap=0)
+    lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", s.plan.local_table(), "DRAM")
+    rh = agent.prep_xfer_dlist(PEER, s.plan.remote_table(), "DRAM")
+    try:
+        assert agent.mark_converted(rh, PEER)
+        handles = [agent.make_prepped_xfer("READ", lh, lid, rh, rid, notif_msg=f"r{i}".encode())
+                   for i, (lid, rid) in enumerate(ids)]
+        states = [agent.transfer(h) for h in handles]
+        deadline = time.monotonic() + 30
+        while "PROC" in states and time.monotonic() < deadline:
+            states = [agent.check_xfer_state(h) for h in handles]
+        assert states == ["DONE", "DONE"]
+        for h in handles:
+            agent.release_xfer_handle(h)
+        assert agent.stats.chunked_reads == 2 and not agent.stats.not_staged
+        assert np.array_equal(s.lbuf, big_expected(s))
+        assert sorted(drain_notifs(pair, 2)) == [b"r0", b"r1"]
         assert agent.staging_free == capacity
     finally:
         agent.release_dlist_handle(lh)

@@ -75,7 +75,7 @@ class SerialAgent:
         return call
 
 
-@dataclass
+@dataclass(eq=False)
 class Chunk:
     """Rows ``[first, end)`` of a chunked READ, read into lane ``lane``."""
 
@@ -89,7 +89,7 @@ class Chunk:
     gathered: bool = False
 
 
-@dataclass
+@dataclass(eq=False)      # identity: its arrays have no truth value to compare by
 class ChunkedRead:
     """One vLLM READ staged in chunks (planned by :meth:`ReadPlanner.plan`)."""
 
@@ -342,8 +342,10 @@ class ChunkedReads:
                 try:
                     if not read.released and read.failure is None and not read.done:
                         moved |= self._step(read)
-                    over = read.released or read.failure is not None or read.done
+                except Exception as exc:     # a fault of this READ fails it, not the driver
+                    self._fail(read, f"{type(exc).__name__}: {exc}")
                 finally:
+                    over = read.released or read.failure is not None or read.done
                     read.lock.release()
                 if over:
                     with self._wake:
