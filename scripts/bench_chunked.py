@@ -8,10 +8,12 @@ DRAM, two processes on loopback), measured in the same run.
 Geometry: a fused peer (P, FlashInfer-style ``[N, 2, bs, H, D]``) and a split local cache (D,
 kvcached's split K/V), Llama-3-8B's per-layer segments (16 tokens x 8 KV heads x 128, bf16:
 32 KiB), ``--layers`` layers.  Each round moves the same blocks in every mode, modes
-interleaved, best wall time from post to ``DONE`` as vLLM would see it (polled every
-``--poll-ms``; 0 = as fast as possible); every mode's bytes are checked in the first round.
+interleaved, best wall time from post to ``DONE`` as vLLM would see it, polled every
+``--poll-ms`` (vLLM polls once per engine step; 0 polls in a busy loop, which holds the GIL and
+leaves the staging agent's chunk driver thread the interpreter's 5 ms switch interval: a worst
+case no vLLM engine produces); every mode's bytes are checked in the first round.
 
-Run: ``.venv/bin/python scripts/bench_chunked.py [--quick] [--capacity-mib 8] [--poll-ms 0]``
+Run: ``.venv/bin/python scripts/bench_chunked.py [--quick] [--capacity-mib 8] [--poll-ms 1]``
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ def main() -> int:
     ap.add_argument("--capacity-mib", type=float, default=8.0,
                     help="staging buffer (vLLM's default is 128 MiB; scaled to host memory)")
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--poll-ms", type=float, default=0.0,
-                    help="how often the READ is polled (vLLM: once per engine step)")
+    ap.add_argument("--poll-ms", type=float, default=1.0,
+                    help="how often the READ is polled (vLLM: once per engine step; 0: busy)")
     args = ap.parse_args()
     capacity = int(args.capacity_mib * 2**20)
     seg = BS * HEADS * DIM * ES
