@@ -17,9 +17,10 @@ per chunk, slower than the per-segment READ it replaces.  NIXL's Python API give
 initiator no completion callback (its notifications go to the peer), so the thread polls the
 chunks' NIXL states, sleeping :data:`POLL_S` when nothing moved; vLLM's own polls advance the
 pipeline too.  The thread needs the GIL: while vLLM's thread runs Python it may wait the
-interpreter's switch interval (5 ms) per wake-up; each wake-up moves at least one lane (a
-quarter of the buffer: 32 MiB at the default 128 MiB), so even then the chunks move >= 6 GB/s,
-above the per-segment READ they replace (188 MiB in 85 ms for the stock pair, issue 24).
+interpreter's switch interval (5 ms) per wake-up; each wake-up moves at least one lane (with the
+buffer free, a quarter of it: 32 MiB at the default 128 MiB), so even then the chunks move
+>= 6 GB/s, above the per-segment READ they replace (188 MiB in 85 ms for the stock pair, issue
+24).
 
 What vLLM sees: one handle, the first chunk's own NIXL handle (so any call pdpatch does not
 know about still reaches a real READ), answering ``PROC`` until every chunk is gathered, then
