@@ -73,9 +73,10 @@ class StagingAgent(Layer):
                  capacity_setting: str = "the staging capacity",
                  gap_setting: str = "the gap budget") -> None:
         Layer.__init__(self, agent)
-        # Every call to the agent below takes one lock (:class:`SerialAgent`: the chunk driver
-        # thread calls it too).  Its parts hold that view of ``agent`` itself: staging is the
-        # innermost layer (agent_layers.ORDER), so the agent below it never changes.
+        # The calls this agent, its parts and the chunk driver thread make to the agent below
+        # take one lock (:class:`SerialAgent`); the calls it only passes on (Layer) reach the
+        # agent as they are, as before.  Its parts hold that view of ``agent`` itself: staging
+        # is the innermost layer (agent_layers.ORDER), so the agent below it never changes.
         self._nixl = SerialAgent(agent)
         self._capacity_setting = capacity_setting
         self._gap_setting = gap_setting
@@ -92,11 +93,6 @@ class StagingAgent(Layer):
                                     lists=self._lists, lock=self._lock, stats=self.stats,
                                     gap=gap, capacity_setting=capacity_setting,
                                     gap_setting=gap_setting)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("_agent", "_nixl"):      # not set yet: no delegation (and no recursion)
-            raise AttributeError(name)
-        return getattr(self._nixl, name)
 
     @property
     def agent(self) -> Any:

@@ -61,8 +61,10 @@ class SerialAgent:
 
     Why: vLLM makes its agent without NIXL's own locking (``nixl_agent_config`` without a
     listener thread: sync mode NONE), and chunked READs call it from a second thread, the
-    driver, while vLLM's thread posts and polls other READs.  The lock is held only for the
-    call into NIXL, never while it waits for a READ."""
+    driver, while vLLM's thread posts and polls other READs through the staging agent.  The
+    lock is held only for the call into NIXL, never while it waits for a READ.  (Calls the
+    staging agent merely passes on, e.g. vLLM's own ``send_notif``, are not serialized: the
+    layer hands vLLM the agent's own attributes, as before.)"""
 
     def __init__(self, agent: Any) -> None:
         self._agent = agent
