@@ -8,6 +8,7 @@ workers in ``test_kv_segments_workers.py``.
 from __future__ import annotations
 
 import itertools
+import threading
 
 import numpy as np
 import pytest
@@ -109,6 +110,35 @@ def test_copier_sees_a_tensors_whole_storage() -> None:
     copier.run(plan)
     assert torch.equal(v_only.view(torch.uint8).flatten(), src)
     assert not k_only.any()
+
+
+def test_copier_writes_into_inference_tensors_from_any_thread() -> None:
+    """vLLM's model-runner thread runs in ``torch.inference_mode()``: the KV caches, and the
+    copies a staged READ prepares there, are inference tensors; the chunk driver launches them
+    from its own thread, outside it (every chunked READ failed so on an H200)."""
+    src = _arena(2 * 16, 3)
+    with torch.inference_mode():
+        kv = torch.zeros(4 * 16, dtype=torch.uint8)
+        copier = ByteCopier(arenas_of([kv, src]))
+        # staging rows 0, 1 -> KV rows 3, 0: an in-place scatter (index_copy_)
+        ops = copier.prepare(CopyPlan(src.data_ptr() + np.array([0, 16], np.uint64),
+                                      kv.data_ptr() + np.array([48, 0], np.uint64),
+                                      np.array([16, 16], np.uint64)))
+    assert {op[0] for op in ops} & {"scatter", "both"}
+    errors: list[BaseException] = []
+
+    def launch() -> None:
+        try:
+            copier.launch(ops)
+        except BaseException as exc:      # surfaced below, with the thread's own error
+            errors.append(exc)
+
+    driver = threading.Thread(target=launch)
+    driver.start()
+    driver.join()
+    assert not errors, errors
+    assert torch.equal(kv[48:], src[:16]) and torch.equal(kv[:16], src[16:])
+    assert not kv[16:48].any()
 
 
 def test_copier_refuses_memory_it_was_not_given() -> None:

@@ -154,12 +154,18 @@ class ByteCopier:
 
     def launch(self, ops: list[tuple], sync: bool = True) -> Any:
         """Run prepared copies.  ``sync=False`` on CUDA returns an event to poll; the caller
-        keeps ``ops`` alive until it has completed (their index tensors are in use)."""
+        keeps ``ops`` alive until it has completed (their index tensors are in use).
+
+        Under ``torch.inference_mode()``: vLLM allocates its KV caches inside inference mode,
+        and torch refuses an in-place write to such a tensor outside it -- which is where the
+        chunk driver's thread runs (a GPU run failed every chunked READ with "Inplace update to
+        inference tensor outside InferenceMode")."""
         import torch
 
         if not ops:
             return None
-        with torch.cuda.stream(self._stream) if self._stream is not None else _nothing():
+        with torch.inference_mode(), \
+                torch.cuda.stream(self._stream) if self._stream is not None else _nothing():
             for kind, src, dst, idx in ops:
                 if kind == "scatter":
                     dst.index_copy_(0, idx, src)
