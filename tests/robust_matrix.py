@@ -26,6 +26,8 @@ def scenarios_for(version: str) -> list[str]:
         names.append("mla_notif")          # bug in 0.19/0.20; 0.21.0 is the fixed control
     if v >= Version("0.21"):
         names += ["spec_types", "readback_bidirectional"]
+    if v >= Version("0.24"):
+        names.append("rejected_push")      # the push connector exists from 0.24
     return names
 
 

@@ -665,14 +665,16 @@ def scenario_transport() -> dict[str, Any]:
     return {"warnings": records}
 
 
-def scheduler_connector(role: str = "kv_producer", extra: dict | None = None) -> Any:
-    """The release's real connector facade with the scheduler role, as ``EngineCore``'s
-    scheduler builds it (the scheduler calls the facade; it forwards to its half)."""
+def scheduler_connector(role: str = "kv_producer", extra: dict | None = None,
+                        name: str = "NixlConnector") -> Any:
+    """The release's real connector facade ``name`` (``NixlPushConnector``: the push mode of
+    0.24+) with the scheduler role, as ``EngineCore``'s scheduler builds it (the scheduler
+    calls the facade; it forwards to its half)."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    facade = importlib.import_module(
-        vllm_sites.lookup(vllm_sites.REQUEST_FINISHED, version_of()).module).NixlConnector
+    facade = getattr(importlib.import_module(
+        vllm_sites.lookup(vllm_sites.REQUEST_FINISHED, version_of()).module), name)
     cfg = vllm_config("llama", 2, role, 1, extra)
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
     kvc = kv_cache_config(32, layers, attention_spec("llama", 2))
@@ -833,6 +835,31 @@ def scenario_rejected(extra: dict | None = None) -> dict[str, Any]:
     return out
 
 
+def scenario_rejected_push() -> dict[str, Any]:
+    """Case 1 in push mode (0.24+), on the release's real push scheduler facade: a rejected
+    push request names P but no blocks (P picks them); the push scheduler seeds
+    ``remote_block_ids`` itself before queueing the notification from 0.26 only.  Each case
+    on a fresh engine: the scheduler step's exception, the receives queued, the warnings."""
+    out: dict[str, Any] = {}
+    for name, changes in (("push-form", {"remote_block_ids": None}),
+                          ("no-engine-id", {"remote_block_ids": None,
+                                            "remote_engine_id": None})):
+        connector = scheduler_connector("kv_consumer", name="NixlPushConnector")
+        params = {**REJECTED_GOOD, "remote_request_id": f"p-{name}", **changes}
+        request = engine_request(f"r-{name}", {k: v for k, v in params.items()
+                                               if v is not None})
+        obs: dict[str, Any] = {"crash": None, "recv": []}
+        with pdpatch_warnings() as warnings:
+            try:
+                _abort_unscheduled(connector, request)
+                obs["recv"] = sorted(connector.build_connector_meta(None).reqs_to_recv)
+            except Exception as exc:
+                obs["crash"] = f"scheduler: {type(exc).__name__}: {exc}"
+        obs["warnings"] = warnings
+        out[name] = obs
+    return out
+
+
 READBACK_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
                    "remote_block_ids": [list(range(1, 8))], "remote_engine_id": "decode-peer",
                    "remote_request_id": "turn-1", "remote_host": HOST, "remote_port": PORT,
@@ -870,6 +897,7 @@ SCENARIOS = {
     "division": scenario_division,
     "spec_types": scenario_spec_types,
     "rejected": scenario_rejected,
+    "rejected_push": scenario_rejected_push,
     "readback": scenario_readback,
     "readback_bidirectional": lambda: scenario_readback({"bidirectional_kv_xfer": True}),
 }

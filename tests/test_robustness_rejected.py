@@ -8,14 +8,16 @@ or wait forever.
   (EngineCore dies, and every later request with it), an unhashable engine id ``TypeError`` in
   ``on_new_request`` (0.22+) or in the decode worker (0.19-0.21).  With pdpatch they are
   dropped with a warning and the next requests are served; params the release can use (an
-  empty ``remote_block_ids`` too) still notify P, as stock does.
+  empty ``remote_block_ids`` too; in push mode, 0.26+, no ``remote_block_ids`` at all, which
+  the push scheduler seeds) still notify P, as stock does.
 * Case 3 (``readback_guard``): ``do_remote_decode`` with the remote fields asks for a KV
   readback; from 0.21 the scheduler promises it on every engine but starts it only with
   ``bidirectional_kv_xfer`` on, so the request waits forever.  With pdpatch it is computed
   locally; with the setting on, the release's readback runs untouched.
 
-``robust_worker.scenario_rejected`` / ``scenario_readback`` on each release's real scheduler
-facade and decode worker: 0.33 in process, older releases through the robustness matrix."""
+``robust_worker.scenario_rejected`` / ``scenario_rejected_push`` / ``scenario_readback`` on
+each release's real scheduler facade and decode worker: 0.33 in process, older releases
+through the robustness matrix."""
 
 from __future__ import annotations
 
@@ -55,6 +57,21 @@ def assert_rejected_patched(obs: dict) -> None:
         assert [m.rsplit(":", 1)[0] for m in o["notifs"]] == [f"p-{name}"], o
 
 
+def assert_rejected_push(stock: dict, patched: dict, version: Version) -> None:
+    """Push mode (0.24+): a push request names no blocks.  From 0.26 the release seeds them
+    and notifies P, untouched by pdpatch; 0.24-0.25 raise, pdpatch drops the params."""
+    assert stock["no-engine-id"]["crash"] is not None, stock
+    if version >= Version("0.26"):
+        assert stock["push-form"] == patched["push-form"] == {
+            "crash": None, "recv": ["r-push-form"], "warnings": []}, (stock, patched)
+    else:
+        assert stock["push-form"]["crash"] == "scheduler: KeyError: 'remote_block_ids'", stock
+        assert patched["push-form"]["recv"] == [] and patched["push-form"]["warnings"], patched
+        assert "(missing remote_block_ids)" in patched["push-form"]["warnings"][0]
+    assert patched["no-engine-id"]["crash"] is None and patched["no-engine-id"]["recv"] == []
+    assert "missing remote_" in patched["no-engine-id"]["warnings"][0], patched
+
+
 def assert_readback(stock: dict, patched: dict, version: Version) -> None:
     if version < Version("0.21"):
         # No readback: the request is computed locally, stock and patched.
@@ -77,7 +94,7 @@ def assert_readback_served(stock: dict, patched: dict) -> None:
 def report_0_33() -> dict:
     from pdpatch import installer
 
-    names = ("rejected", "readback", "readback_bidirectional")
+    names = ("rejected", "rejected_push", "readback", "readback_bidirectional")
     installer.uninstall()
     try:
         stock = {n: rw.SCENARIOS[n]() for n in names}
@@ -91,6 +108,11 @@ def report_0_33() -> dict:
 def test_rejected_0_33(report_0_33):
     assert_rejected_stock(report_0_33["stock"]["rejected"], Version("0.33.0"))
     assert_rejected_patched(report_0_33["patched"]["rejected"])
+
+
+def test_rejected_push_0_33(report_0_33):
+    assert_rejected_push(report_0_33["stock"]["rejected_push"],
+                         report_0_33["patched"]["rejected_push"], Version("0.33.0"))
 
 
 def test_readback_0_33(report_0_33):
@@ -112,6 +134,13 @@ def test_rejected_on_old_release(ver):
     stock, patched = robust_matrix.stock_and_patched(ver, "rejected", "params_guard")
     assert_rejected_stock(stock, Version(ver))
     assert_rejected_patched(patched)
+
+
+@pytest.mark.parametrize("ver", [v for v in robust_matrix.OLD_RELEASES
+                                 if v == "<none>" or Version(v) >= Version("0.24")])
+def test_rejected_push_on_old_release(ver):
+    stock, patched = robust_matrix.stock_and_patched(ver, "rejected_push", "params_guard")
+    assert_rejected_push(stock, patched, Version(ver))
 
 
 @pytest.mark.parametrize("ver", robust_matrix.OLD_RELEASES)
