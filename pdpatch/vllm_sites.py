@@ -6,6 +6,7 @@ Patches ask this module "where is the worker's read path in vLLM X?" instead of 
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 from packaging.version import Version
@@ -484,3 +485,72 @@ def live_none_hash() -> bytes | None:
 
     value = getattr(kcu, "NONE_HASH", None)
     return value if isinstance(value, bytes) and value else None
+
+
+# ------------------------------------- requests that never reached the scheduler's allocation
+# (patches params_guard and readback_guard)
+
+# A D request still carrying `do_remote_prefill` when it finishes never went through
+# `update_state_after_alloc`: it was aborted while waiting, or (from 0.21) the API server
+# rejected it after reading its kv_transfer_params and `notify_kv_transfer_request_rejected`
+# submitted it `abort_immediately` so that P may free its blocks.  The pull and push
+# schedulers' `request_finished` then queue a notification-only receive, and the next
+# `build_connector_meta` hands the params to `NixlConnectorMetadata.add_new_req_to_recv`, which
+# indexes these keys (every release 0.19-0.33): a missing one raises KeyError in EngineCore.
+RECV_PARAMS_INDEXED = ("remote_block_ids", "remote_engine_id", "remote_request_id",
+                       "remote_host", "remote_port")
+# Params used as dict keys or set members: the decode worker looks the engine up in its agent
+# tables (every release), the scheduler half's `on_new_request` (0.22+) adds both to its
+# heartbeat tables -- an unhashable value raises TypeError there (EngineCore or worker dies).
+HASHED_PARAMS = ("remote_engine_id", "remote_request_id")
+
+# The facade's `on_new_request` (0.22+), called by `Scheduler.add_request` for every request,
+# before an `abort_immediately` request is finished.
+ON_NEW_REQUEST = (
+    _site(">=0.22,<0.24", f"{NIXL_PKG}.connector", "NixlConnector.on_new_request"),
+    _site(">=0.24", f"{NIXL_PKG}.connector", "NixlBaseConnector.on_new_request"),
+)
+
+# The push scheduler (0.24+) seeds `remote_block_ids = ()` in `request_finished` before
+# queueing that receive from 0.26 on (P picks the blocks in push mode); 0.24-0.25 do not.
+PUSH_SCHEDULER = (
+    _site(">=0.24", f"{NIXL_PKG}.push_scheduler", "NixlPushConnectorScheduler"),
+)
+PUSH_SEEDS_REMOTE_BLOCK_IDS = VersionRange(">=0.26")
+
+
+def seeded_recv_params(scheduler: Any, version: Version) -> tuple[str, ...]:
+    """The keys of :data:`RECV_PARAMS_INDEXED` that ``scheduler`` (a scheduler half) fills in
+    itself before it queues a never-scheduled request's receive."""
+    site = lookup(PUSH_SCHEDULER, version)
+    if site is None or version not in PUSH_SEEDS_REMOTE_BLOCK_IDS:
+        return ()
+    push_cls = getattr(sys.modules.get(site.module), site.qualname, None)
+    return ("remote_block_ids",) if push_cls is not None and isinstance(scheduler, push_cls) \
+        else ()
+
+
+# The pull scheduler's KV *readback* (0.21+, "bidirectional KV transfer"): a request with
+# `do_remote_decode` that also carries `remote_block_ids` and the four remote fields is
+# answered by `get_num_new_matched_tokens` with `(count, True)` -- load asynchronously -- when
+# `count` reaches `kv_recompute_threshold`, whatever the engine's settings.  But
+# `update_state_after_alloc` queues that receive only when `bidirectional_kv_xfer` is on, no
+# host buffer takes the request first (`use_host_buffer`) and it was not queued before
+# (`_remote_blocks_processed`); otherwise the request waits in WAITING_FOR_REMOTE_KVS for a
+# transfer nobody started, forever.  The push scheduler (0.24+) has no readback.
+READBACK_MATCH = (
+    _site(">=0.21,<0.24", f"{NIXL_PKG}.scheduler",
+          "NixlConnectorScheduler.get_num_new_matched_tokens"),
+    _site(">=0.24", f"{NIXL_PKG}.pull_scheduler",
+          "NixlPullConnectorScheduler.get_num_new_matched_tokens"),
+)
+
+
+def readback_receive_queued(scheduler: Any, params: Any) -> bool:
+    """Whether the release's ``update_state_after_alloc`` will queue the readback receive
+    that its ``get_num_new_matched_tokens`` promised for ``params`` (same conditions, same
+    order, 0.21-0.33)."""
+    if getattr(scheduler, "use_host_buffer", False):
+        return False
+    return bool(getattr(scheduler, "is_bidirectional_kv_xfer_enabled", False)) and \
+        not params.get("_remote_blocks_processed")

@@ -20,11 +20,14 @@ OLD_RELEASES = releases_in(SUPPORTED)
 def scenarios_for(version: str) -> list[str]:
     v = Version(version)
     names = ["read_assert", "read_assert_hma", "division", "dead_peer", "stand_in", "metadata",
-             "metadata_padded", "hetero_tp", "transport", "side_channel"]
+             "metadata_padded", "hetero_tp", "transport", "side_channel", "rejected",
+             "readback"]
     if v < Version("0.22"):
         names.append("mla_notif")          # bug in 0.19/0.20; 0.21.0 is the fixed control
     if v >= Version("0.21"):
-        names.append("spec_types")
+        names += ["spec_types", "readback_bidirectional"]
+    if v >= Version("0.24"):
+        names.append("rejected_push")      # the push connector exists from 0.24
     return names
 
 

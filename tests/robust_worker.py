@@ -665,19 +665,26 @@ def scenario_transport() -> dict[str, Any]:
     return {"warnings": records}
 
 
-def scheduler_half(role: str = "kv_producer", extra: dict | None = None) -> Any:
-    """The release's real scheduler half, built through its connector facade with the
-    scheduler role, as ``EngineCore``'s scheduler builds it."""
+def scheduler_connector(role: str = "kv_producer", extra: dict | None = None,
+                        name: str = "NixlConnector") -> Any:
+    """The release's real connector facade ``name`` (``NixlPushConnector``: the push mode of
+    0.24+) with the scheduler role, as ``EngineCore``'s scheduler builds it (the scheduler
+    calls the facade; it forwards to its half)."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    facade = importlib.import_module(
-        vllm_sites.lookup(vllm_sites.REQUEST_FINISHED, version_of()).module).NixlConnector
+    facade = getattr(importlib.import_module(
+        vllm_sites.lookup(vllm_sites.REQUEST_FINISHED, version_of()).module), name)
     cfg = vllm_config("llama", 2, role, 1, extra)
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
     kvc = kv_cache_config(32, layers, attention_spec("llama", 2))
     with set_current_vllm_config(cfg):
-        return facade(cfg, KVConnectorRole.SCHEDULER, kvc).connector_scheduler
+        return facade(cfg, KVConnectorRole.SCHEDULER, kvc)
+
+
+def scheduler_half(role: str = "kv_producer", extra: dict | None = None) -> Any:
+    """The release's real scheduler half, built through its connector facade."""
+    return scheduler_connector(role, extra).connector_scheduler
 
 
 LISTENER_WAIT_S = 3.0  # a listener that cannot bind dies within milliseconds
@@ -728,6 +735,158 @@ def scenario_side_channel_taken(extra: dict | None = None) -> dict[str, Any]:
     return {"taken": taken, "free": start_side_channel(free_port(), extra)}
 
 
+# ------------------------------------------ requests the scheduler never allocated (issue 25)
+
+
+def engine_request(req_id: str, params: dict[str, Any], num_tokens: int = 100) -> Any:
+    """A real ``vllm.v1.request.Request`` carrying ``params`` as the API server sends them
+    (``SamplingParams.extra_args["kv_transfer_params"]``, read back by the request)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
+    return Request(request_id=req_id, prompt_token_ids=list(range(1, num_tokens + 1)),
+                   sampling_params=sp, pooling_params=None)
+
+
+@contextlib.contextmanager
+def pdpatch_warnings() -> Iterator[list[str]]:
+    """The ``pdpatch`` logger's warnings while the block runs."""
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda r: records.append(r.getMessage())
+    logger = logging.getLogger("pdpatch")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+REJECTED_GOOD = {"do_remote_prefill": True, "do_remote_decode": False,
+                 "remote_block_ids": [[3, 4]], "remote_engine_id": "prefill-engine",
+                 "remote_host": HOST, "remote_port": PORT, "tp_size": 1}
+# (name, changes to REJECTED_GOOD; None drops the key), in the order they reach one engine.
+REJECTED_CASES = (
+    ("engine-id-list", {"remote_engine_id": ["prefill-engine"]}),
+    ("no-engine-id", {"remote_engine_id": None}),
+    ("no-block-ids", {"remote_block_ids": None}),
+    ("empty-block-ids", {"remote_block_ids": []}),
+    ("good", {}),
+)
+
+
+def _abort_unscheduled(connector: Any, request: Any) -> None:
+    """What ``EngineCore.add_request`` does with an ``abort_immediately`` request (0.21+,
+    and any request aborted before its first allocation): ``Scheduler.add_request`` (which
+    calls ``on_new_request``, 0.22+), then ``finish_requests(FINISHED_ABORTED)`` -> the
+    connector's ``request_finished_all_groups`` with no blocks (NIXL supports HMA)."""
+    from vllm.v1.request import RequestStatus
+
+    if hasattr(connector, "on_new_request"):
+        connector.on_new_request(request)
+    request.status = RequestStatus.FINISHED_ABORTED
+    connector.request_finished_all_groups(request, ([],))
+
+
+def scenario_rejected(extra: dict | None = None) -> dict[str, Any]:
+    """Issue 25, case 1: decode requests that were rejected before the scheduler allocated
+    them reach the connector as aborts carrying their ``kv_transfer_params``, one after the
+    other on one engine: the release's scheduler facade (``on_new_request``,
+    ``request_finished_all_groups``, ``build_connector_meta``) and then its decode worker
+    (``start_load_kv`` with the metadata built), whose notification to P frees P's blocks.
+    Per request: the exception that would kill EngineCore (scheduler step) or the worker, the
+    receives queued, the notifications sent, the receives the worker reported finished and
+    pdpatch's warnings.  After a scheduler exception the release's queue is not cleared: the
+    requests that follow fail the same way, as every request after it does on a real engine
+    whose EngineCore died."""
+    d = build_worker("decode-engine", num_blocks=32, extra=extra)
+    p = build_worker("prefill-engine", role="kv_producer", num_blocks=40)
+    connect_by_handshake(d, {0: remote_metadata(p, "prefill-engine", "P0")}, 1)
+    connector = scheduler_connector("kv_consumer", extra)
+    out: dict[str, Any] = {}
+    for name, changes in REJECTED_CASES:
+        params = {**REJECTED_GOOD, "remote_request_id": f"p-{name}", **changes}
+        params = {k: v for k, v in params.items() if v is not None}
+        request = engine_request(f"r-{name}", params)
+        obs: dict[str, Any] = {"crash": None, "recv": [], "notifs": [], "reported": []}
+        sent = len(d.nixl_wrapper.notifs_sent)
+        with pdpatch_warnings() as warnings:
+            try:
+                _abort_unscheduled(connector, request)
+                meta = connector.build_connector_meta(None)
+            except Exception as exc:
+                obs["crash"] = f"scheduler: {type(exc).__name__}: {exc}"
+            else:
+                obs["recv"] = sorted(meta.reqs_to_recv)
+                crash = step(d, meta)
+                if crash is None:
+                    acc, crash = run_until(
+                        d, lambda a, n=sent: len(d.nixl_wrapper.notifs_sent) > n, timeout=2.0)
+                    # A finished receive of a request the scheduler no longer holds trips
+                    # its `assert req_id in self.requests`.
+                    obs["reported"] = acc["done_recving"] + acc["failed_recving"]
+                obs["crash"] = crash and f"worker: {crash}"
+        obs["notifs"] = [msg for _, msg in d.nixl_wrapper.notifs_sent[sent:]]
+        obs["warnings"] = warnings
+        out[name] = obs
+    return out
+
+
+def scenario_rejected_push() -> dict[str, Any]:
+    """Case 1 in push mode (0.24+), on the release's real push scheduler facade: a rejected
+    push request names P but no blocks (P picks them); the push scheduler seeds
+    ``remote_block_ids`` itself before queueing the notification from 0.26 only.  Each case
+    on a fresh engine: the scheduler step's exception, the receives queued, the warnings."""
+    out: dict[str, Any] = {}
+    for name, changes in (("push-form", {"remote_block_ids": None}),
+                          ("no-engine-id", {"remote_block_ids": None,
+                                            "remote_engine_id": None})):
+        connector = scheduler_connector("kv_consumer", name="NixlPushConnector")
+        params = {**REJECTED_GOOD, "remote_request_id": f"p-{name}", **changes}
+        request = engine_request(f"r-{name}", {k: v for k, v in params.items()
+                                               if v is not None})
+        obs: dict[str, Any] = {"crash": None, "recv": []}
+        with pdpatch_warnings() as warnings:
+            try:
+                _abort_unscheduled(connector, request)
+                obs["recv"] = sorted(connector.build_connector_meta(None).reqs_to_recv)
+            except Exception as exc:
+                obs["crash"] = f"scheduler: {type(exc).__name__}: {exc}"
+        obs["warnings"] = warnings
+        out[name] = obs
+    return out
+
+
+READBACK_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
+                   "remote_block_ids": [list(range(1, 8))], "remote_engine_id": "decode-peer",
+                   "remote_request_id": "turn-1", "remote_host": HOST, "remote_port": PORT,
+                   "remote_num_tokens": 100, "tp_size": 1}
+
+
+def scenario_readback(extra: dict | None = None) -> dict[str, Any]:
+    """Issue 25, case 3: a 100-token request asking to read back 100 tokens another engine
+    cached (``do_remote_decode`` with the remote fields), on the release's real scheduler
+    half: what ``get_num_new_matched_tokens`` promises, and whether the allocation that
+    follows (``update_state_after_alloc`` with the blocks the scheduler would hand over)
+    queues the receive that alone can end the wait.  ``extra``: the connector's settings
+    (``bidirectional_kv_xfer``)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    half = scheduler_half("kv_consumer", extra)
+    request = engine_request("r-readback", dict(READBACK_PARAMS))
+    with pdpatch_warnings() as warnings:
+        count, load_async = half.get_num_new_matched_tokens(request, 0)
+        if load_async:
+            blocks = KVCacheBlocks(([KVCacheBlock(i) for i in range(1, 8)],))
+            half.update_state_after_alloc(request, blocks, count)
+    return {"promised": [count, load_async], "queued": sorted(half._reqs_need_recv),
+            "warnings": warnings}
+
+
 SCENARIOS = {
     "transport": scenario_transport,
     "side_channel": scenario_side_channel_taken,
@@ -737,6 +896,10 @@ SCENARIOS = {
     "mla_notif": scenario_mla_notif,
     "division": scenario_division,
     "spec_types": scenario_spec_types,
+    "rejected": scenario_rejected,
+    "rejected_push": scenario_rejected_push,
+    "readback": scenario_readback,
+    "readback_bidirectional": lambda: scenario_readback({"bidirectional_kv_xfer": True}),
 }
 
 

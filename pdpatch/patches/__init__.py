@@ -19,8 +19,10 @@ def all_patches() -> list[Patch]:
         mla_notif,
         num_blocks,
         params_check,
+        params_guard,
         peer_check,
         read_guard,
+        readback_guard,
         side_channel_listen,
         spec_classify,
         transport_check,
@@ -29,7 +31,8 @@ def all_patches() -> list[Patch]:
     return [read_guard.PATCH, layout.PATCH, num_blocks.PATCH, mla_notif.PATCH,
             division_checks.PATCH, spec_classify.PATCH, handshake_failure_guard.PATCH,
             kv_segments.PATCH, block_keys.PATCH, params_check.PATCH, transport_check.PATCH,
-            peer_check.PATCH, side_channel_listen.PATCH]
+            peer_check.PATCH, side_channel_listen.PATCH, params_guard.PATCH,
+            readback_guard.PATCH]
 
 
 def patch_names() -> list[str]:

@@ -1,0 +1,82 @@
+"""Patch ``readback_guard``: a KV readback the engine will never start is computed locally
+instead of leaving its request waiting forever.
+
+Found from issue 25, case 3 ("a request that never ends": ``do_remote_decode: true`` sent to a
+decode engine, no answer, nothing logged).  From 0.21 the pull scheduler supports a *readback*
+("bidirectional KV transfer", ``kv_connector_extra_config.bidirectional_kv_xfer``): a request
+with ``do_remote_decode`` that also names ``remote_block_ids``, ``remote_engine_id``,
+``remote_request_id``, ``remote_host`` and ``remote_port`` loads the prefix another engine
+cached for it.  ``get_num_new_matched_tokens`` promises that load (``(count, True)``, once
+``count`` reaches ``kv_recompute_threshold``) on *every* engine, but ``update_state_after_alloc``
+queues the receive only with ``bidirectional_kv_xfer`` on, no host buffer taking the request
+first and no receive queued for it before (``_remote_blocks_processed``; a preempted request
+asks again).  Otherwise nothing ever reports the load done: the request sits in
+``WAITING_FOR_REMOTE_KVS`` for good (0.33: any ``kv_role``, default settings, a prompt of 64+
+tokens).  0.19-0.20 have no readback (such a request is computed locally), the push scheduler
+neither.
+
+The wrapper asks the release's own question after ``get_num_new_matched_tokens`` promised a
+readback (``do_remote_decode`` set, ``do_remote_prefill`` not): will ``update_state_after_alloc``
+queue it (:func:`pdpatch.vllm_sites.readback_receive_queued`, the same conditions in the same
+order)?  If not, it answers the release's own "no external tokens" (what the release answers
+itself below ``kv_recompute_threshold``): the prompt is computed locally, the request is served
+and then handled as the release handles any ``do_remote_decode`` request, and one warning names
+the setting.  A readback the release will start is left to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from packaging.version import Version
+
+from pdpatch import vllm_sites
+from pdpatch.log import logger
+from pdpatch.patches.common import allowed, arg
+from pdpatch.registry import Patch, Target
+
+NAME = "readback_guard"
+
+
+def why_not_queued(scheduler: Any, params: dict) -> str:
+    """The setting that keeps the release from starting this readback."""
+    if getattr(scheduler, "use_host_buffer", False):
+        return "this engine stages KV in a host buffer (kv_buffer_device), which takes " \
+               "do_remote_decode requests first"
+    if params.get("_remote_blocks_processed"):
+        return "its readback was already queued once (the request was preempted)"
+    return "kv_connector_extra_config.bidirectional_kv_xfer is off on this engine"
+
+
+def guard_readback(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    result = wrapped(*args, **kwargs)
+    request = arg(args, kwargs, 0, "request", None)
+    params = getattr(request, "kv_transfer_params", None)
+    if not isinstance(params, dict) or not params.get("do_remote_decode") or \
+            params.get("do_remote_prefill") or not allowed(NAME, instance):
+        return result
+    count, load_async = result
+    if not (load_async and count) or vllm_sites.readback_receive_queued(instance, params):
+        return result
+    kv_role = getattr(getattr(getattr(instance, "vllm_config", None), "kv_transfer_config",
+                              None), "kv_role", None)
+    logger.warning(
+        "pdpatch: request %s asks to read back %d cached tokens from engine %r, which this "
+        "engine (kv_role=%s) would never start: %s. Computing its prompt locally instead of "
+        "waiting forever [readback_guard]", getattr(request, "request_id", "?"), count,
+        params.get("remote_engine_id"), kv_role, why_not_queued(instance, params))
+    return vllm_sites.NO_EXTERNAL_TOKENS
+
+
+def _targets(version: Version) -> list[Target]:
+    return [Target(s.module, s.qualname, guard_readback)
+            for s in vllm_sites.lookup_all(vllm_sites.READBACK_MATCH, version)]
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="a KV readback the engine would never start is computed locally, not waited on",
+    versions=vllm_sites.supported_from("0.21"),
+    why_version="vLLM 0.19-0.20 have no KV readback (such requests are computed locally)",
+    targets=_targets,
+)
