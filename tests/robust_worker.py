@@ -680,6 +680,92 @@ def scheduler_half(role: str = "kv_producer", extra: dict | None = None) -> Any:
         return facade(cfg, KVConnectorRole.SCHEDULER, kvc).connector_scheduler
 
 
+def prefix_cache_block(block_id: int) -> Any:
+    """A block D found in its own prefix cache: hashed, as the release's block pool hands it."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    block = KVCacheBlock(block_id)
+    key = f"prefix-block-{block_id}".encode()
+    if hasattr(block, "set_block_hash"):        # 0.32+
+        block.set_block_hash(key)
+    else:
+        block.block_hash = key
+    return block
+
+
+def admit_remote_prefill(sched: Any, req_id: str, hits: list[int], reads: list[int],
+                         remote_ids: list[int], engine: str = "prefill-engine") -> None:
+    """What ``Scheduler.schedule`` hands D's scheduler half for a remote-prefill request: its
+    blocks (``hits`` from the prefix cache, then the fresh ``reads`` it pulls into) and the
+    number of tokens to load; P listed ``remote_ids``."""
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import Request
+
+    n_tokens = (len(hits) + len(reads)) * BLOCK_SIZE - 1
+    request = Request(request_id=req_id, prompt_token_ids=list(range(n_tokens)),
+                      sampling_params=SamplingParams(max_tokens=8), pooling_params=None)
+    request.kv_transfer_params = {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [remote_ids],
+        "remote_engine_id": engine, "remote_request_id": req_id, "remote_host": HOST,
+        "remote_port": PORT, "tp_size": 1}
+    blocks = KVCacheBlocks(([prefix_cache_block(b) for b in hits] +
+                            [KVCacheBlock(b) for b in reads],))
+    sched.update_state_after_alloc(request, blocks, n_tokens - len(hits) * BLOCK_SIZE)
+
+
+# Remote-prefill requests as (D's prefix-cache hits, D's blocks to read into, P's list).
+BLOCK_ID_CASES = {
+    # issue 25: 22 ids for a 2-block prompt
+    "more": ([], [1, 2], list(range(10, 32))),
+    "more_hit": ([20, 21], [3, 4], [10, 11, 12, 13, 14]),
+    # vllm#50558: D's prompt has P's first token appended and P's prompt ends on a block
+    # boundary: D allocates one block more than P lists
+    "appended_hit": ([22, 23], [5, 6], [15, 16, 17]),
+    "exact": ([], [7, 8], [18, 19]),
+    "exact_hit": ([24, 25], [9, 10], [20, 21, 22, 23]),
+}
+
+
+def scenario_block_ids() -> dict[str, Any]:
+    """Issue 25 case 2 and vllm#50558: remote block lists longer or shorter than D's allocation
+    (its prefix-cache hits plus the blocks it reads into), next to correct ones, in one batch
+    built by D's real scheduler half (``update_state_after_alloc``, ``build_connector_meta``)
+    and read by its real worker; then one more request.  Observes each request's outcome and
+    the blocks each READ pairs (descriptor ids reduced to block ids: every region of a block
+    list is ``region * num_blocks + block``)."""
+    d_blocks, p_blocks = 32, 40
+    d = build_worker("decode-engine", num_blocks=d_blocks)
+    p = build_worker("prefill-engine", role="kv_producer", num_blocks=p_blocks)
+    sched = scheduler_half(role="kv_consumer")
+    connect_by_handshake(d, {0: remote_metadata(p, "prefill-engine", "P0")}, 1)
+    admit_remote_prefill(sched, "warmup", [], [0], [0])
+    crash = step(d, sched.build_connector_meta(None))
+    _, crash2 = run_until(d, lambda a: "warmup" in a["done_recving"])
+    assert crash is None and crash2 is None, (crash, crash2)
+    for req_id, (hits, reads, remote_ids) in BLOCK_ID_CASES.items():
+        admit_remote_prefill(sched, req_id, hits, reads, remote_ids)
+    crash = step(d, sched.build_connector_meta(None))
+    acc: dict[str, Any] = finished(d)
+    if crash is None:
+        more, crash = run_until(d, lambda a: set(BLOCK_ID_CASES) <= set(a["done_recving"]) |
+                                set(a["failed_recving"]))
+        acc = merge(acc, more)
+    after = None
+    if crash is None:
+        admit_remote_prefill(sched, "after", [], [11], [24])
+        crash = step(d, sched.build_connector_meta(None))
+        after, crash2 = run_until(d, lambda a: "after" in a["done_recving"])
+        crash = crash or crash2
+    paired = {req: [{"local": sorted({i % d_blocks for i in r["local_ids"]}),
+                     "remote": sorted({i % p_blocks for i in r["remote_ids"]})} for r in reads]
+              for req, reads in _reads_by_req(d).items()}
+    return {"crash": crash, "results": acc, "after": after, "paired": paired,
+            "descriptors": _reads_by_req(d),
+            "failure_style": vllm_sites.recv_failure_style(version_of())}
+
+
 LISTENER_WAIT_S = 3.0  # a listener that cannot bind dies within milliseconds
 
 
@@ -729,6 +815,7 @@ def scenario_side_channel_taken(extra: dict | None = None) -> dict[str, Any]:
 
 
 SCENARIOS = {
+    "block_ids": scenario_block_ids,
     "transport": scenario_transport,
     "side_channel": scenario_side_channel_taken,
     "read_assert_hma": scenario_read_assert_hma,
