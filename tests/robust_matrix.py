@@ -20,7 +20,8 @@ OLD_RELEASES = releases_in(SUPPORTED)
 def scenarios_for(version: str) -> list[str]:
     v = Version(version)
     names = ["read_assert", "read_assert_hma", "division", "dead_peer", "stand_in", "metadata",
-             "metadata_padded", "hetero_tp", "transport", "side_channel", "block_ids"]
+             "metadata_padded", "hetero_tp", "transport", "side_channel", "block_ids",
+             "block_ids_ratio"]
     if v < Version("0.22"):
         names.append("mla_notif")          # bug in 0.19/0.20; 0.21.0 is the fixed control
     if v >= Version("0.21"):

@@ -54,20 +54,24 @@ def assert_stock_reads_wrong_blocks(obs: dict) -> None:
     assert_right_lists_read(obs)
 
 
-def assert_refused(obs: dict, version: Version) -> None:
-    assert obs["crash"] is None, obs
+def assert_failed_alone(obs: dict, case: str, reads: list[int], version: Version) -> None:
     res = obs["results"]
     style = vllm_sites.recv_failure_style(version)
     assert obs["failure_style"] == style
+    assert case not in obs["paired"], obs["paired"]              # no READ posted
+    if style == "deferred":
+        assert case in res["failed_recving"], res
+    else:
+        # <=0.29: a finished recv whose blocks are all invalid is how these releases fail a
+        # load (their own transfer failures do the same).
+        assert case in res["done_recving"], res
+        assert set(reads) <= set(res["invalid_blocks"]), res
+
+
+def assert_refused(obs: dict, version: Version) -> None:
+    assert obs["crash"] is None, obs
     for case in WRONG:
-        assert case not in obs["paired"], obs["paired"]          # no READ posted
-        if style == "deferred":
-            assert case in res["failed_recving"], res
-        else:
-            # <=0.29: a finished recv whose blocks are all invalid is how these releases
-            # fail a load (their own transfer failures do the same).
-            assert case in res["done_recving"], res
-            assert set(rw.BLOCK_ID_CASES[case][1]) <= set(res["invalid_blocks"]), res
+        assert_failed_alone(obs, case, rw.BLOCK_ID_CASES[case][1], version)
     assert_right_lists_read(obs)
     assert obs["paired"]["after"] and obs["after"]["done_recving"] == ["after"], obs
     assert not obs["after"]["failed_recving"] and not obs["after"]["invalid_blocks"], obs
@@ -115,3 +119,39 @@ def test_block_ids_on_old_release(ver):
     assert_stock_reads_wrong_blocks(stock)
     assert_refused(patched, Version(ver))
     assert_same_reads_as_stock(stock, patched)
+
+
+RATIO_RIGHT = ("ratio_full", "ratio_partial", "ratio_hit")
+
+
+def assert_ratio(stock: dict, patched: dict, version: Version) -> None:
+    """P's blocks half D's size: D's blocks are read as sub-blocks, paired with P's list from
+    its end.  A list longer than D's blocks can hold is read from its last ids by stock vLLM
+    and refused with pdpatch; lists that fit are read exactly as stock reads them."""
+    assert stock["crash"] is None and patched["crash"] is None, (stock, patched)
+    _, reads, remote = rw.RATIO_CASES["ratio_more"]
+    (pair,) = stock["paired"]["ratio_more"]
+    assert pair["remote"] == remote[-2 * len(reads):], pair
+    assert "ratio_more" in stock["results"]["done_recving"], stock["results"]
+    assert "ratio_more" not in stock["results"]["failed_recving"], stock["results"]
+    assert_failed_alone(patched, "ratio_more", reads, version)
+    for case in RATIO_RIGHT:
+        hits, _, remote = rw.RATIO_CASES[case]
+        (pair,) = stock["paired"][case]
+        assert pair["remote"] == remote[2 * len(hits):], (case, pair)     # by position
+        assert case in patched["results"]["done_recving"], patched["results"]
+        assert case not in patched["results"]["failed_recving"], patched["results"]
+    for case in (*RATIO_RIGHT, "warmup", "after"):
+        assert patched["descriptors"][case] == stock["descriptors"][case], case
+
+
+def test_block_ids_bound_0_33_block_size_ratio(fresh_pdpatch):
+    stock = rw.scenario_block_ids_ratio()
+    fresh_pdpatch.install()
+    assert_ratio(stock, rw.scenario_block_ids_ratio(), Version("0.33.0"))
+
+
+@pytest.mark.parametrize("ver", robust_matrix.OLD_RELEASES)
+def test_block_ids_block_size_ratio_on_old_release(ver):
+    stock, patched = robust_matrix.stock_and_patched(ver, "block_ids_ratio", "block_ids_bound")
+    assert_ratio(stock, patched, Version(ver))
