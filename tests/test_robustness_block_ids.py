@@ -153,5 +153,8 @@ def test_block_ids_bound_0_33_block_size_ratio(fresh_pdpatch):
 
 @pytest.mark.parametrize("ver", robust_matrix.OLD_RELEASES)
 def test_block_ids_block_size_ratio_on_old_release(ver):
+    if ver != "<none>" and ver in robust_matrix.BLOCK_RATIO_RIG_UNSUPPORTED:
+        pytest.skip(f"vLLM {ver}'s own kv_postprocess_blksize fails on the rig's blocks-first "
+                    "cache (stock and patched alike); see robust_matrix")
     stock, patched = robust_matrix.stock_and_patched(ver, "block_ids_ratio", "block_ids_bound")
     assert_ratio(stock, patched, Version(ver))
