@@ -394,6 +394,59 @@ def record_recv_failure(worker: Any, req_id: str, version: Version | None = None
     # marked invalid above make the scheduler recompute it.
 
 
+# ------------------------------------------------------- remote block counts (block_ids_bound)
+
+# D's local prefix-cache hits per KV-cache group, counted by the pull scheduler's
+# `update_state_after_alloc` (`block.block_hash is not None and not block.is_null` over the
+# request's blocks) and carried to the worker as `ReqMeta.local_num_computed_blocks` from 0.29
+# (0.29.0 pull_scheduler.py L161).  0.19-0.28 count nothing of the kind: the worker sees only the
+# blocks it reads into.
+LOCAL_HITS_IN_METADATA_FROM = Version("0.29")
+
+# The pull scheduler half's `update_state_after_alloc(request, blocks, num_external_tokens)`,
+# which queues a receive in `self._reqs_need_recv`, and the `build_connector_meta` that turns the
+# queue into the workers' `ReqMeta`s and clears it, in the same scheduler step (only where the
+# worker lacks the hit counts).
+PULL_UPDATE_STATE_AFTER_ALLOC = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorScheduler.update_state_after_alloc"),
+    _site(">=0.20,<0.24", f"{NIXL_PKG}.scheduler",
+          "NixlConnectorScheduler.update_state_after_alloc"),
+    _site(">=0.24,<0.29", f"{NIXL_PKG}.pull_scheduler",
+          "NixlPullConnectorScheduler.update_state_after_alloc"),
+)
+BUILD_CONNECTOR_META = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorScheduler.build_connector_meta"),
+    _site(">=0.20,<0.24", f"{NIXL_PKG}.scheduler", "NixlConnectorScheduler.build_connector_meta"),
+    _site(">=0.24,<0.29", f"{NIXL_PKG}.base_scheduler",
+          "NixlBaseConnectorScheduler.build_connector_meta"),
+)
+
+
+class PeerBlocks(NamedTuple):
+    """How a handshaken peer lays out the blocks its ``remote_block_ids`` name."""
+
+    block_size_ratio: int        # local kernel block / peer kernel block (the release's own)
+    physical_per_logical: int    # the peer's kernel blocks per logical block
+    dcp_size: int                # the peer's decode-context-parallel size
+
+
+def peer_blocks(worker: Any, engine_id: str, version: Version) -> PeerBlocks | None:
+    """The release's own record of peer ``engine_id``; None where it has none (no handshake
+    yet).  0.19 keeps the peer's block size in ``kv_topo`` and expands the peer's ids with its
+    own physical-per-logical ratio; 0.20+ keep an ``EngineTransferInfo`` per peer."""
+    try:
+        if release_of(version) < TRANSFER_TOPOLOGY_FROM:
+            topo = worker.kv_topo
+            return PeerBlocks(int(topo.block_size_ratio_from_engine_id(engine_id)),
+                              int(worker._physical_blocks_per_logical_kv_block), 1)
+        info = worker.transfer_topo.get_engine_info(engine_id)
+        return PeerBlocks(int(worker.transfer_topo.block_size_ratio(info.remote_block_size)),
+                          int(info.remote_physical_blocks_per_logical),
+                          int(getattr(info, "remote_dcp_size", 1)))
+    except (KeyError, AttributeError, AssertionError, ZeroDivisionError):
+        return None
+
+
 # ---------------------------------------------------------------- block keys (patch block_keys)
 
 def lookup_all(sites: tuple[Site, ...], version: Version) -> list[Site]:

@@ -85,7 +85,7 @@ def model_dir(kind: str = "llama", kv_heads: int = 2) -> Path:
 
 
 def vllm_config(kind: str, kv_heads: int, role: str, tp_size: int,
-                extra: dict | None = None) -> Any:
+                extra: dict | None = None, block_size: int = BLOCK_SIZE) -> Any:
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -98,7 +98,7 @@ def vllm_config(kind: str, kv_heads: int, role: str, tp_size: int,
 
     model_config = ModelConfig(model=str(model_dir(kind, kv_heads)), dtype="bfloat16", seed=0,
                                skip_tokenizer_init=True, max_model_len=1024)
-    cache_config = CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9)
+    cache_config = CacheConfig(block_size=block_size, gpu_memory_utilization=0.9)
     if version_of() >= Version("0.29"):
         # Resolved by EngineCore in a real engine (0.29+); head-major as NIXL asks.
         cache_config.kv_cache_layout = "LBHNC"
@@ -191,14 +191,14 @@ def worker_class() -> Any:
     return getattr(importlib.import_module(site.module), site.qualname.split(".")[0])
 
 
-def attention_spec(kind: str, kv_heads: int) -> Any:
+def attention_spec(kind: str, kv_heads: int, block_size: int = BLOCK_SIZE) -> Any:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     if kind == "mla":
-        kwargs = {"block_size": BLOCK_SIZE, "num_kv_heads": 1, "head_size": 160,
+        kwargs = {"block_size": block_size, "num_kv_heads": 1, "head_size": 160,
                   "dtype": DTYPE}
         return MLAAttentionSpec(**kwargs)
-    return FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=kv_heads, head_size=HEAD_DIM,
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=kv_heads, head_size=HEAD_DIM,
                              dtype=DTYPE)
 
 
@@ -221,16 +221,17 @@ def kv_cache_config(num_blocks: int, layer_names: list[str], spec: Any,
 
 
 def kv_tensors(kind: str, kv_heads: int, num_blocks: int, layer_names: list[str],
-               local_heads: int, padding: int = 0) -> dict[str, torch.Tensor]:
+               local_heads: int, padding: int = 0,
+               block_size: int = BLOCK_SIZE) -> dict[str, torch.Tensor]:
     """One contiguous tensor per layer: MLA ``(N, bs, C)``; attention in
     :func:`kv_cache_shape`'s shape (head-major, the layout the NIXL connector asks for; from
     0.29 ``(N, H, bs, 2D)`` as the planner lays out LBHNC)."""
     out = {}
     for i, n in enumerate(layer_names):
         if kind == "mla":
-            shape: tuple[int, ...] = (num_blocks, BLOCK_SIZE, 160)
+            shape: tuple[int, ...] = (num_blocks, block_size, 160)
         else:
-            shape = kv_cache_shape(num_blocks, BLOCK_SIZE, local_heads, HEAD_DIM)
+            shape = kv_cache_shape(num_blocks, block_size, local_heads, HEAD_DIM)
         numel = int(np.prod(shape))
         t = (torch.arange(numel + padding, dtype=torch.float32) + 1000 * i).to(DTYPE)
         out[n] = t[:numel].view(shape)
@@ -251,19 +252,19 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_siz
     return (num_blocks, num_kv_heads, block_size, 2 * head_size)
 
 
-def cpu_backend() -> Any:
+def cpu_backend(block_size: int = BLOCK_SIZE) -> Any:
     """The attention backend object the worker consults, mocked as vLLM's tests do; up to
     0.28 the worker derives the K/V layout from ``get_kv_cache_shape``."""
     backend = MagicMock()
     backend.get_name.return_value = "CPU_ATTN"
-    backend.get_supported_kernel_block_sizes.return_value = [BLOCK_SIZE]
+    backend.get_supported_kernel_block_sizes.return_value = [block_size]
     backend.full_cls_name.return_value = "fake.CPU_ATTN"
     backend.get_kv_cache_shape.side_effect = kv_cache_shape
     return backend
 
 
 @contextlib.contextmanager
-def fake_runtime(tp_rank: int, tp_size: int) -> Iterator[Any]:
+def fake_runtime(tp_rank: int, tp_size: int, block_size: int = BLOCK_SIZE) -> Iterator[Any]:
     """What vLLM's own tests patch: the NIXL agent, the TP group functions, the backends."""
     mod = worker_module()
     patches = [patch.object(mod, "NixlWrapper", RecordingNixlWrapper),
@@ -272,10 +273,10 @@ def fake_runtime(tp_rank: int, tp_size: int) -> Iterator[Any]:
                             return_value=tp_size)]
     for name in ("get_current_attn_backends",):
         if hasattr(mod, name):
-            patches.append(patch.object(mod, name, return_value=[cpu_backend()]))
+            patches.append(patch.object(mod, name, return_value=[cpu_backend(block_size)]))
     if hasattr(mod, "get_current_attn_backend"):
         patches.append(patch.object(mod, "get_current_attn_backend",
-                                    return_value=cpu_backend()))
+                                    return_value=cpu_backend(block_size)))
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)
@@ -285,24 +286,25 @@ def fake_runtime(tp_rank: int, tp_size: int) -> Iterator[Any]:
 def build_worker(engine_id: str, *, role: str = "kv_consumer", num_blocks: int = 32,
                  kind: str = "llama", kv_heads: int = 2, tp_rank: int = 0, tp_size: int = 1,
                  extra: dict | None = None, hma: bool = False, padding: int = 0,
-                 before_register: Any = None) -> Any:
+                 before_register: Any = None, block_size: int = BLOCK_SIZE) -> Any:
     """A real worker of the running release with its KV caches registered; ``padding``: each
     layer's tensor is a view of a buffer that many elements longer (a sub-block tail);
-    ``before_register(worker)`` runs between construction and registration."""
+    ``before_register(worker)`` runs between construction and registration; ``block_size``:
+    tokens per block (logical and kernel)."""
     from vllm.config import set_current_vllm_config
 
-    cfg = vllm_config(kind, kv_heads, role, tp_size, extra)
+    cfg = vllm_config(kind, kv_heads, role, tp_size, extra, block_size)
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
     local_heads = max(1, kv_heads // tp_size)
-    spec = attention_spec(kind, local_heads)
+    spec = attention_spec(kind, local_heads, block_size)
     kvc = kv_cache_config(num_blocks, layers, spec, hma)
-    with fake_runtime(tp_rank, tp_size), set_current_vllm_config(cfg), \
+    with fake_runtime(tp_rank, tp_size, block_size), set_current_vllm_config(cfg), \
             patch("threading.Thread"):
         worker = worker_class()(cfg, engine_id, kvc)
         if before_register is not None:
             before_register(worker)
         worker.register_kv_caches(kv_tensors(kind, kv_heads, num_blocks, layers, local_heads,
-                                             padding))
+                                             padding, block_size))
     return worker
 
 
@@ -687,6 +689,117 @@ def scheduler_half(role: str = "kv_producer", extra: dict | None = None) -> Any:
     return scheduler_connector(role, extra).connector_scheduler
 
 
+def prefix_cache_block(block_id: int) -> Any:
+    """A block D found in its own prefix cache: hashed, as the release's block pool hands it."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    block = KVCacheBlock(block_id)
+    key = f"prefix-block-{block_id}".encode()
+    if hasattr(block, "set_block_hash"):        # 0.32+
+        block.set_block_hash(key)
+    else:
+        block.block_hash = key
+    return block
+
+
+def admit_remote_prefill(sched: Any, req_id: str, hits: list[int], reads: list[int],
+                         remote_ids: list[int], engine: str = "prefill-engine") -> None:
+    """What ``Scheduler.schedule`` hands D's scheduler half for a remote-prefill request: its
+    blocks (``hits`` from the prefix cache, then the fresh ``reads`` it pulls into) and the
+    number of tokens to load; P listed ``remote_ids``."""
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import Request
+
+    n_tokens = (len(hits) + len(reads)) * BLOCK_SIZE - 1
+    request = Request(request_id=req_id, prompt_token_ids=list(range(n_tokens)),
+                      sampling_params=SamplingParams(max_tokens=8), pooling_params=None)
+    request.kv_transfer_params = {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [remote_ids],
+        "remote_engine_id": engine, "remote_request_id": req_id, "remote_host": HOST,
+        "remote_port": PORT, "tp_size": 1}
+    blocks = KVCacheBlocks(([prefix_cache_block(b) for b in hits] +
+                            [KVCacheBlock(b) for b in reads],))
+    sched.update_state_after_alloc(request, blocks, n_tokens - len(hits) * BLOCK_SIZE)
+
+
+# Remote-prefill requests as (D's prefix-cache hits, D's blocks to read into, P's list).
+BLOCK_ID_CASES = {
+    # issue 25: 22 ids for a 2-block prompt
+    "more": ([], [1, 2], list(range(10, 32))),
+    "more_hit": ([20, 21], [3, 4], [10, 11, 12, 13, 14]),
+    # vllm#50558: D's prompt has P's first token appended and P's prompt ends on a block
+    # boundary: D allocates one block more than P lists
+    "appended_hit": ([22, 23], [5, 6], [15, 16, 17]),
+    "exact": ([], [7, 8], [18, 19]),
+    "exact_hit": ([24, 25], [9, 10], [20, 21, 22, 23]),
+}
+
+
+# The same with P's blocks half the size of D's (vLLM's `block_size_ratio` 2; P's list at P's
+# block size).
+RATIO_CASES = {
+    "ratio_full": ([], [1, 2], [10, 11, 12, 13]),
+    # D's last block only half read: a prompt of 17-24 tokens
+    "ratio_partial": ([], [3, 4], [14, 15, 16]),
+    "ratio_hit": ([20], [5], [17, 18, 19, 20]),
+    # more ids than D's 2 blocks can hold
+    "ratio_more": ([], [6, 7], list(range(21, 39))),
+}
+
+
+def _block_id_run(cases: dict[str, tuple[list[int], list[int], list[int]]],
+                  p_block_size: int) -> dict[str, Any]:
+    d_blocks, p_blocks = 32, 40
+    ratio = BLOCK_SIZE // p_block_size
+    d = build_worker("decode-engine", num_blocks=d_blocks)
+    p = build_worker("prefill-engine", role="kv_producer", num_blocks=p_blocks,
+                     block_size=p_block_size)
+    sched = scheduler_half(role="kv_consumer")
+    connect_by_handshake(d, {0: remote_metadata(p, "prefill-engine", "P0")}, 1)
+    admit_remote_prefill(sched, "warmup", [], [0], [0])
+    crash = step(d, sched.build_connector_meta(None))
+    _, crash2 = run_until(d, lambda a: "warmup" in a["done_recving"])
+    assert crash is None and crash2 is None, (crash, crash2)
+    for req_id, (hits, reads, remote_ids) in cases.items():
+        admit_remote_prefill(sched, req_id, hits, reads, remote_ids)
+    crash = step(d, sched.build_connector_meta(None))
+    acc: dict[str, Any] = finished(d)
+    if crash is None:
+        more, crash = run_until(d, lambda a: set(cases) <= set(a["done_recving"]) |
+                                set(a["failed_recving"]))
+        acc = merge(acc, more)
+    after = None
+    if crash is None:
+        admit_remote_prefill(sched, "after", [], [11], [24])
+        crash = step(d, sched.build_connector_meta(None))
+        after, crash2 = run_until(d, lambda a: "after" in a["done_recving"])
+        crash = crash or crash2
+    # Local descriptors address D's blocks in `ratio` sub-blocks each.
+    paired = {req: [{"local": sorted({i % (d_blocks * ratio) for i in r["local_ids"]}),
+                     "remote": sorted({i % p_blocks for i in r["remote_ids"]})} for r in reads]
+              for req, reads in _reads_by_req(d).items()}
+    return {"crash": crash, "results": acc, "after": after, "paired": paired,
+            "descriptors": _reads_by_req(d),
+            "failure_style": vllm_sites.recv_failure_style(version_of())}
+
+
+def scenario_block_ids() -> dict[str, Any]:
+    """Issue 25 case 2 and vllm#50558: remote block lists longer or shorter than D's allocation
+    (its prefix-cache hits plus the blocks it reads into), next to correct ones, in one batch
+    built by D's real scheduler half (``update_state_after_alloc``, ``build_connector_meta``)
+    and read by its real worker; then one more request.  Observes each request's outcome and
+    the blocks each READ pairs (descriptor ids reduced to block ids: every region of a block
+    list is ``region * num_blocks + block``)."""
+    return _block_id_run(BLOCK_ID_CASES, BLOCK_SIZE)
+
+
+def scenario_block_ids_ratio() -> dict[str, Any]:
+    """:func:`scenario_block_ids` with P's blocks half D's size (:data:`RATIO_CASES`)."""
+    return _block_id_run(RATIO_CASES, BLOCK_SIZE // 2)
+
+
 LISTENER_WAIT_S = 3.0  # a listener that cannot bind dies within milliseconds
 
 
@@ -888,6 +1001,8 @@ def scenario_readback(extra: dict | None = None) -> dict[str, Any]:
 
 
 SCENARIOS = {
+    "block_ids": scenario_block_ids,
+    "block_ids_ratio": scenario_block_ids_ratio,
     "transport": scenario_transport,
     "side_channel": scenario_side_channel_taken,
     "read_assert_hma": scenario_read_assert_hma,

@@ -29,7 +29,11 @@ def test_install_wraps_and_uninstall_restores_the_exact_original(fresh_pdpatch, 
     states = fresh_pdpatch.install()
     assert states["read_guard"].status == "active"
     wrapped = read_attr()
-    assert isinstance(wrapped, wrapt.FunctionWrapper) and wrapped.__wrapped__ is original
+    assert isinstance(wrapped, wrapt.FunctionWrapper)
+    inner = wrapped                                  # block_ids_bound and read_guard wrap it
+    while isinstance(inner, wrapt.FunctionWrapper):
+        inner = inner.__wrapped__
+    assert inner is original
     assert fresh_pdpatch.install() is states          # idempotent: nothing re-wrapped
     assert read_attr() is wrapped
     fresh_pdpatch.uninstall()
@@ -42,13 +46,15 @@ def test_install_reapplied_after_uninstall_wraps_once(fresh_pdpatch):
     fresh_pdpatch.uninstall()
     fresh_pdpatch.install()
     chain = list(wrapt.wrapper_chain(read_attr()))
-    assert len([w for w in chain if isinstance(w, wrapt.FunctionWrapper)]) == 1
+    # Once per patch that wraps the read path here: block_ids_bound and read_guard.
+    assert len([w for w in chain if isinstance(w, wrapt.FunctionWrapper)]) == 2
     fresh_pdpatch.uninstall()
     assert read_attr() is original
 
 
 def test_toggle_off_skips_with_reason(fresh_pdpatch, monkeypatch):
     monkeypatch.setenv("PDPATCH_READ_GUARD", "0")
+    monkeypatch.setenv("PDPATCH_BLOCK_IDS_BOUND", "0")      # the read path's other wrapper
     original = read_attr()
     states = fresh_pdpatch.install()
     assert states["read_guard"].status == "skipped"

@@ -11,6 +11,7 @@ from pdpatch.registry import Patch
 def all_patches() -> list[Patch]:
     """Imported lazily: patch modules are tiny, but the bootstrap should not pay for them."""
     from pdpatch.patches import (
+        block_ids_bound,
         block_keys,
         division_checks,
         handshake_failure_guard,
@@ -28,10 +29,11 @@ def all_patches() -> list[Patch]:
         transport_check,
     )
 
-    return [read_guard.PATCH, layout.PATCH, num_blocks.PATCH, mla_notif.PATCH,
-            division_checks.PATCH, spec_classify.PATCH, handshake_failure_guard.PATCH,
-            kv_segments.PATCH, block_keys.PATCH, params_check.PATCH, transport_check.PATCH,
-            peer_check.PATCH, side_channel_listen.PATCH, params_guard.PATCH,
+    # block_ids_bound before read_guard: read_guard wraps it (an error of its check is contained).
+    return [block_ids_bound.PATCH, read_guard.PATCH, layout.PATCH, num_blocks.PATCH,
+            mla_notif.PATCH, division_checks.PATCH, spec_classify.PATCH,
+            handshake_failure_guard.PATCH, kv_segments.PATCH, block_keys.PATCH, params_check.PATCH,
+            transport_check.PATCH, peer_check.PATCH, side_channel_listen.PATCH, params_guard.PATCH,
             readback_guard.PATCH]
 
 
