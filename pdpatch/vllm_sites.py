@@ -383,6 +383,13 @@ def recv_failure_style(version: Version) -> str | None:
     return next((style for spec, style in RECV_FAILURE_STYLES if version in spec), None)
 
 
+def failure_recordable(worker: Any, version: Version) -> bool:
+    """Whether the release can fail one request's KV load alone on this worker: not for HMA
+    models before 0.30 (see above; vllm#52234 is the release reporting such a failure as a
+    finished load anyway)."""
+    return recv_failure_style(version) == "deferred" or not worker._is_hma_required
+
+
 def record_recv_failure(worker: Any, req_id: str, version: Version | None = None) -> None:
     """Fail one request's KV load the way the running release itself records such failures.
 
@@ -404,7 +411,7 @@ def record_recv_failure(worker: Any, req_id: str, version: Version | None = None
     meta = worker._recving_metadata.get(req_id)
     if meta is None:
         return                      # nothing awaits this load; nothing to report
-    if worker._is_hma_required:
+    if not failure_recordable(worker, version):
         raise FailureNotRecordable(
             f"vLLM {version} reports failed KV loads only as invalid blocks, which it does not "
             "support for hybrid (HMA) KV-cache layouts")

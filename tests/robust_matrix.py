@@ -19,8 +19,8 @@ OLD_RELEASES = releases_in(SUPPORTED)
 
 def scenarios_for(version: str) -> list[str]:
     v = Version(version)
-    names = ["read_assert", "read_assert_hma", "division", "dead_peer", "full_hit_dead_peer",
-             "full_hit_dead_peer_hma", "stand_in", "metadata",
+    names = ["read_assert", "read_assert_hma", "division", "dead_peer", "dead_peer_hma",
+             "full_hit_dead_peer", "full_hit_dead_peer_hma", "stand_in", "metadata",
              "metadata_padded", "hetero_tp", "transport", "side_channel"]
     if v < Version("0.22"):
         names.append("mla_notif")          # bug in 0.19/0.20; 0.21.0 is the fixed control

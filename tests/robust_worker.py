@@ -612,15 +612,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def scenario_dead_peer() -> dict[str, Any]:
+def scenario_dead_peer(hma: bool = False) -> dict[str, Any]:
     """A prefill engine that is gone before the decode side handshakes with it: the release's
     real ZMQ handshake to a closed port times out (5 s).  ``r-dead`` must fail alone; a request
-    to a live peer (``prefill-ok``) afterwards must be served."""
-    d = build_worker("decode-engine", num_blocks=32)
-    ok = build_worker("prefill-ok", role="kv_producer", num_blocks=40)
+    to a live peer (``prefill-ok``) afterwards must be served.  ``hma``: the same on a hybrid
+    (full + sliding-window) layout with the hybrid KV-cache manager on (vllm#52234: before
+    0.30 the release reports the failed request as finished receiving with no failure signal,
+    and the scheduler decodes from the KV that never arrived)."""
+    d = build_worker("decode-engine", num_blocks=32, hma=hma, hybrid_manager=hma)
+    ok = build_worker("prefill-ok", role="kv_producer", num_blocks=40, hma=hma,
+                      hybrid_manager=hma)
+    g = 2 if hma else 1
     errors = connect_by_handshake(d, {0: remote_metadata(ok, "prefill-ok", "OK0")}, 1)
-    crash = step(d, recv_metadata([{"req_id": "r-dead", "local_ids": [[1, 2]],
-                                    "remote_ids": [[3, 4]], "engine": "prefill-dead",
+    crash = step(d, recv_metadata([{"req_id": "r-dead", "local_ids": [[1, 2]] * g,
+                                    "remote_ids": [[3, 4]] * g, "engine": "prefill-dead",
                                     "port": free_port()}]))
     acc, crash2 = run_until(
         d, lambda a: "r-dead" in set(a["done_recving"]) | set(a["failed_recving"]),
@@ -628,13 +633,17 @@ def scenario_dead_peer() -> dict[str, Any]:
     crash = crash or crash2
     after = None
     if crash is None:
-        crash = step(d, recv_metadata([{"req_id": "r-ok", "local_ids": [[5]],
-                                        "remote_ids": [[6]], "engine": "prefill-ok",
+        crash = step(d, recv_metadata([{"req_id": "r-ok", "local_ids": [[5]] * g,
+                                        "remote_ids": [[6]] * g, "engine": "prefill-ok",
                                         "port": PORT + 2}]))
         after, crash2 = run_until(d, lambda a: "r-ok" in a["done_recving"])
         crash = crash or crash2
     return {"crash": crash, "handshake_errors": errors, "results": acc, "after": after,
-            "reads": _reads_by_req(d)}
+            "reads": _reads_by_req(d), "hma": bool(d._is_hma_required)}
+
+
+def scenario_dead_peer_hma() -> dict[str, Any]:
+    return scenario_dead_peer(hma=True)
 
 
 def notify_only_recv(req_id: str, engine: str, port: int, hma: bool) -> tuple[Any, bool]:
@@ -709,8 +718,9 @@ def scenario_full_hit_dead_peer(hma: bool = False) -> dict[str, Any]:
     entry = meta.reqs_to_recv["r-hit"]
     callback_errors: list[str] = []
     handler = logging.Handler(logging.ERROR)
+    # the log call's template and the exception's type (the message names the future's id)
     handler.emit = lambda r: callback_errors.append(  # type: ignore[method-assign]
-        f"{r.getMessage()} {r.exc_info[0].__name__ if r.exc_info else ''}".strip())
+        f"{r.msg}: {r.exc_info[0].__name__ if r.exc_info else None}")
     futures_log = logging.getLogger("concurrent.futures")
     futures_log.addHandler(handler)
     try:
@@ -849,6 +859,7 @@ SCENARIOS = {
     "side_channel": scenario_side_channel_taken,
     "read_assert_hma": scenario_read_assert_hma,
     "dead_peer": scenario_dead_peer,
+    "dead_peer_hma": scenario_dead_peer_hma,
     "full_hit_dead_peer": scenario_full_hit_dead_peer,
     "full_hit_dead_peer_hma": scenario_full_hit_dead_peer_hma,
     "read_assert": scenario_read_assert,

@@ -55,3 +55,39 @@ def test_dead_peer_on_old_release(ver):
         assert rep["status"]["handshake_failure_guard"] == "skipped", rep["summary"]
         assert "get_finished skips failed requests from vLLM 0.22.0" in rep["summary"]
     assert_clean(robust_matrix.scenario(ver, "patched", "dead_peer"), v)
+
+
+def assert_hma_outcome(obs: dict, version: Version) -> None:
+    """vllm#52234 on a hybrid (HMA) layout: where the release can express the failure (0.30+)
+    the request fails alone; before, the release reports it as a finished load with no
+    failure signal -- the scheduler then decodes from KV that never arrived (HTTP 200, wrong
+    tokens) -- and pdpatch cannot do better through the release's bookkeeping."""
+    assert obs["hma"] is True, obs
+    res = obs["results"]
+    if vllm_sites.recv_failure_style(version) == "deferred":
+        assert obs["crash"] is None and res["failed_recving"] == ["r-dead"], obs
+        assert obs["after"]["done_recving"] == ["r-ok"], obs
+    elif version in vllm_sites.FAILED_RECV_LOOKUP:
+        assert obs["crash"] == "KeyError: 'prefill-dead'", obs
+    else:
+        assert obs["crash"] is None and res["done_recving"] == ["r-dead"], obs
+        assert res["failed_recving"] == [] and res["invalid_blocks"] == [], obs
+
+
+def test_dead_peer_hma_0_33_fails_the_request_only():
+    assert_hma_outcome(rw.scenario_dead_peer(hma=True), Version("0.33.0"))
+
+
+@pytest.mark.parametrize("ver", robust_matrix.OLD_RELEASES)
+def test_dead_peer_hma_on_old_release(ver):
+    """0.19-0.21: ``handshake_failure_guard`` leaves the release's KeyError where reporting
+    the request would hand the scheduler garbage KV; 0.22-0.29: vllm#52234 as stock."""
+    if ver == "<none>":
+        pytest.skip("no old vLLM source tree extracted (scripts/fetch_vllm_sources.sh)")
+    v = Version(ver)
+    stock = robust_matrix.scenario(ver, "stock", "dead_peer_hma")
+    patched = robust_matrix.scenario(ver, "patched", "dead_peer_hma")
+    assert_hma_outcome(stock, v)
+    assert_hma_outcome(patched, v)
+    assert {k: patched[k] for k in ("crash", "results")} == \
+        {k: stock[k] for k in ("crash", "results")}

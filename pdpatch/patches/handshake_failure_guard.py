@@ -14,7 +14,10 @@ Found by fault injection (bad peers).  Two faults of the release's own failure p
   listed as failed whose remote engine is unknown are taken out of ``_failed_recv_reqs``
   before the original runs and added to its ``done_recving`` afterwards, with their metadata
   dropped.  Their blocks were already marked invalid by the release's own handshake-failure
-  callback, so the scheduler recomputes or fails them.
+  callback, so the scheduler recomputes or fails them.  On a hybrid (HMA) layout the callback
+  marks nothing (those releases cannot express the failure) and a report would have the
+  scheduler decode from KV that never arrived (vllm#52234): there the release's own error
+  stands, as ``read_guard`` leaves it.
 * **Notify-only receive of an HMA model (0.19-0.29).**  A full local prefix hit (or a request
   aborted before it was scheduled) still queues a receive, with no local blocks: the worker
   only owes P the notification that frees P's blocks, and the scheduler never parks the
@@ -92,6 +95,16 @@ def make_guard(version: Version) -> Wrapper:
             return remote is None or vllm_sites.remote_engine_known(
                 instance, remote.engine_id, version)
 
+        if not vllm_sites.failure_recordable(instance, version):
+            unknown = sorted(r for r in failed if not engine_known(r))
+            if unknown:
+                logger.error(
+                    "pdpatch: requests %s failed before their prefill engine was known, on a "
+                    "hybrid (HMA) KV-cache layout, which vLLM %s cannot report as failed: "
+                    "reporting them would let the scheduler decode from KV that never "
+                    "arrived (vllm#52234), so the release's own KeyError stands; vLLM 0.30+ "
+                    "fails them alone [handshake_failure_guard]", unknown, version)
+            return wrapped(*args, **kwargs)
         orphans = _take_failed(failed, engine_known)
         done_sending, done_recving = wrapped(*args, **kwargs)
         for req_id in orphans:
