@@ -34,6 +34,7 @@ Found by fault injection (bad peers).  Two faults of the release's own failure p
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable
 from typing import Any
 
 from packaging.version import Version
@@ -46,11 +47,13 @@ from pdpatch.registry import Patch, Target, Wrapper
 NAME = "handshake_failure_guard"
 
 
-def _take_failed(failed: set | queue.Queue, keep: Any) -> set[str]:
+def _take_failed(failed: set | queue.Queue, keep: Callable[[str], bool]) -> set[str]:
     """Remove from the release's failed-receive collection (a set up to 0.21, a queue from
-    0.22) the requests ``keep`` rejects; returns them."""
+    0.22) the requests ``keep`` rejects; returns them.  The handshake thread's callbacks add
+    to it concurrently: the set is read through one snapshot (``list`` copies it under the
+    GIL), the queue drained and refilled."""
     if isinstance(failed, set):
-        taken = {req_id for req_id in failed if not keep(req_id)}
+        taken = {req_id for req_id in list(failed) if not keep(req_id)}
         failed -= taken
         return taken
     drained = []
@@ -96,7 +99,7 @@ def make_guard(version: Version) -> Wrapper:
                 instance, remote.engine_id, version)
 
         if not vllm_sites.failure_recordable(instance, version):
-            unknown = sorted(r for r in failed if not engine_known(r))
+            unknown = sorted(r for r in list(failed) if not engine_known(r))
             if unknown:
                 logger.error(
                     "pdpatch: requests %s failed before their prefill engine was known, on a "
