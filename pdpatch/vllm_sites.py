@@ -191,15 +191,46 @@ VALIDATE_REQUEST_PARAMS = (
 )
 
 
-# The decode worker's per-step result collection.  In 0.19-0.21 `get_finished` runs the
-# heterogeneous-block-size post-processing for *failed* receives too, looking up the remote
-# engine -- which raises KeyError when the handshake failed before the engine was registered
-# (0.19 nixl_connector.py L2302 `kv_topo.block_size_ratio_from_engine_id`; 0.20.2 worker.py
-# L1685, 0.21.0 `transfer_topo.get_engine_info`).  0.22 skips failed requests there.
+# The decode worker's per-step result collection up to 0.29 (0.30 renames it
+# `get_transfer_results`); every request in `_failed_recv_reqs` (a set up to 0.21, a queue
+# from 0.22) is listed there as done receiving.
 GET_FINISHED = (
     _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorWorker.get_finished"),
     _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", "NixlConnectorWorker.get_finished"),
+    _site(">=0.24,<0.30", f"{NIXL_PKG}.base_worker", "NixlBaseConnectorWorker.get_finished"),
 )
+# In 0.19-0.21 `get_finished` runs the heterogeneous-block-size post-processing for *failed*
+# receives too, looking up the remote engine -- which raises KeyError when the handshake
+# failed before the engine was registered (0.19 nixl_connector.py L2302
+# `kv_topo.block_size_ratio_from_engine_id`; 0.20.2 worker.py L1685, 0.21.0
+# `transfer_topo.get_engine_info`).  0.22 skips failed requests there.
+FAILED_RECV_LOOKUP = VersionRange(">=0.19,<0.22")
+
+# A receive with no local blocks owes P only the notification that frees P's blocks: a full
+# local prefix hit (`update_state_after_alloc` with `num_external_tokens == 0`) or a request
+# aborted before it was scheduled (`request_finished` queues `(request, [])`).  The scheduler
+# never parks such a request in WAITING_FOR_REMOTE_KVS (`get_num_new_matched_tokens` returns
+# `(0, False)`), and a worker that lists it as finished receiving kills the engine core:
+# `_update_from_kv_xfer_finished` asserts `req_id in self.requests` and, unless the request
+# is parked, `RequestStatus.is_finished(req.status)` (0.19.1 scheduler.py L2128-2133, the same
+# lines through 0.33).  Its own notification failing is only logged, in every release.
+# 0.19-0.29 store the receive's metadata like any other; when its handshake fails, the
+# release's failure callback marks `meta.local_block_ids[0]` invalid -- an IndexError on the
+# empty ids, raised inside the future's callback (logged by concurrent.futures, swallowed)
+# before the request is queued as failed -- except for HMA models, whose failure path skips
+# the block ids (their "TODO handle failed transfer for HMA"): there the request is queued
+# failed and reported (0.19.1 nixl_connector.py L1527-1531; 0.22.1 worker.py L1926-1928;
+# 0.29.0 base_worker.py L2433-2435).  0.30 flags these receives (`awaiting_kvs=False`) and
+# never stores them, so a failure finds nothing to report.
+NOTIFY_ONLY_UNFLAGGED = VersionRange(">=0.19,<0.30")
+
+
+def is_notify_only(meta: Any) -> bool:
+    """Whether a receive's metadata has no local block to fill, in any KV-cache group (the
+    test of 0.30's `start_load_kv`, ``any(meta.local_block_ids)``, and of every release's
+    `_read_blocks` full-hit branch)."""
+    ids = getattr(meta, "local_block_ids", None)
+    return ids is not None and all(len(group) == 0 for group in ids)
 
 
 # The decode worker's view of TP sizes and KV heads: `kv_topo` (TpKVTopology) in 0.19,
@@ -353,6 +384,13 @@ def recv_failure_style(version: Version) -> str | None:
     return next((style for spec, style in RECV_FAILURE_STYLES if version in spec), None)
 
 
+def failure_recordable(worker: Any, version: Version) -> bool:
+    """Whether the release can fail one request's KV load alone on this worker: not for HMA
+    models before 0.30 (see above; vllm#52234 is the release reporting such a failure as a
+    finished load anyway)."""
+    return recv_failure_style(version) == "deferred" or not worker._is_hma_required
+
+
 def record_recv_failure(worker: Any, req_id: str, version: Version | None = None) -> None:
     """Fail one request's KV load the way the running release itself records such failures.
 
@@ -374,7 +412,7 @@ def record_recv_failure(worker: Any, req_id: str, version: Version | None = None
     meta = worker._recving_metadata.get(req_id)
     if meta is None:
         return                      # nothing awaits this load; nothing to report
-    if worker._is_hma_required:
+    if not failure_recordable(worker, version):
         raise FailureNotRecordable(
             f"vLLM {version} reports failed KV loads only as invalid blocks, which it does not "
             "support for hybrid (HMA) KV-cache layouts")

@@ -27,7 +27,8 @@ BLOCK_RATIO_RIG_UNSUPPORTED = SpecifierSet(">=0.23,<0.26")
 
 def scenarios_for(version: str) -> list[str]:
     v = Version(version)
-    names = ["read_assert", "read_assert_hma", "division", "dead_peer", "stand_in", "metadata",
+    names = ["read_assert", "read_assert_hma", "division", "dead_peer", "dead_peer_hma",
+             "full_hit_dead_peer", "full_hit_dead_peer_hma", "stand_in", "metadata",
              "metadata_padded", "hetero_tp", "transport", "side_channel", "rejected",
              "readback", "block_ids"]
     if v not in BLOCK_RATIO_RIG_UNSUPPORTED:

@@ -85,7 +85,8 @@ def model_dir(kind: str = "llama", kv_heads: int = 2) -> Path:
 
 
 def vllm_config(kind: str, kv_heads: int, role: str, tp_size: int,
-                extra: dict | None = None, block_size: int = BLOCK_SIZE) -> Any:
+                extra: dict | None = None, block_size: int = BLOCK_SIZE,
+                hybrid_manager: bool = False) -> Any:
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -118,6 +119,11 @@ def vllm_config(kind: str, kv_heads: int, role: str, tp_size: int,
     # The worker sizes its head split from the TP size in the config; set after validation
     # (one process stands in for one rank of a `tp_size` engine).
     cfg.parallel_config.tensor_parallel_size = tp_size
+    if hybrid_manager:
+        # What `--no-disable-hybrid-kv-cache-manager` gives on a GPU platform: 0.19-0.21 turn
+        # the hybrid KV-cache manager off by default when a KV connector is set (and always
+        # on CPU); set after validation, as the TP size above.
+        cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
     return cfg
 
 
@@ -286,14 +292,16 @@ def fake_runtime(tp_rank: int, tp_size: int, block_size: int = BLOCK_SIZE) -> It
 def build_worker(engine_id: str, *, role: str = "kv_consumer", num_blocks: int = 32,
                  kind: str = "llama", kv_heads: int = 2, tp_rank: int = 0, tp_size: int = 1,
                  extra: dict | None = None, hma: bool = False, padding: int = 0,
-                 before_register: Any = None, block_size: int = BLOCK_SIZE) -> Any:
+                 before_register: Any = None, block_size: int = BLOCK_SIZE,
+                 hybrid_manager: bool = False) -> Any:
     """A real worker of the running release with its KV caches registered; ``padding``: each
     layer's tensor is a view of a buffer that many elements longer (a sub-block tail);
     ``before_register(worker)`` runs between construction and registration; ``block_size``:
-    tokens per block (logical and kernel)."""
+    tokens per block (logical and kernel); ``hybrid_manager``: the hybrid KV-cache manager
+    explicitly on (:func:`vllm_config`)."""
     from vllm.config import set_current_vllm_config
 
-    cfg = vllm_config(kind, kv_heads, role, tp_size, extra, block_size)
+    cfg = vllm_config(kind, kv_heads, role, tp_size, extra, block_size, hybrid_manager)
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
     local_heads = max(1, kv_heads // tp_size)
     spec = attention_spec(kind, local_heads, block_size)
@@ -608,15 +616,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def scenario_dead_peer() -> dict[str, Any]:
+def scenario_dead_peer(hma: bool = False) -> dict[str, Any]:
     """A prefill engine that is gone before the decode side handshakes with it: the release's
     real ZMQ handshake to a closed port times out (5 s).  ``r-dead`` must fail alone; a request
-    to a live peer (``prefill-ok``) afterwards must be served."""
-    d = build_worker("decode-engine", num_blocks=32)
-    ok = build_worker("prefill-ok", role="kv_producer", num_blocks=40)
+    to a live peer (``prefill-ok``) afterwards must be served.  ``hma``: the same on a hybrid
+    (full + sliding-window) layout with the hybrid KV-cache manager on (vllm#52234: before
+    0.30 the release reports the failed request as finished receiving with no failure signal,
+    and the scheduler decodes from the KV that never arrived)."""
+    d = build_worker("decode-engine", num_blocks=32, hma=hma, hybrid_manager=hma)
+    ok = build_worker("prefill-ok", role="kv_producer", num_blocks=40, hma=hma,
+                      hybrid_manager=hma)
+    g = 2 if hma else 1
     errors = connect_by_handshake(d, {0: remote_metadata(ok, "prefill-ok", "OK0")}, 1)
-    crash = step(d, recv_metadata([{"req_id": "r-dead", "local_ids": [[1, 2]],
-                                    "remote_ids": [[3, 4]], "engine": "prefill-dead",
+    crash = step(d, recv_metadata([{"req_id": "r-dead", "local_ids": [[1, 2]] * g,
+                                    "remote_ids": [[3, 4]] * g, "engine": "prefill-dead",
                                     "port": free_port()}]))
     acc, crash2 = run_until(
         d, lambda a: "r-dead" in set(a["done_recving"]) | set(a["failed_recving"]),
@@ -624,13 +637,126 @@ def scenario_dead_peer() -> dict[str, Any]:
     crash = crash or crash2
     after = None
     if crash is None:
-        crash = step(d, recv_metadata([{"req_id": "r-ok", "local_ids": [[5]],
-                                        "remote_ids": [[6]], "engine": "prefill-ok",
+        crash = step(d, recv_metadata([{"req_id": "r-ok", "local_ids": [[5]] * g,
+                                        "remote_ids": [[6]] * g, "engine": "prefill-ok",
                                         "port": PORT + 2}]))
         after, crash2 = run_until(d, lambda a: "r-ok" in a["done_recving"])
         crash = crash or crash2
     return {"crash": crash, "handshake_errors": errors, "results": acc, "after": after,
-            "reads": _reads_by_req(d)}
+            "reads": _reads_by_req(d), "hma": bool(d._is_hma_required)}
+
+
+def scenario_dead_peer_hma() -> dict[str, Any]:
+    return scenario_dead_peer(hma=True)
+
+
+def notify_only_recv(req_id: str, engine: str, port: int, hma: bool) -> tuple[Any, bool]:
+    """The receive a full local prefix hit puts in the step's connector metadata, built by the
+    release's real scheduler half: ``get_num_new_matched_tokens`` with the whole prompt
+    already computed locally (whether the scheduler parks the request in
+    ``WAITING_FOR_REMOTE_KVS`` is its second value), then ``update_state_after_alloc`` with
+    ``num_external_tokens=0`` and ``build_connector_meta``.  The receive carries no local
+    blocks (the worker only owes P the notification that frees P's blocks), and from 0.30
+    ``awaiting_kvs=False``.  Returns the metadata and whether the request was parked."""
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    half = scheduler_half("kv_consumer", hma=hma)
+    prompt = list(range(100, 100 + 2 * BLOCK_SIZE))
+    request = Request(request_id=req_id, prompt_token_ids=prompt,
+                      sampling_params=SamplingParams(max_tokens=4), pooling_params=None)
+    request.kv_transfer_params = {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[3, 4]],
+        "remote_engine_id": engine, "remote_request_id": f"p-{req_id}",
+        "remote_host": HOST, "remote_port": port, "tp_size": 1}
+    _, parked = half.get_num_new_matched_tokens(request, len(prompt))
+    cached = []
+    for group in range(2 if hma else 1):
+        # hashed: cached blocks (the field vLLM's own tests set, in every release)
+        cached.append([KVCacheBlock(block_id=1 + 2 * group + i,
+                                    _block_hash=f"cached-{group}-{i}".encode())
+                       for i in range(2)])
+    half.update_state_after_alloc(request, KVCacheBlocks(blocks=tuple(cached)), 0)
+    return half.build_connector_meta(SchedulerOutput.make_empty()), bool(parked)
+
+
+def scheduler_takes_report(req_id: str, reported: list[str]) -> str | None:
+    """What the release's real ``Scheduler._update_from_kv_xfer_finished`` does with a worker
+    that lists ``reported`` as finished receiving while ``req_id`` is a running request it
+    never parked: the exception that would kill the engine core, or None."""
+    import block_keys_scenarios as bks
+    from vllm.v1.outputs import KVConnectorOutput
+
+    if not reported:
+        return None
+    sched = bks.scheduler(bks.BASE, "kv_consumer")
+    with patch.dict(os.environ):        # the request's hasher sets PYTHONHASHSEED
+        sched.add_request(bks.request(bks.BASE, sched, req_id, None, max_tokens=4))
+    sched.schedule()
+    try:
+        sched._update_from_kv_xfer_finished(KVConnectorOutput(finished_recving=set(reported)))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def scenario_full_hit_dead_peer(hma: bool = False) -> dict[str, Any]:
+    """A prompt D holds entirely in its prefix cache, whose prefill engine is gone: the
+    notify-only receive (:func:`notify_only_recv`) sends the release's real ZMQ handshake to
+    a closed port, which times out (5 s).  The request is running on D and never waits for
+    this receive, so the worker must survive and must not list the request as finished or
+    failed receiving (the scheduler asserts the request is parked or finished:
+    :func:`scheduler_takes_report`); a request to a live peer afterwards must be served.
+    Observed over a bounded number of steps after the handshake failed."""
+    import logging
+
+    d = build_worker("decode-engine", num_blocks=32, hma=hma, hybrid_manager=hma)
+    ok = build_worker("prefill-ok", role="kv_producer", num_blocks=40, hma=hma,
+                      hybrid_manager=hma)
+    g = 2 if hma else 1
+    errors = connect_by_handshake(d, {0: remote_metadata(ok, "prefill-ok", "OK0")}, 1)
+    meta, parked = notify_only_recv("r-hit", "prefill-dead", free_port(), hma)
+    entry = meta.reqs_to_recv["r-hit"]
+    callback_errors: list[str] = []
+    handler = logging.Handler(logging.ERROR)
+    # the log call's template and the exception's type (the message names the future's id)
+    handler.emit = lambda r: callback_errors.append(  # type: ignore[method-assign]
+        f"{r.msg}: {r.exc_info[0].__name__ if r.exc_info else None}")
+    futures_log = logging.getLogger("concurrent.futures")
+    futures_log.addHandler(handler)
+    try:
+        crash = step(d, meta)
+        acc: dict[str, Any] = {}
+        if crash is None:
+            acc, crash = run_until(d, lambda a: bool(errors), timeout=60)
+        if crash is None:               # the failure's bookkeeping runs in the next steps
+            more, crash = run_until(d, lambda a: False, timeout=1.0)
+            acc = merge(acc, more)
+    finally:
+        futures_log.removeHandler(handler)
+    reported = sorted({"r-hit"} & (set(acc.get("done_recving", ()))
+                                   | set(acc.get("failed_recving", ()))))
+    after = None
+    if crash is None:
+        crash = step(d, recv_metadata([{"req_id": "r-ok", "local_ids": [[5]] * g,
+                                        "remote_ids": [[6]] * g, "engine": "prefill-ok",
+                                        "port": PORT + 2}]))
+        after, crash2 = run_until(d, lambda a: "r-ok" in a["done_recving"])
+        crash = crash or crash2
+    return {"crash": crash, "handshake_errors": errors, "parked": parked,
+            "local_block_ids": [list(x) for x in entry.local_block_ids],
+            "awaiting_kvs": getattr(entry, "awaiting_kvs", None), "results": acc,
+            "reported": reported, "scheduler": scheduler_takes_report("r-hit", reported),
+            "callback_errors": callback_errors,
+            "metadata_left": "r-hit" in d._recving_metadata, "after": after,
+            "hma": bool(d._is_hma_required)}
+
+
+def scenario_full_hit_dead_peer_hma() -> dict[str, Any]:
+    return scenario_full_hit_dead_peer(hma=True)
 
 
 def scenario_read_assert_hma() -> dict[str, Any]:
@@ -668,25 +794,27 @@ def scenario_transport() -> dict[str, Any]:
 
 
 def scheduler_connector(role: str = "kv_producer", extra: dict | None = None,
-                        name: str = "NixlConnector") -> Any:
+                        name: str = "NixlConnector", hma: bool = False) -> Any:
     """The release's real connector facade ``name`` (``NixlPushConnector``: the push mode of
     0.24+) with the scheduler role, as ``EngineCore``'s scheduler builds it (the scheduler
-    calls the facade; it forwards to its half)."""
+    calls the facade; it forwards to its half); ``hma``: the hybrid layout of
+    :func:`kv_cache_config`, with the hybrid KV-cache manager explicitly on."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     facade = getattr(importlib.import_module(
         vllm_sites.lookup(vllm_sites.REQUEST_FINISHED, version_of()).module), name)
-    cfg = vllm_config("llama", 2, role, 1, extra)
+    cfg = vllm_config("llama", 2, role, 1, extra, hybrid_manager=hma)
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
-    kvc = kv_cache_config(32, layers, attention_spec("llama", 2))
+    kvc = kv_cache_config(32, layers, attention_spec("llama", 2), hma)
     with set_current_vllm_config(cfg):
         return facade(cfg, KVConnectorRole.SCHEDULER, kvc)
 
 
-def scheduler_half(role: str = "kv_producer", extra: dict | None = None) -> Any:
+def scheduler_half(role: str = "kv_producer", extra: dict | None = None,
+                   hma: bool = False) -> Any:
     """The release's real scheduler half, built through its connector facade."""
-    return scheduler_connector(role, extra).connector_scheduler
+    return scheduler_connector(role, extra, hma=hma).connector_scheduler
 
 
 def prefix_cache_block(block_id: int) -> Any:
@@ -1007,6 +1135,9 @@ SCENARIOS = {
     "side_channel": scenario_side_channel_taken,
     "read_assert_hma": scenario_read_assert_hma,
     "dead_peer": scenario_dead_peer,
+    "dead_peer_hma": scenario_dead_peer_hma,
+    "full_hit_dead_peer": scenario_full_hit_dead_peer,
+    "full_hit_dead_peer_hma": scenario_full_hit_dead_peer_hma,
     "read_assert": scenario_read_assert,
     "mla_notif": scenario_mla_notif,
     "division": scenario_division,

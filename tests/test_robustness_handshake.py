@@ -2,9 +2,11 @@
 issue 7): the release's real ZMQ handshake to a closed port times out after 5 s and the waiting
 request is marked failed.  On 0.19-0.21 the next ``get_finished`` then looks the never-registered
 engine up for post-processing and raises ``KeyError`` on the model-runner thread -- the decode
-worker dies.  ``handshake_failure_guard`` (0.19-0.21) reports such requests as failed without
-the lookup; 0.22+ already does (the patch is skipped there, with the reason).  The same path is
-taken when ``division_checks`` rejects a peer, so on 0.19-0.21 the two patches work together."""
+worker dies.  ``handshake_failure_guard`` (0.19-0.21 for this fault) reports such requests as
+failed without the lookup; 0.22+ already does, and where the patch is still active for its
+notify-only fault (0.22-0.29, ``test_robustness_full_hit.py``) this path runs as stock.  The
+same path is taken when ``division_checks`` rejects a peer, so on 0.19-0.21 the two patches
+work together."""
 
 from __future__ import annotations
 
@@ -32,8 +34,8 @@ def assert_clean(obs: dict, version: Version) -> None:
 def test_dead_peer_0_33_fails_the_request_only(fresh_pdpatch):
     assert_clean(rw.scenario_dead_peer(), Version("0.33.0"))
     fresh_pdpatch.install()
-    assert ("handshake_failure_guard (vLLM 0.33.0 outside <0.22,>=0.19: fixed upstream in vLLM "
-            "0.22.0") in fresh_pdpatch.summary_line()
+    assert ("handshake_failure_guard (vLLM 0.33.0 outside <0.30,>=0.19: fixed upstream: "
+            "get_finished skips failed requests from vLLM 0.22.0") in fresh_pdpatch.summary_line()
 
 
 @pytest.mark.parametrize("ver", robust_matrix.OLD_RELEASES)
@@ -43,11 +45,49 @@ def test_dead_peer_on_old_release(ver):
     v = Version(ver)
     stock = robust_matrix.scenario(ver, "stock", "dead_peer")
     rep = robust_matrix.report(ver)
-    if v < Version("0.22"):
+    if v in vllm_sites.FAILED_RECV_LOOKUP:
         assert stock["crash"] == "KeyError: 'prefill-dead'", stock
-        assert rep["status"]["handshake_failure_guard"] == "active", rep["summary"]
     else:
         assert_clean(stock, v)
+    if v in vllm_sites.NOTIFY_ONLY_UNFLAGGED:
+        assert rep["status"]["handshake_failure_guard"] == "active", rep["summary"]
+    else:
         assert rep["status"]["handshake_failure_guard"] == "skipped", rep["summary"]
-        assert "fixed upstream in vLLM 0.22.0" in rep["summary"]
+        assert "get_finished skips failed requests from vLLM 0.22.0" in rep["summary"]
     assert_clean(robust_matrix.scenario(ver, "patched", "dead_peer"), v)
+
+
+def assert_hma_outcome(obs: dict, version: Version) -> None:
+    """vllm#52234 on a hybrid (HMA) layout: where the release can express the failure (0.30+)
+    the request fails alone; before, the release reports it as a finished load with no
+    failure signal -- the scheduler then decodes from KV that never arrived (HTTP 200, wrong
+    tokens) -- and pdpatch cannot do better through the release's bookkeeping."""
+    assert obs["hma"] is True, obs
+    res = obs["results"]
+    if vllm_sites.recv_failure_style(version) == "deferred":
+        assert obs["crash"] is None and res["failed_recving"] == ["r-dead"], obs
+        assert obs["after"]["done_recving"] == ["r-ok"], obs
+    elif version in vllm_sites.FAILED_RECV_LOOKUP:
+        assert obs["crash"] == "KeyError: 'prefill-dead'", obs
+    else:
+        assert obs["crash"] is None and res["done_recving"] == ["r-dead"], obs
+        assert res["failed_recving"] == [] and res["invalid_blocks"] == [], obs
+
+
+def test_dead_peer_hma_0_33_fails_the_request_only():
+    assert_hma_outcome(rw.scenario_dead_peer(hma=True), Version("0.33.0"))
+
+
+@pytest.mark.parametrize("ver", robust_matrix.OLD_RELEASES)
+def test_dead_peer_hma_on_old_release(ver):
+    """0.19-0.21: ``handshake_failure_guard`` leaves the release's KeyError where reporting
+    the request would hand the scheduler garbage KV; 0.22-0.29: vllm#52234 as stock."""
+    if ver == "<none>":
+        pytest.skip("no old vLLM source tree extracted (scripts/fetch_vllm_sources.sh)")
+    v = Version(ver)
+    stock = robust_matrix.scenario(ver, "stock", "dead_peer_hma")
+    patched = robust_matrix.scenario(ver, "patched", "dead_peer_hma")
+    assert_hma_outcome(stock, v)
+    assert_hma_outcome(patched, v)
+    assert {k: patched[k] for k in ("crash", "results")} == \
+        {k: stock[k] for k in ("crash", "results")}
