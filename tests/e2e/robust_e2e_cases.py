@@ -141,8 +141,10 @@ PARAMS_CASES: dict[str, ParamsCase] = {
     "tp_size_negative": _with(tp_size=-2),
     "port_negative": _with(remote_port=-1),
     "num_tokens_negative": _with(remote_num_tokens=-100),
-    # the wrong role: what a proxy sends P, sent to D (a kv_consumer); and both flags at once
+    # the wrong role: what a proxy sends P, sent to D (a kv_consumer); P's answer with the
+    # flags swapped (a KV readback, which D's default settings never start); both flags at once
     "do_remote_decode_to_consumer": lambda g, d: dict(proxy.PREFILL_KV_PARAMS),
+    "do_remote_decode_readback": _with(do_remote_decode=True, do_remote_prefill=False),
     "do_remote_decode_and_prefill": _with(do_remote_decode=True),
     # unknown / missing
     "engine_unknown_dead_port": _with(remote_engine_id="no-such-engine",
@@ -370,16 +372,15 @@ class Outcome:
                 and self.local_ok and self.seconds < BOUND_S)
 
 
-def send(engine: Engine, params: Any, prompt: list[int], mode: str = "stream") -> Sent:
-    """One decode request with ``params``, streaming or not (:data:`MODES`)."""
+def send(engine: Engine, params: Any, prompt: list[int], mode: str = "stream",
+         body: dict[str, Any] | None = None) -> Sent:
+    """One decode request with ``params``, streaming or not (:data:`MODES`); ``body``: more
+    request fields."""
     t0 = time.monotonic()
+    ask = proxy.stream if mode == "stream" else proxy.complete
     try:
-        if mode == "stream":
-            got = proxy.stream(engine, prompt, MAX_TOKENS, kv_transfer_params=params,
-                               timeout_s=BOUND_S)
-        else:
-            got = proxy.complete(engine, prompt, MAX_TOKENS, kv_transfer_params=params,
-                                 timeout_s=BOUND_S)
+        got = ask(engine, prompt, MAX_TOKENS, kv_transfer_params=params, timeout_s=BOUND_S,
+                  body=body)
     except urllib.error.HTTPError as exc:
         body = exc.read().decode(errors="replace")[:400]
         return Sent("http_error", f"HTTP {exc.code}: {body}", [], time.monotonic() - t0)

@@ -12,7 +12,8 @@ prefill engine.  Engines: P (kv_producer, pdpatch), D (kv_consumer, pdpatch) and
    it adds or strips), so the sweep does not run every case twice for it; the cases whose
    parameters owe nothing to P's answer (``missing_everything``, ``params_string``, ...) are
    exactly what a client sending to D directly sends.
-2. A full local prefix hit whose prefill engine is unreachable (issue 25 case 4), both modes.
+2. A prompt whose KV D holds, naming a prefill engine that is gone (issue 25 case 4), both
+   modes: a prefix-cache hit, and vLLM's notify-only path (a full local hit).
 3. A hypothesis fuzz of P's real parameters against D (bounded, derandomized), judged like 1.
 4. Every corrupted handshake reply (``META_CASES``, served by a fake side channel built from
    P's real reply) fails that one request cleanly.
@@ -149,23 +150,38 @@ def test_bad_kv_transfer_params_sweep(rig: EngineGroup, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", C.MODES)
-def test_full_local_hit_unreachable_prefill(rig: EngineGroup, mode: str) -> None:
-    """Issue 25 case 4: D has served the prompt itself, so its prefix cache holds every block
-    it would pull; the request then names a prefill engine that is gone (an engine id D never
-    met, on a closed port).  The KV is all local: D answers it correctly or fails it, and
-    serves on (stock 0.33: ``IndexError`` in the worker, the engine dies)."""
+def test_local_prompt_unreachable_prefill(rig: EngineGroup, mode: str) -> None:
+    """Issue 25 case 4: D already holds the prompt's KV, and the request names a prefill engine
+    that is gone (an engine id D never met, on a closed port).  Two requests:
+
+    * ``cached_prompt_unreachable_p``: D has served the prompt itself, so its prefix cache holds
+      every full block; vLLM 0.33 reuses at most ``len - 1`` tokens, so D still pulls the last
+      (partial) block, and the handshake fails;
+    * ``notify_only_unreachable_p``: the same request asking ``prompt_logprobs``, which makes
+      vLLM skip the prefix cache and load nothing remote (``skip_reading_prefix_cache``:
+      0.33 ``Scheduler.schedule`` answers 0 external tokens): D computes the prompt itself and
+      its worker only notifies P -- the path a full local hit takes (``local_block_ids``
+      empty, 0.33 ``pull_scheduler.update_state_after_alloc``), and the one a model without
+      a prefill backoff reaches end to end.
+
+    Each is answered correctly or failed, and D serves on."""
     p, d = rig["P"], rig["D"]
-    prompt, good = prefill(p, f"full-hit-{mode}", C.FULL_HIT_LEN)
+    prompt, good = prefill(p, f"local-{mode}", C.FULL_HIT_LEN)
     primed = proxy.stream(d, prompt, C.MAX_TOKENS, timeout_s=C.BOUND_S)
     assert primed.error is None and len(primed.token_ids) == C.MAX_TOKENS, primed
     params = dict(good, remote_engine_id=f"gone-{mode}", remote_port=C.closed_port())
     before = d.metrics()
-    [outcome] = sweep(d, f"full local hit, prefill engine unreachable -> D ({mode})",
-                      [("full_hit_unreachable_p", prompt, params, mode)])
-    assert_all_clean([outcome])
+    [cached] = sweep(d, f"prompt in D's prefix cache, prefill engine unreachable ({mode})",
+                     [("cached_prompt_unreachable_p", prompt, params, mode)])
+    assert_all_clean([cached])
     hits = d.metrics()["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
-    # the case's request (2 blocks) and the salted baseline (none): a full hit was exercised
-    assert hits == 2 * C.BLOCK, hits
+    assert hits >= 2 * C.BLOCK, hits       # both full blocks came from D's own cache
+    _, good = prefill(p, f"local-{mode}", C.FULL_HIT_LEN)
+    params = dict(good, remote_engine_id=f"gone-notify-{mode}", remote_port=C.closed_port())
+    notify = C.judge(d, "notify_only_unreachable_p", prompt,
+                     C.send(d, params, prompt, mode, body={"prompt_logprobs": 1}))
+    report(f"notify-only (prompt_logprobs), prefill engine unreachable ({mode})", [notify])
+    assert_all_clean([notify])
 
 
 FUZZ_EXAMPLES = 25
