@@ -407,6 +407,16 @@ def healthy(engine: Engine, patience_s: float = 30.0) -> bool:
     return False
 
 
+def logged(engine: Engine, needle: str, within_s: float) -> bool:
+    """``needle`` is in the engine's log, or shows up within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while needle not in engine.log_text():
+        if time.monotonic() > deadline or not engine.alive():
+            return False
+        time.sleep(0.5)
+    return True
+
+
 def baseline(engine: Engine, prompt: list[int]) -> list[int] | None:
     """D's own greedy tokens for ``prompt`` without ``kv_transfer_params``; None if not served."""
     try:
