@@ -347,24 +347,21 @@ class Outcome:
     seconds: float
     engine_alive: bool
     engine_healthy: bool
-    #: D's own greedy answer to the case's prompt without ``kv_transfer_params``, asked right
-    #: after (salted, :data:`BASELINE_SALT`); None when D did not serve it.
-    baseline: list[int] | None
+    local_ok: bool       # a plain request right after the case is served in full
+    #: For a served case: D's own greedy answer to the case's prompt without
+    #: ``kv_transfer_params``, asked right after (salted, :data:`BASELINE_SALT`); else None.
+    baseline: list[int] | None = None
 
     @property
     def clean_error(self) -> bool:
         return self.kind in ("http_error", "stream_error")
 
     @property
-    def local_ok(self) -> bool:
-        """A plain request right after the case is served in full."""
-        return self.baseline is not None and len(self.baseline) == MAX_TOKENS
-
-    @property
     def correct(self) -> bool:
         """Served, and exactly what D computes itself: an answer 200 is only clean when the
         tokens are the baseline's (a read of the wrong blocks is a 200 with other tokens)."""
-        return self.kind == "served" and self.local_ok and self.token_ids == self.baseline
+        return (self.kind == "served" and self.baseline is not None
+                and self.token_ids == self.baseline)
 
     @property
     def clean(self) -> bool:
@@ -427,12 +424,34 @@ def baseline(engine: Engine, prompt: list[int]) -> list[int] | None:
     return got.token_ids if got.error is None else None
 
 
+#: The plain request that shows D serves after an error: always the same prompt, so after the
+#: first time it is answered from D's prefix cache (cheap, and the cache holds D's own KV).
+LOCAL_PROBE = list(range(200, 230))
+
+
+def serves(engine: Engine) -> bool:
+    try:
+        got = proxy.stream(engine, LOCAL_PROBE, 2, timeout_s=BOUND_S)
+    except OSError:
+        return False
+    return got.error is None and len(got.token_ids) == 2
+
+
 def judge(engine: Engine, case: str, prompt: list[int], sent: Sent) -> Outcome:
+    """An error is judged by whether D serves a plain request after it; an answer also by
+    whether it equals D's own answer to the same prompt (which is that plain request)."""
     alive = engine.alive()
     healthy_now = healthy(engine)
-    base = baseline(engine, prompt) if healthy_now else None
+    base = None
+    if not healthy_now:
+        local_ok = False
+    elif sent.kind == "served":
+        base = baseline(engine, prompt)
+        local_ok = base is not None and len(base) == MAX_TOKENS
+    else:
+        local_ok = serves(engine)
     return Outcome(case, sent.kind, sent.detail, sent.token_ids, sent.seconds, alive,
-                   healthy_now, base)
+                   healthy_now, local_ok, base)
 
 
 # ------------------------------------------------------------------ fuzz of kv_transfer_params

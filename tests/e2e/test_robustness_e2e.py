@@ -197,7 +197,7 @@ def test_local_prompt_unreachable_prefill(rig: EngineGroup, mode: str) -> None:
     assert_all_clean([notify])
 
 
-FUZZ_EXAMPLES = 25
+FUZZ_EXAMPLES = 20
 
 
 def test_kv_transfer_params_fuzz(rig: EngineGroup) -> None:
