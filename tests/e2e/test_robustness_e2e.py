@@ -21,7 +21,8 @@ prefill engine.  Engines: P (kv_producer, pdpatch), D (kv_consumer, pdpatch) and
    D must fail those requests within its timeout and keep serving; Dstock's behaviour is
    recorded (printed and asserted as observed).
 6. Stock control for bug 1 on a real engine: a peer that lists fewer blocks than D allocated
-   kills Dstock's worker (the prefix-trim assert); D (``read_guard``) fails the request only.
+   kills Dstock's worker (the prefix-trim assert); D (``read_guard``, or ``block_ids_bound``
+   where present) fails the request only.
 
 Engines are heavy (~3 GB RSS each); the three share one module-scoped rig.
 """
@@ -303,7 +304,12 @@ def test_stock_worker_dies_on_short_block_list(rig: EngineGroup) -> None:
     report("short block list (P's real reply, 1 of 2 blocks)", list(results.values()))
     assert all(read.values()), f"the fake peer's reply was never read: {read}"
     assert_all_clean([results["D"]])
-    assert "failing this request instead of the worker [read_guard" in d.log_text()
+    # D's request is failed by pdpatch: by block_ids_bound before the read where D has it
+    # (it refuses a list that is not D's allocation), else by read_guard containing the assert
+    bound = re.search(r"(?:patched|armed)=\[[^\]]*\bblock_ids_bound\b",
+                      "\n".join(d.pdpatch_lines()))
+    assert ("[block_ids_bound" if bound else
+            "failing this request instead of the worker [read_guard") in d.log_text()
     dead = results["Dstock"]
     assert not (dead.engine_healthy and dead.local_ok), dead
     log = stock.log_text()
