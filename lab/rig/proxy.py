@@ -91,9 +91,13 @@ def complete(
     *,
     kv_transfer_params: dict[str, Any] | None = None,
     timeout_s: float = REQUEST_TIMEOUT_S,
+    body: Mapping[str, Any] | None = None,
 ) -> Completion:
-    """A non-streaming completion (used for P's prefill, whose answer is one JSON object)."""
-    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else {}
+    """A non-streaming completion (used for P's prefill, whose answer is one JSON object).
+    ``body``: more request fields, as for :func:`stream`."""
+    extra: dict[str, Any] = dict(body or {})
+    if kv_transfer_params is not None:
+        extra["kv_transfer_params"] = kv_transfer_params
     req = _post(engine.url, _body(prompt, max_tokens, **extra))
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
