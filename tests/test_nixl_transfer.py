@@ -8,11 +8,14 @@ initiator.  Bytes are compared as uint8 against the oracle in kv_helpers (logica
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -613,6 +616,26 @@ def read_through(agent: StagingAgent, lh, rh, lid, rid, *, poll: bool = True) ->
     return state, telemetry
 
 
+@contextlib.contextmanager
+def chunk_agent(pair: NixlPair, s: Setup, capacity: int,
+                agent_below=None) -> Iterator[tuple[StagingAgent, Any, Any]]:
+    """A staging agent of ``capacity`` bytes over ``agent_below`` (the real NIXL agent by
+    default) with ``s``'s local and remote lists prepared and the remote one marked
+    converted: ``(agent, local handle, remote handle)``, all released afterwards."""
+    drain_notifs(pair)
+    agent = StagingAgent(agent_below or pair.agent, mem_type="DRAM", capacity=capacity,
+                         memory=lambda: [torch.from_numpy(s.lbuf)], gap=0)
+    lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", s.plan.local_table(), "DRAM")
+    rh = agent.prep_xfer_dlist(PEER, s.plan.remote_table(), "DRAM")
+    try:
+        assert agent.mark_converted(rh, PEER)
+        yield agent, lh, rh
+    finally:
+        agent.release_dlist_handle(lh)
+        agent.release_dlist_handle(rh)
+        agent.close()
+
+
 @pytest.mark.parametrize("name", ["fused->split", "split->fused"])
 @pytest.mark.parametrize("factor", [1, 2.5, 10])
 def test_read_larger_than_staging_is_chunked_and_byte_exact(pair: NixlPair, name: str,
@@ -625,13 +648,7 @@ def test_read_larger_than_staging_is_chunked_and_byte_exact(pair: NixlPair, name
     slot = int(s.plan.local_table()[0, 1])
     need = len(lid) * slot
     capacity = int(need / factor) // slot * slot
-    drain_notifs(pair)
-    agent = StagingAgent(pair.agent, mem_type="DRAM", capacity=capacity,
-                         memory=lambda: [torch.from_numpy(s.lbuf)], gap=0)
-    lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", s.plan.local_table(), "DRAM")
-    rh = agent.prep_xfer_dlist(PEER, s.plan.remote_table(), "DRAM")
-    try:
-        assert agent.mark_converted(rh, PEER)
+    with chunk_agent(pair, s, capacity) as (agent, lh, rh):
         state, tele = read_through(agent, lh, rh, lid, rid)
         assert state == "DONE"
         assert np.array_equal(s.lbuf, big_expected(s)), name
@@ -647,10 +664,6 @@ def test_read_larger_than_staging_is_chunked_and_byte_exact(pair: NixlPair, name
         assert st.descriptors_staged < st.descriptors_stock
         assert drain_notifs(pair, 1) == [b"chunked"]
         assert agent.staging_free == capacity
-    finally:
-        agent.release_dlist_handle(lh)
-        agent.release_dlist_handle(rh)
-        agent.close()
 
 
 @pytest.mark.parametrize(("nth", "state"), [(3, "ERR"), (3, "PROC")])
@@ -664,14 +677,8 @@ def test_chunked_read_failed_or_aborted_mid_request(pair: NixlPair, nth: int,
     lid, rid = s.plan.desc_ids(ALL_LOCAL, ALL_REMOTE)
     slot = int(s.plan.local_table()[0, 1])
     capacity = len(lid) * slot // 10 // slot * slot
-    drain_notifs(pair)
     scripted = ScriptedAgent(pair.agent, nth, state)
-    agent = StagingAgent(scripted, mem_type="DRAM", capacity=capacity,
-                         memory=lambda: [torch.from_numpy(s.lbuf)], gap=0)
-    lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", s.plan.local_table(), "DRAM")
-    rh = agent.prep_xfer_dlist(PEER, s.plan.remote_table(), "DRAM")
-    try:
-        assert agent.mark_converted(rh, PEER)
+    with chunk_agent(pair, s, capacity, scripted) as (agent, lh, rh):
         made = len(scripted.made)
         h = agent.make_prepped_xfer("READ", lh, lid, rh, rid, notif_msg=b"chunked")
         got = agent.transfer(h)
@@ -692,10 +699,6 @@ def test_chunked_read_failed_or_aborted_mid_request(pair: NixlPair, nth: int,
         assert np.array_equal(s.lbuf, big_expected(s))
         assert drain_notifs(pair, 1) == [b"chunked"]
         assert agent.staging_free == capacity
-    finally:
-        agent.release_dlist_handle(lh)
-        agent.release_dlist_handle(rh)
-        agent.close()
 
 
 def test_chunks_landing_out_of_order_never_share_a_lane(pair: NixlPair) -> None:
@@ -707,22 +710,13 @@ def test_chunks_landing_out_of_order_never_share_a_lane(pair: NixlPair) -> None:
     slot = int(s.plan.local_table()[0, 1])
     capacity = len(lid) * slot // 10 // slot * slot
     scripted = ScriptedAgent(pair.agent, 1, "PROC", until=4)
-    agent = StagingAgent(scripted, mem_type="DRAM", capacity=capacity,
-                         memory=lambda: [torch.from_numpy(s.lbuf)], gap=0)
-    lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", s.plan.local_table(), "DRAM")
-    rh = agent.prep_xfer_dlist(PEER, s.plan.remote_table(), "DRAM")
-    try:
-        assert agent.mark_converted(rh, PEER)
+    with chunk_agent(pair, s, capacity, scripted) as (agent, lh, rh):
         state, _ = read_through(agent, lh, rh, lid, rid)
         assert state == "DONE"
         assert agent.stats.chunks >= 4 and len(scripted.made) == agent.stats.chunks
         assert np.array_equal(s.lbuf, big_expected(s))
         assert agent.staging_free == capacity
         drain_notifs(pair, 1)
-    finally:
-        agent.release_dlist_handle(lh)
-        agent.release_dlist_handle(rh)
-        agent.close()
 
 
 def test_chunks_too_small_for_the_runs_go_per_segment(pair: NixlPair) -> None:
@@ -747,13 +741,7 @@ def test_chunks_advance_between_vllm_polls(pair: NixlPair) -> None:
     lid, rid = s.plan.desc_ids(ALL_LOCAL, ALL_REMOTE)
     slot = int(s.plan.local_table()[0, 1])
     capacity = len(lid) * slot // 10 // slot * slot
-    drain_notifs(pair)
-    agent = StagingAgent(pair.agent, mem_type="DRAM", capacity=capacity,
-                         memory=lambda: [torch.from_numpy(s.lbuf)], gap=0)
-    lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", s.plan.local_table(), "DRAM")
-    rh = agent.prep_xfer_dlist(PEER, s.plan.remote_table(), "DRAM")
-    try:
-        assert agent.mark_converted(rh, PEER)
+    with chunk_agent(pair, s, capacity) as (agent, lh, rh):
         h = agent.make_prepped_xfer("READ", lh, lid, rh, rid, notif_msg=b"chunked")
         assert agent.transfer(h) == "PROC"
         assert drain_notifs(pair, 1, wait_s=30) == [b"chunked"]    # no poll in between
@@ -765,10 +753,6 @@ def test_chunks_advance_between_vllm_polls(pair: NixlPair) -> None:
         agent.release_xfer_handle(h)
         assert np.array_equal(s.lbuf, big_expected(s))
         assert agent.staging_free == capacity
-    finally:
-        agent.release_dlist_handle(lh)
-        agent.release_dlist_handle(rh)
-        agent.close()
 
 
 def test_two_chunked_reads_at_once_each_in_its_own_lanes(pair: NixlPair) -> None:
@@ -780,13 +764,7 @@ def test_two_chunked_reads_at_once_each_in_its_own_lanes(pair: NixlPair) -> None
     ids = [s.plan.desc_ids(lo, re) for lo, re in halves]
     slot = int(s.plan.local_table()[0, 1])
     capacity = len(ids[0][0]) * slot // 3 // slot * slot
-    drain_notifs(pair)
-    agent = StagingAgent(pair.agent, mem_type="DRAM", capacity=capacity,
-                         memory=lambda: [torch.from_numpy(s.lbuf)], gap=0)
-    lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", s.plan.local_table(), "DRAM")
-    rh = agent.prep_xfer_dlist(PEER, s.plan.remote_table(), "DRAM")
-    try:
-        assert agent.mark_converted(rh, PEER)
+    with chunk_agent(pair, s, capacity) as (agent, lh, rh):
         handles = [agent.make_prepped_xfer("READ", lh, lid, rh, rid, notif_msg=f"r{i}".encode())
                    for i, (lid, rid) in enumerate(ids)]
         states = [agent.transfer(h) for h in handles]
@@ -800,7 +778,3 @@ def test_two_chunked_reads_at_once_each_in_its_own_lanes(pair: NixlPair) -> None
         assert np.array_equal(s.lbuf, big_expected(s))
         assert sorted(drain_notifs(pair, 2)) == [b"r0", b"r1"]
         assert agent.staging_free == capacity
-    finally:
-        agent.release_dlist_handle(lh)
-        agent.release_dlist_handle(rh)
-        agent.close()
