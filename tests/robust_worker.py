@@ -616,6 +616,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def next_request_served(d: Any, groups: int) -> tuple[dict[str, Any], str | None]:
+    """A healthy request (``r-ok``, a live peer) after a failing one: what the worker reports
+    for it, and the crash, if any (the worker must go on serving)."""
+    crash = step(d, recv_metadata([{"req_id": "r-ok", "local_ids": [[5]] * groups,
+                                    "remote_ids": [[6]] * groups, "engine": "prefill-ok",
+                                    "port": PORT + 2}]))
+    after, crash2 = run_until(d, lambda a: "r-ok" in a["done_recving"])
+    return after, crash or crash2
+
+
 def scenario_dead_peer(hma: bool = False) -> dict[str, Any]:
     """A prefill engine that is gone before the decode side handshakes with it: the release's
     real ZMQ handshake to a closed port times out (5 s).  ``r-dead`` must fail alone; a request
@@ -637,11 +647,7 @@ def scenario_dead_peer(hma: bool = False) -> dict[str, Any]:
     crash = crash or crash2
     after = None
     if crash is None:
-        crash = step(d, recv_metadata([{"req_id": "r-ok", "local_ids": [[5]] * g,
-                                        "remote_ids": [[6]] * g, "engine": "prefill-ok",
-                                        "port": PORT + 2}]))
-        after, crash2 = run_until(d, lambda a: "r-ok" in a["done_recving"])
-        crash = crash or crash2
+        after, crash = next_request_served(d, g)
     return {"crash": crash, "handshake_errors": errors, "results": acc, "after": after,
             "reads": _reads_by_req(d), "hma": bool(d._is_hma_required)}
 
@@ -741,11 +747,7 @@ def scenario_full_hit_dead_peer(hma: bool = False) -> dict[str, Any]:
                                    | set(acc.get("failed_recving", ()))))
     after = None
     if crash is None:
-        crash = step(d, recv_metadata([{"req_id": "r-ok", "local_ids": [[5]] * g,
-                                        "remote_ids": [[6]] * g, "engine": "prefill-ok",
-                                        "port": PORT + 2}]))
-        after, crash2 = run_until(d, lambda a: "r-ok" in a["done_recving"])
-        crash = crash or crash2
+        after, crash = next_request_served(d, g)
     return {"crash": crash, "handshake_errors": errors, "parked": parked,
             "local_block_ids": [list(x) for x in entry.local_block_ids],
             "awaiting_kvs": getattr(entry, "awaiting_kvs", None), "results": acc,
