@@ -224,13 +224,6 @@ def test_on_mismatch_policy():
         bk.on_mismatch_policy({bk.ON_MISMATCH_ENV: "ignore"})
 
 
-def test_option_is_declared_so_settings_accept_it():
-    from pdpatch.patches import read_settings
-
-    assert bk.ON_MISMATCH_ENV in bk.PATCH.options
-    read_settings({bk.ON_MISMATCH_ENV: "warn", "PDPATCH_BLOCK_KEYS": "0"})
-
-
 def test_rate_limiter_one_line_per_cause_per_interval():
     now = [0.0]
     rl = bk.RateLimiter(60.0, clock=lambda: now[0])
