@@ -36,7 +36,7 @@ def test_enabled_process_is_patched_and_logs_one_summary_line():
     result, err = run_child("self", enable=True)
     assert result["wrapped"] and result["installed"]
     assert summary_pids(err) == [result["pid"]]
-    assert "role=main vllm=0.33.0 patched=[" in err
+    assert "role=main vllm=0.33.0 ready=[" in err
 
 
 def test_unset_switch_wraps_nothing_and_logs_nothing():
