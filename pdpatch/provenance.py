@@ -12,10 +12,6 @@ startup summary line calls it in every vLLM process.
 
 from __future__ import annotations
 
-import base64
-import csv
-import hashlib
-import json
 from pathlib import Path
 
 DIST = "vllm-pdpatch"                 # our distribution name (pyproject.toml [project] name)
@@ -23,22 +19,31 @@ FOREIGN_DIST = "pdpatch"              # the unrelated public distribution of the
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
-def _dist_infos(site_dir: Path, project: str) -> list[Path]:
-    """``<project>-<version>.dist-info`` directories in ``site_dir`` (normalized name)."""
-    stem = project.replace("-", "_").lower()
+def _dist_infos(site_dir: Path) -> dict[str, list[Path]]:
+    """Our and the foreign distribution's ``<name>-<version>.dist-info`` directories in
+    ``site_dir``, by distribution name (one directory listing)."""
+    wanted = {name.replace("-", "_"): name for name in (DIST, FOREIGN_DIST)}
+    found: dict[str, list[Path]] = {DIST: [], FOREIGN_DIST: []}
     try:
-        return sorted(p for p in site_dir.iterdir()
-                      if p.suffix == ".dist-info" and p.name.lower().rsplit("-", 1)[0] == stem)
+        entries = sorted(site_dir.iterdir())
     except OSError:
-        return []
+        return found
+    for p in entries:
+        if p.name.endswith(".dist-info"):
+            name = wanted.get(p.name.removesuffix(".dist-info").rsplit("-", 1)[0].lower())
+            if name:
+                found[name].append(p)
+    return found
 
 
 def _version(dist_info: Path) -> str:
-    return dist_info.name.rsplit("-", 1)[1].removesuffix(".dist-info")
+    return dist_info.name.removesuffix(".dist-info").rsplit("-", 1)[-1]
 
 
 def _editable_root(direct_url: str | None) -> Path | None:
     """The source directory of an editable install, from its PEP 610 ``direct_url.json``."""
+    import json
+
     try:
         info = json.loads(direct_url or "")
     except ValueError:
@@ -59,22 +64,25 @@ def _read(path: Path) -> str | None:
 def _record_mismatch(dist_info: Path, site_dir: Path, only: str = "") -> str:
     """The first of our installed files (or just ``only``) whose bytes differ from our RECORD
     ("" if none)."""
-    try:
-        with (dist_info / "RECORD").open(newline="") as fh:
-            rows = list(csv.reader(fh))
-    except OSError:
-        return ""
-    for row in rows:
-        if len(row) < 2 or not row[0].startswith("pdpatch/") or \
-                not row[1].startswith("sha256=") or (only and row[0] != only):
+    import base64
+    import hashlib
+
+    record = _read(dist_info / "RECORD") or ""
+    # RECORD is CSV (path,sha256=digest,size); our paths hold no comma or quote, so a split
+    # reads them (the csv module would be one more import in every vLLM process)
+    for line in record.splitlines():
+        name, _, rest = line.partition(",")
+        digest = rest.partition(",")[0]
+        if not name.startswith("pdpatch/") or not digest.startswith("sha256=") or \
+                (only and name != only):
             continue
-        path = site_dir / row[0]
         try:
-            digest = hashlib.sha256(path.read_bytes()).digest()
+            data = (site_dir / name).read_bytes()
         except OSError:
-            return f"{row[0]} is missing"
-        if base64.urlsafe_b64encode(digest).rstrip(b"=").decode() != row[1][len("sha256="):]:
-            return f"{row[0]} was overwritten"
+            return f"{name} is missing"
+        actual = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        if actual != digest.removeprefix("sha256="):
+            return f"{name} was overwritten"
     return ""
 
 
@@ -89,12 +97,13 @@ def foreign_pdpatch(package_dir: Path = PACKAGE_DIR, deep: bool = True) -> list[
     distribution at all is not foreign, only not installed: see :func:`installed_as`.
     """
     site_dir = package_dir.parent
+    infos = _dist_infos(site_dir)
     found = []
-    for info in _dist_infos(site_dir, FOREIGN_DIST):
+    for info in infos[FOREIGN_DIST]:
         found.append(f"the unrelated '{FOREIGN_DIST}' {_version(info)} (a pandas library from the "
                      f"public index) is installed in {site_dir} and shares the import name "
                      f"pdpatch: `pip uninstall {FOREIGN_DIST} {DIST}`, then reinstall {DIST}")
-    for info in _dist_infos(site_dir, DIST):
+    for info in infos[DIST]:
         if _editable_root(_read(info / "direct_url.json")) is None:
             bad = _record_mismatch(info, site_dir, "" if deep else "pdpatch/__init__.py")
             if bad:
