@@ -180,7 +180,7 @@ def extra_config_allows(patch_name: str, kv_connector_extra_config: Mapping | No
 # Every environment variable pdpatch reads, declared once: its values, range, unit, default and
 # meaning.  The parsers below and in the patches use these declarations, `read_settings` checks
 # every one that is set (so `pdpatch doctor` and startup reject a bad value before a patch would
-# read it), and `pdpatch doc-tables` writes the README's settings table from them.
+# read it), and `scripts/doc_tables.py` writes the README's settings table from them.
 
 
 @dataclass(frozen=True)
