@@ -33,7 +33,7 @@ from pdpatch.hashing.errors import UnreproducibleSeedError
 from pdpatch.hashing.fingerprint import Fingerprint, fingerprint_diff, fingerprint_of
 from pdpatch.hashing.formats import HashFormat, format_for
 from pdpatch.hashing.keys import BlockKeyHasher
-from pdpatch.hashing.peer_check import (
+from pdpatch.hashing.key_params import (
     PeerBlockKeys,
     build_params,
     compare,
