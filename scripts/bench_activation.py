@@ -14,7 +14,7 @@ pdpatch adds is counted) and pdpatch's post-import hook.  The ``-X importtime`` 
 the modules only present with pdpatch are printed too (they include importtime's own overhead).
 Left out: wrapt's finder is asked about every later import (a dict lookup, ~1 us each).
 
-    .venv/bin/python scripts/bench_activation.py [--runs 10]
+    .venv/bin/python -m scripts.bench_activation [--runs 10]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Block keys of a 32k-token request: pdpatch.hashing vs vLLM's own ``hash_block_tokens`` chain.
 
-    VLLM_TARGET_DEVICE=cpu .venv/bin/python scripts/bench_block_keys.py [--tokens 32768]
+    VLLM_TARGET_DEVICE=cpu .venv/bin/python -m scripts.bench_block_keys [--tokens 32768]
 
 For each algorithm, in the same process and the same run: vLLM's chain (``init_none_hash`` then
 ``hash_block_tokens`` per full block, exactly what ``get_request_block_hasher`` does for a plain
@@ -28,10 +28,8 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 

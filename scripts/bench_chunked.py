@@ -13,7 +13,7 @@ interleaved, best wall time from post to ``DONE`` as vLLM would see it, polled e
 leaves the staging agent's chunk driver thread the interpreter's 5 ms switch interval: a worst
 case no vLLM engine produces); every mode's bytes are checked in the first round.
 
-Run: ``.venv/bin/python scripts/bench_chunked.py [--quick] [--capacity-mib 8] [--poll-ms 1]``
+Run: ``.venv/bin/python -m scripts.bench_chunked [--quick] [--capacity-mib 8] [--poll-ms 1]``
 """
 
 from __future__ import annotations
@@ -22,15 +22,11 @@ import argparse
 import multiprocessing as mp
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_descriptors import _geo, _peer
-
 from pdpatch.kv import PairPlan
+from scripts.bench_descriptors import _geo, _peer
 
 BS, HEADS, DIM, ES = 16, 8, 128, 2
 FACTORS = (1, 2.5, 4, 10)

@@ -16,7 +16,7 @@
     (converted), each with and without coalescing, for scattered blocks and runs of 16;
     GB/s and ratio against the unconverted per-segment path of the same run.  Bytes are checked.
 
-Run: ``.venv/bin/python scripts/bench_descriptors.py [--quick]``
+Run: ``.venv/bin/python -m scripts.bench_descriptors [--quick]``
 """
 
 from __future__ import annotations
@@ -28,13 +28,10 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lab"))
-
-from kv_reference import coalesce, strided_pair_rows
+from lab.kv_reference import coalesce, strided_pair_rows
 from pdpatch.kv import DescPlan, PairPlan, handshake_kind, infer_geometry, needs_conversion
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")

@@ -12,7 +12,7 @@ decode throughput (tokens after the first / their streaming time), and D's NIXL 
 (``/metrics``).  Prints medians per side and the ratio on/off (TTFT, xfer time) and off/on
 (throughput), so > 1.00 always means "pdpatch is slower".  Goal: <= 1.02.
 
-Usage: ``.venv/bin/python scripts/bench_pd.py [--reps 8] [--max-tokens 48]``
+Usage: ``.venv/bin/python -m scripts.bench_pd [--reps 8] [--max-tokens 48]``
 """
 
 from __future__ import annotations
@@ -26,13 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lab"))
-
-from paired import median_ci, verdict
-from rig import proxy
-from rig.engine_env import runtime_versions
-from rig.model import model_dir, tiny_config
-from rig.servers import Engine, EngineGroup, EngineSpec, sigterm_as_interrupt
+from lab.paired import median_ci, verdict
+from lab.rig import proxy
+from lab.rig.engine_env import runtime_versions
+from lab.rig.model import model_dir, tiny_config
+from lab.rig.servers import Engine, EngineGroup, EngineSpec, sigterm_as_interrupt
 
 GOAL = 1.02
 

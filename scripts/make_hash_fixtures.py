@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Golden block-key fixtures, produced by REAL vLLM's own hashing code, one file per release.
 
-    .venv/bin/python scripts/make_hash_fixtures.py                  # the default releases
-    .venv/bin/python scripts/make_hash_fixtures.py 0.19.0 0.33.0    # some of them
-    .venv/bin/python scripts/make_hash_fixtures.py --check          # diff, write nothing
+    .venv/bin/python -m scripts.make_hash_fixtures                  # the default releases
+    .venv/bin/python -m scripts.make_hash_fixtures 0.19.0 0.33.0    # some of them
+    .venv/bin/python -m scripts.make_hash_fixtures --check          # diff, write nothing
 
 Writes ``tests/fixtures/hash/vllm-<release>.json``; ``tests/test_hashing_fixtures.py`` replays
 every case through ``pdpatch.hashing`` and demands identical bytes.
@@ -145,8 +145,7 @@ def capture() -> dict[str, Any]:
     import vllm
     import xxhash
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from release_hashing import ReleaseHasher
+    from tests.release_hashing import ReleaseHasher
 
     rh = ReleaseHasher()
     release = tuple(int(p) for p in vllm.__version__.split("+")[0].split(".")[:2])
@@ -218,8 +217,9 @@ def generate(release: str, sources: Path | None, deps: Path) -> dict[str, Any]:
                                              str(_old_deps(deps))])
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "capture.json"
-        proc = subprocess.run([sys.executable, __file__, "--capture", str(out)], env=env,
-                              cwd=tmp, capture_output=True, text=True)
+        # -m from the checkout root: the child imports tests/release_hashing.py from there
+        proc = subprocess.run([sys.executable, "-m", "scripts.make_hash_fixtures", "--capture",
+                               str(out)], env=env, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode:
             sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-4000:])
             raise SystemExit(f"capture failed for vLLM {release}")

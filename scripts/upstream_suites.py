@@ -1,8 +1,8 @@
 """Run vLLM's own NIXL connector tests with pdpatch disabled and enabled, and compare.
 
-    .venv/bin/python scripts/upstream_suites.py                 # the installed release (the gate)
-    .venv/bin/python scripts/upstream_suites.py 0.30.0 0.32.0   # older releases, their own tests
-    .venv/bin/python scripts/upstream_suites.py --all --record  # every fetched tree 0.19-0.32,
+    .venv/bin/python -m scripts.upstream_suites                 # the installed release (the gate)
+    .venv/bin/python -m scripts.upstream_suites 0.30.0 0.32.0   # older releases, their own tests
+    .venv/bin/python -m scripts.upstream_suites --all --record  # every fetched tree 0.19-0.32,
                                                                 # results into docs/
 
 Exit status 0 when every release passes: every test that passes stock also passes with
@@ -18,10 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "lab" / "upstream"))
-
-import suites  # noqa: E402
+from lab.upstream import suites
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,7 +79,7 @@ def test_extra_config_section():
 
 
 def test_patch_options_and_tool_variables_are_not_typos():
-    s = config.read_settings(NAMES, {"PDPATCH_LAYOUT_FORCE": "1", "PDPATCH_CACHE_DIR": "/x"},
+    s = config.read_settings(NAMES, {"PDPATCH_LAYOUT_FORCE": "1", "PDLAB_CACHE_DIR": "/x"},
                              ["PDPATCH_LAYOUT_FORCE"])
     assert s.overrides == {}
     with pytest.raises(config.ConfigError, match="PDPATCH_LAYOUT_FORCE"):
