@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from lab.gpu import fatbin_prune, oracle, stage
+from lab.gpu import engines, fatbin_prune, oracle, stage
 from lab.gpu import pd as gpu_pd
 
 D = oracle.Decoded
@@ -103,9 +103,9 @@ def test_load_answers_are_judged_against_d_own_prefill_and_errors_kept():
 
 
 def test_kvcached_mapped_memory_is_read_from_its_shared_record(tmp_path):
-    assert gpu_pd.kvcached_used("eng", tmp_path) is None
+    assert engines.kvcached_used("eng", tmp_path) is None
     (tmp_path / "eng").write_bytes(struct.pack("<qqq", 1 << 30, 6 << 20, 2 << 20))
-    assert gpu_pd.kvcached_used("eng", tmp_path) == 6 << 20
+    assert engines.kvcached_used("eng", tmp_path) == 6 << 20
 
 
 def test_paired_verdict_says_within_above_or_inconclusive():
