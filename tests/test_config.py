@@ -78,8 +78,10 @@ def test_extra_config_section():
         config.extra_config_allows("layout", {"pdpatch": ["layout"]})
 
 
-def test_patch_options_and_tool_variables_are_not_typos():
-    s = config.read_settings(NAMES, {"PDPATCH_LAYOUT_FORCE": "1", "PDPATCH_CACHE_DIR": "/x"},
+def test_patch_options_and_harness_variables_are_not_typos():
+    from lab.env import VARS  # the harness's own: another prefix, nothing to declare here
+
+    s = config.read_settings(NAMES, {"PDPATCH_LAYOUT_FORCE": "1", **dict.fromkeys(VARS, "/x")},
                              ["PDPATCH_LAYOUT_FORCE"])
     assert s.overrides == {}
     with pytest.raises(config.ConfigError, match="PDPATCH_LAYOUT_FORCE"):

@@ -30,13 +30,11 @@ import sys
 import tarfile
 from pathlib import Path
 
+from lab import release_files
+from lab.gpu import fatbin_prune
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-import fatbin_prune  # noqa: E402
-import release_files  # noqa: E402
 
 LIMIT = 64 << 20
 """What one device run carries: the stage and the repository's tracked files together."""
