@@ -122,7 +122,7 @@ class Engine:
                "--served-model-name", "tiny", "--skip-tokenizer-init", "--enforce-eager", "-O0",
                "--max-model-len", str(paths.max_model_len), "--gpu-memory-utilization", "0.12",
                "--seed", "0",
-               "--attention-backend", backend, "--no-enable-prefix-caching",
+               "--attention-backend", backend,
                "--kv-transfer-config",
                json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
                            **(sc.d_ktc if role == "kv_consumer" else {})})]

@@ -66,8 +66,6 @@ GEOMETRIES: dict[str, dict] = {
 """``--geometry``: config overrides of the rig's tiny Llama (2 layers, 4 KV heads of 64)."""
 
 
-
-
 SCENARIOS: dict[str, Scenario] = {
     "ref": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", controls=True,
                     note="reference: stock, same backend"),
@@ -112,8 +110,6 @@ KILL_BOUND_S = 120.0
 timeouts decide; the bound only keeps a hang from stalling the run)."""
 
 
-
-
 def prompt_lengths(text: str) -> tuple[int, ...]:
     """``--prompt-lengths 600,1500,4000``: at least two (the controls and the load use the
     last two), each at least one token."""
@@ -124,6 +120,32 @@ def prompt_lengths(text: str) -> tuple[int, ...]:
     if len(lengths) < 2 or min(lengths) < 1:
         raise argparse.ArgumentTypeError(f"two or more token counts >= 1, got {text!r}")
     return lengths
+
+
+BLOCK_SIZE = 16
+"""vLLM's default KV block size on CUDA (the engines set no ``--block-size``)."""
+BASELINE_SALT = "baseline"
+"""D's own prefill of each prompt (the oracle's baseline) runs under this ``cache_salt``: with
+prefix caching on, an unsalted baseline would reuse the very blocks D pulled and judge them by
+themselves."""
+
+
+def staged_vllm(site: Path) -> str:
+    """The vLLM release unpacked in ``site`` (from its dist-info's name)."""
+    found = sorted(site.glob("vllm-*.dist-info"))
+    return found[0].name.removeprefix("vllm-").removesuffix(".dist-info") if found else "?"
+
+
+def hit_prompts(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Requests that find their prefix in D's prefix cache, sent after ``prompts`` (vLLM's
+    default, prefix caching on, as operators run it): ``hit-partial`` shares the first half
+    (whole blocks) of the longest prompt and pulls only the rest; ``hit-full`` repeats the
+    longest prompt, all of it cached on D."""
+    longest = list(prompts.values())[-1]
+    half = len(longest) // 2 // BLOCK_SIZE * BLOCK_SIZE
+    rng = random.Random(len(longest))
+    tail = [rng.randrange(3, 512) for _ in range(len(longest) - half)]
+    return {"hit-partial": longest[:half] + tail, "hit-full": list(longest)}
 
 
 def model_config(geometry: str, lengths: tuple[int, ...]) -> tuple[dict, int]:
@@ -138,26 +160,22 @@ def model_config(geometry: str, lengths: tuple[int, ...]) -> tuple[dict, int]:
     return overrides, max_len
 
 
-
-
-
-
-
-
-
-
 def decoded(r: dict) -> oracle.Decoded:
     return oracle.Decoded(r.get("ids") or [], r.get("lp") or [])
 
 
-def pd_request(p: Engine, d: Engine, prompt: list[int], mutate=None, salt=None) -> dict:
-    pre = p.complete(prompt, 1, dict(PREFILL))
+def pd_request(p: Engine, d: Engine, prompt: list[int], mutate=None, salt=None,
+               d_salt=None) -> dict:
+    """P prefills, D pulls and decodes.  ``salt`` (vLLM's ``cache_salt``) on both sides keeps a
+    request apart from what either engine's prefix cache holds already (prefix caching is on,
+    vLLM's default); ``d_salt`` on D alone (a tenant mismatch D must refuse)."""
+    pre = p.complete(prompt, 1, dict(PREFILL), salt=salt)
     if "error" in pre:
         return {"error": "P: " + pre["error"]}
     kvp = pre["kvp"] or {}
     if mutate is not None:
         kvp = mutate(kvp)
-    out = d.pulled(prompt, kvp, salt=salt)
+    out = d.pulled(prompt, kvp, salt=d_salt if d_salt is not None else salt)
     out["remote_blocks"] = len(kvp.get("remote_block_ids") or [])
     out["p_lp0"] = (pre.get("lp") or [None])[0]
     return out
@@ -176,12 +194,13 @@ def kill_p(p: Engine, d: Engine, prompts: dict[str, list[int]]) -> dict:
     """P prefills two requests and dies before D pulls them: D must fail each within the bound
     and go on serving (a local request, then health)."""
     names = list(prompts)[-2:]
-    pre = {n: p.complete(prompts[n], 1, dict(PREFILL)) for n in names}
+    pre = {n: p.complete(prompts[n], 1, dict(PREFILL), salt="kill-p") for n in names}
     p.stop()
     out: dict = {}
     for n in names:
         t0 = time.perf_counter()
-        got = d.pulled(prompts[n], pre[n].get("kvp") or {}, timeout_s=KILL_BOUND_S)
+        got = d.pulled(prompts[n], pre[n].get("kvp") or {}, salt="kill-p",
+                       timeout_s=KILL_BOUND_S)
         out[n] = {"error": got.get("error"), "seconds": round(time.perf_counter() - t0, 1),
                   "decoded": len(got.get("ids") or [])}
     local = d.complete(prompts[names[0]], MAX_TOKENS)
@@ -200,7 +219,8 @@ def under_load(p: Engine, d: Engine, prompts: dict[str, list[int]], n: int) -> d
     ipc = getattr(d, "kvcached_ipc", None)
     with concurrent.futures.ThreadPoolExecutor(LOAD_IN_FLIGHT) as pool:
         t0 = time.perf_counter()
-        futs = [pool.submit(pd_request, p, d, prompts[nm]) for nm in names]
+        futs = [pool.submit(pd_request, p, d, prompts[nm], salt=f"load-{i}")
+                for i, nm in enumerate(names)]
         while ipc and not all(f.done() for f in futs):
             if (u := kvcached_used(ipc)) is not None:
                 used.append(u)
@@ -313,9 +333,9 @@ def run_scenario(name: str, sc: Scenario, prompts: dict[str, list[int]], paths: 
         if not (p.healthy() and d.healthy()):
             res["error"] = f"engines not healthy after {start_s:.0f}s"
             return res
-        for pname, prompt in prompts.items():
+        for pname, prompt in {**prompts, **hit_prompts(prompts)}.items():
             got = pd_request(p, d, prompt)
-            base = d.complete(prompt, MAX_TOKENS)
+            base = d.complete(prompt, MAX_TOKENS, salt=BASELINE_SALT)
             entry = {k: got.get(k)
                      for k in ("error", "pulled", "bytes", "xfer_s", "remote_blocks", "ms",
                                "p_lp0")}
@@ -325,16 +345,18 @@ def run_scenario(name: str, sc: Scenario, prompts: dict[str, list[int]], paths: 
         if sc.controls:
             names = list(prompts)
             long_a, long_b = names[-2], names[-1]
-            wrong = pd_request(p, d, prompts[long_a], mutate=repeat_first_block)
+            wrong = pd_request(p, d, prompts[long_a], mutate=repeat_first_block,
+                               salt="control-wrong-blocks")
             res["controls"]["wrong-blocks"] = {"prompt": long_a, **_slim(wrong)}
-            other = p.complete(prompts[long_b][:len(prompts[long_a])], 1, dict(PREFILL))
+            other = p.complete(prompts[long_b][:len(prompts[long_a])], 1, dict(PREFILL),
+                               salt="control-other-prompt")
             kvp = {k: v for k, v in (other.get("kvp") or {}).items()
                    if k != block_keys.PARAMS_KEY}
-            swapped = d.pulled(prompts[long_a], kvp)
+            swapped = d.pulled(prompts[long_a], kvp, salt="control-other-prompt")
             res["controls"]["other-prompt"] = {"prompt": long_a, **_slim(swapped)}
         if sc.salt_mismatch:
             prompt = prompts[list(prompts)[-2]]
-            got = pd_request(p, d, prompt, salt="another-tenant")
+            got = pd_request(p, d, prompt, salt="tenant", d_salt="another-tenant")
             res["salt_mismatch"] = {k: got.get(k) for k in ("error", "pulled")}
         if sc.load:
             res["load"] = under_load(p, d, prompts, sc.load)
@@ -474,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = Paths(args.site, model, logs, kvc, max_len)
     gpu = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
            f"{' (P on GPU 0, D on GPU 1)' if args.two_gpus else ''}, torch {torch.__version__}, "
-           f"vLLM 0.25.1, model geometry {args.geometry}")
+           f"vLLM {staged_vllm(args.site)}, model geometry {args.geometry}, prefix caching on")
     rng = random.Random(7)
     prompts = {f"len{n}": [rng.randrange(3, 512) for _ in range(n)]
                for n in args.prompt_lengths}
