@@ -33,6 +33,8 @@ import itertools
 import json
 import random
 import statistics
+import subprocess
+import sysconfig
 import tarfile
 import time
 from pathlib import Path
@@ -41,6 +43,7 @@ from lab.gpu import oracle, unpack
 from lab.gpu.engines import (
     MAX_MODEL_LEN,
     MAX_TOKENS,
+    REPO,
     Engine,
     Paths,
     Scenario,
@@ -128,6 +131,21 @@ BASELINE_SALT = "baseline"
 """D's own prefill of each prompt (the oracle's baseline) runs under this ``cache_salt``: with
 prefix caching on, an unsalted baseline would reuse the very blocks D pulled and judge them by
 themselves."""
+
+
+def build_encoder() -> str:
+    """Compile pdpatch's C block encoder for this interpreter, as a wheel install has it (the
+    engines run pdpatch from the checkout, where only the CPU machine's build lies); the
+    engines fall back to the pure-Python encoder where this fails."""
+    source = REPO / "pdpatch" / "hashing" / "_block_items.c"
+    target = source.with_name("_block_items" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    cmd = ["cc", "-shared", "-fPIC", "-O2", "-fno-strict-aliasing",
+           f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(target)]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"pure Python ({type(exc).__name__}: {getattr(exc, 'stderr', '') or exc})"[:300]
+    return f"compiled ({target.name})"
 
 
 def staged_vllm(site: Path) -> str:
@@ -485,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     if not (args.site / "vllm" / "__init__.py").exists():
         print(f"unpacked in {unpack.unpack(args.stage, args.site):.1f}s", flush=True)
+    print(f"block-key encoder: {build_encoder()}", flush=True)
     import torch
 
     from lab.rig.model import model_dir
