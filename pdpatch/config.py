@@ -26,11 +26,6 @@ MASTER_VARS = ("ENABLE_PDPATCH", "PDPATCH_ENABLED")
 GLOBAL_VARS = ("PDPATCH_DISABLE", "PDPATCH_STRICT", "PDPATCH_ALLOW_UNTESTED_VLLM",
                "PDPATCH_LOG_LEVEL", "PDPATCH_ENABLED")
 EXTRA_CONFIG_KEY = "pdpatch"
-# Read by pdpatch's own scripts, rig and tests, never by a patch: accepted and ignored here so
-# that an engine started by the rig does not reject its own environment.
-TOOL_VARS = ("PDPATCH_VENV", "PDPATCH_PYTHON", "PDPATCH_VLLM_SOURCES", "PDPATCH_CACHE_DIR",
-             "PDPATCH_RIG_KERNEL_DIR", "PDPATCH_RIG_VLLM_TREE", "PDPATCH_OLD_VLLM_DEPS",
-             "PDPATCH_KVCACHED_SRC", "PDPATCH_BENCH_NO_CTX", "PDPATCH_BENCH_NO_IPC_DEFAULT")
 
 
 class ConfigError(ValueError):
@@ -104,8 +99,7 @@ def read_settings(patch_names: Iterable[str], env: Mapping[str, str] | None = No
     for var, raw in env.items():
         if var in options:
             options[var].parse(raw)
-        if not var.startswith("PDPATCH_") or var in GLOBAL_VARS or var in TOOL_VARS \
-                or var in options:
+        if not var.startswith("PDPATCH_") or var in GLOBAL_VARS or var in options:
             continue
         name = var[len("PDPATCH_"):].lower()
         if name not in known:

@@ -7,7 +7,7 @@
 #    stand-in `torch` on PYTHONPATH (only for that step; nothing is built or installed).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cache="${PDPATCH_CACHE_DIR:-$HOME/.cache/pdpatch}"
+cache="${PDLAB_CACHE_DIR:-$HOME/.cache/pdpatch}"
 pip="${1:-$here/.venv/bin/pip}"   # setup_env.sh passes the venv it is building
 [ -x "$pip" ] || pip="pip"
 

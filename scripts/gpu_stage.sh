@@ -4,4 +4,4 @@
 # size of what a run carries and fails when it is over the limit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec .venv/bin/python lab/gpu/stage.py "$@"
+exec .venv/bin/python -m lab.gpu.stage "$@"

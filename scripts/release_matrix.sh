@@ -7,7 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 log=$(mktemp)
-PDPATCH_FULL_MATRIX=1 .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup \
+PDLAB_FULL_MATRIX=1 .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup \
   -m "not e2e" "$@" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 summary=$(grep -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed)" "$log" | tail -1 | tr -d '=')

@@ -29,7 +29,7 @@ step() {  # run pytest with "$@"; fold its status into rc (exit 5, nothing colle
 }
 
 # 760 of vLLM 0.33.0's 763 pass stock here: far fewer means the suite did not run
-if ! "$py" scripts/upstream_suites.py --min-stock-passed 700; then
+if ! "$py" -m scripts.upstream_suites --min-stock-passed 700; then
   echo "run_tests: the do-no-harm gate failed (vLLM's own connector tests, see above)" >&2
   rc=1
 fi

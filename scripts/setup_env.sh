@@ -10,14 +10,14 @@
 # The venv lives outside the clone, keyed by a hash of what it contains and of the checkout's
 # path, so a second run in the same checkout reuses it, while two checkouts on one machine (a
 # working copy and CI's clone) never re-point each other's editable pdpatch install.  Prints the
-# venv path on the last line.
+# venv path on the last line.  Harness variables (lab/env.py): PDLAB_PYTHON, PDLAB_VENV.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-py="${PDPATCH_PYTHON:-python3.11}"
+py="${PDLAB_PYTHON:-python3.11}"
 # The venv is keyed by what goes into it (requirements/*.txt) and by the checkout that its
 # editable pdpatch install points at, not by this script's text.
 key=$( (cat "$here"/requirements/*.txt; echo "$here") | sha256sum | cut -c1-12)
-venv="${PDPATCH_VENV:-$HOME/.cache/pdpatch/venv-$key}"
+venv="${PDLAB_VENV:-$HOME/.cache/pdpatch/venv-$key}"
 cache="$HOME/.cache/pdpatch"
 mkdir -p "$cache"
 
@@ -68,7 +68,7 @@ bash "$here/scripts/fetch_vllm_sources.sh" >/dev/null
 bash "$here/scripts/fetch_test_extras.sh" "$venv/bin/pip"
 
 # vLLM 0.33.0's own connector tests (the do-no-harm gate of scripts/run_tests.sh).
-"$venv/bin/python" "$here/scripts/upstream_suites.py" --fetch-only >/dev/null
+(cd "$here" && "$venv/bin/python" -m scripts.upstream_suites --fetch-only >/dev/null)
 
 # pdpatch itself, editable, so the .pth and the entry point come from this checkout; its C
 # block encoder must build here (the tests check both it and the pure-Python path).

@@ -1,79 +1,12 @@
 """Run vLLM's own NIXL connector tests with pdpatch disabled and enabled, and compare.
 
-    .venv/bin/python scripts/upstream_suites.py                 # the installed release (the gate)
-    .venv/bin/python scripts/upstream_suites.py 0.30.0 0.32.0   # older releases, their own tests
-    .venv/bin/python scripts/upstream_suites.py --all --record  # every fetched tree 0.19-0.32,
-                                                                # results into docs/
-
-Exit status 0 when every release passes: every test that passes stock also passes with
-pdpatch, except the deliberate differences listed in docs/upstream_suites.md.  See
-lab/upstream/suites.py for where the tests and the code come from.
+From the checkout root: ``.venv/bin/python -m scripts.upstream_suites --help``; the logic:
+``lab/upstream/cli.py``.
 """
 
-from __future__ import annotations
-
-import argparse
-import datetime
-import json
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "lab" / "upstream"))
-
-import suites  # noqa: E402
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("releases", nargs="*", help="vLLM releases (default: the installed one)")
-    ap.add_argument("--all", action="store_true",
-                    help="every release pdpatch supports whose source tree is fetched, "
-                         "below the installed one")
-    ap.add_argument("--work", type=Path, default=suites.CACHE / "upstream-runs",
-                    help="where junit XML and logs go")
-    ap.add_argument("--record", action="store_true",
-                    help="write the results into the table of docs/upstream_suites.md")
-    ap.add_argument("--json", type=Path, help="also write the results as JSON")
-    ap.add_argument("--timeout", type=int, default=300, help="per-test timeout (s)")
-    ap.add_argument("--min-stock-passed", type=int, default=1,
-                    help="fail a release whose stock run passes fewer tests (a gate that ran "
-                         "nothing must not pass)")
-    ap.add_argument("--fetch-only", action="store_true",
-                    help="fetch the releases' tests (and the model configs) and stop")
-    args = ap.parse_args(argv)
-
-    installed = suites.installed_release()
-    releases = list(args.releases)
-    if args.all:
-        releases += [v for v in suites.fetched_releases() if v != installed]
-    releases = releases or [installed]
-    if args.fetch_only:
-        suites.hf_home()
-        for release in releases:
-            print(suites.fetch_tests(release))
-        return 0
-    differences = suites.read_differences()
-    rows, ok = [], True
-    for release in releases:
-        runs = suites.run_release(release, args.work, timeout=args.timeout)
-        verdict = suites.compare(release, runs["stock"], runs["pdpatch"], differences)
-        print(suites.describe(verdict), flush=True)
-        passed = len(runs["stock"].ids("passed"))
-        if passed < args.min_stock_passed:
-            print(f"  FAIL: stock passed {passed} tests, fewer than --min-stock-passed "
-                  f"{args.min_stock_passed}: the suite did not run", flush=True)
-            ok = False
-        ok &= verdict.ok
-        rows.append(suites.as_row(verdict, datetime.date.today().isoformat()))
-        if args.json:                                # after each release: a long run that
-            args.json.write_text(json.dumps(rows, indent=2))     # stops keeps what it did
-        if args.record:
-            suites.record(rows[-1:])
-            print(f"recorded vLLM {release} in {suites.DIFFERENCES}", flush=True)
-    print(f"upstream suites: {'PASS' if ok else 'FAIL'} ({len(releases)} release(s))")
-    return 0 if ok else 1
-
+from lab.upstream.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

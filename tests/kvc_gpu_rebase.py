@@ -1,5 +1,6 @@
 """GPU check of pdpatch num_blocks' bounded-storage re-basing (the CUDA path of
-``_bounded_bytes``): run on a machine with a GPU, ``python tests/kvc_gpu_rebase.py``.
+``_bounded_bytes``): run on a machine with a GPU, from the
+checkout root: ``python -m tests.kvc_gpu_rebase``.
 
 CPU CI covers the numpy path; this covers ``__cuda_array_interface__``: the re-based views alias
 the original memory (no copy), their storage spans exactly the planned bytes, writes through them
@@ -11,10 +12,6 @@ from __future__ import annotations
 
 import gc
 import json
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 

@@ -9,11 +9,11 @@ metadata would say 0.33.0), builds real NIXL workers of that release with
 :mod:`kvc_harness`, and prints one JSON object: check name -> "ok" | "skip: why" | "FAIL: why".
 
 What each release cannot import with today's dependencies is said in the result, never hidden:
-0.19-0.22 need the ``gguf`` package (found in ``PDPATCH_OLD_VLLM_DEPS``, default
+0.19-0.22 need the ``gguf`` package (found in ``PDLAB_OLD_VLLM_DEPS``, default
 ``~/.cache/pdpatch/old-vllm-deps``, if the test environment lacks it).
 
 ``--kvcached ORDER`` additionally applies kvcached 0.1.6's *real* NixlConnector patch
-(``kvcached/integration/vllm/nixl_compat.py``, pure Python; ``PDPATCH_KVCACHED_SRC`` or
+(``kvcached/integration/vllm/nixl_compat.py``, pure Python; ``PDLAB_KVCACHED_SRC`` or
 ``~/.cache/pdpatch/kvcached-src/0.1.6``) before (``kvcached-first``) or after (``pdpatch-first``)
 pdpatch, in its own process because kvcached patches classes for good.
 """
@@ -29,10 +29,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-CACHE = Path(os.environ.get("PDPATCH_CACHE_DIR", Path.home() / ".cache" / "pdpatch"))
-SOURCES = Path(os.environ.get("PDPATCH_VLLM_SOURCES", CACHE / "vllm-src"))
-OLD_DEPS = Path(os.environ.get("PDPATCH_OLD_VLLM_DEPS", CACHE / "old-vllm-deps"))
-KVCACHED_SRC = Path(os.environ.get("PDPATCH_KVCACHED_SRC", CACHE / "kvcached-src" / "0.1.6"))
+CACHE = Path(os.environ.get("PDLAB_CACHE_DIR", Path.home() / ".cache" / "pdpatch"))
+SOURCES = Path(os.environ.get("PDLAB_VLLM_SOURCES", CACHE / "vllm-src"))
+OLD_DEPS = Path(os.environ.get("PDLAB_OLD_VLLM_DEPS", CACHE / "old-vllm-deps"))
+KVCACHED_SRC = Path(os.environ.get("PDLAB_KVCACHED_SRC", CACHE / "kvcached-src" / "0.1.6"))
 INSTALLED = "0.33.0"
 NAMES = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 PLANNED, VIRTUAL = 12, 29

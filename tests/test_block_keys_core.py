@@ -12,7 +12,7 @@ import pytest
 from pdpatch.hashing import KeyConfig, LoraSpec
 from pdpatch.hashing import verdict as V
 from pdpatch.hashing.errors import HashingError, PeerParamsError
-from pdpatch.hashing.peer_check import parse_params
+from pdpatch.hashing.key_params import parse_params
 from pdpatch.patches import block_keys as bk
 
 PROMPT = list(range(1000, 1100))       # 6 full blocks of 16 + 4 tokens
@@ -156,7 +156,7 @@ def test_d_without_its_own_fingerprint_still_judges():
 
 
 def test_keys_not_computed_canonically_are_rejected():
-    from pdpatch.hashing.peer_check import build_params
+    from pdpatch.hashing.key_params import build_params
 
     eng = engine()
     own = KeyConfig(algo="sha256", vllm_version="0.33.0", hash_block_size=16,

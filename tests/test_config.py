@@ -78,8 +78,10 @@ def test_extra_config_section():
         config.extra_config_allows("layout", {"pdpatch": ["layout"]})
 
 
-def test_patch_options_and_tool_variables_are_not_typos():
-    s = read(PDPATCH_LAYOUT_FORCE="1", PDPATCH_CACHE_DIR="/x")
+def test_patch_options_and_harness_variables_are_not_typos():
+    from lab.env import VARS  # the harness's own: another prefix, nothing to declare here
+
+    s = read(PDPATCH_LAYOUT_FORCE="1", **dict.fromkeys(VARS, "/x"))
     assert s.overrides == {}
 
 

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kv_helpers import LAYOUTS, LayoutSpec, build_side, expected_copy, simulate
 
-from kv_reference import (
+from lab.kv_reference import (
     coalesce,
     expand_strided,
     plan_from_nx3,

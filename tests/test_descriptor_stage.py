@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kv_helpers import LayoutSpec, build_side, expected_copy, simulate
 
-from kv_reference import (
+from lab.kv_reference import (
     coalesce,
     merge_copies,
     nixl_merged_count,

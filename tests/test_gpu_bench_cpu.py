@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_bench(out: Path, *args: str) -> dict:
     """The bench's small CPU run (16 KiB blocks, 2 MiB pools) with ``args``; its JSON report."""
-    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_kv_bench.py"), "--device", "cpu",
+    cmd = [sys.executable, "-m", "scripts.gpu_kv_bench", "--device", "cpu",
            "--quick", "--block-kib", "16", "--pool-mib", "2", *args, "--json", str(out)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)

@@ -1,24 +1,15 @@
 """The GPU P/D scripts' logic that CI can check without a GPU: the oracle that tells numeric drift
 from corrupted KV (lab/gpu/oracle.py), the fat-binary pruning and the stage's size check
-(lab/gpu/stage.py), the control's block rotation and the results table (scripts/gpu_pd.py)."""
+(lab/gpu/stage.py), the control's block rotation and the results table (lab/gpu/pd.py)."""
 
 from __future__ import annotations
 
 import struct
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "lab" / "gpu"))
-sys.path.insert(0, str(REPO / "scripts"))
-
-import gpu_pd  # noqa: E402
-
-import fatbin_prune  # noqa: E402
-import oracle  # noqa: E402
-import stage  # noqa: E402
+from lab.gpu import engines, fatbin_prune, oracle, stage
+from lab.gpu import pd as gpu_pd
 
 D = oracle.Decoded
 
@@ -112,13 +103,13 @@ def test_load_answers_are_judged_against_d_own_prefill_and_errors_kept():
 
 
 def test_kvcached_mapped_memory_is_read_from_its_shared_record(tmp_path):
-    assert gpu_pd.kvcached_used("eng", tmp_path) is None
+    assert engines.kvcached_used("eng", tmp_path) is None
     (tmp_path / "eng").write_bytes(struct.pack("<qqq", 1 << 30, 6 << 20, 2 << 20))
-    assert gpu_pd.kvcached_used("eng", tmp_path) == 6 << 20
+    assert engines.kvcached_used("eng", tmp_path) == 6 << 20
 
 
 def test_paired_verdict_says_within_above_or_inconclusive():
-    from paired import verdict
+    from lab.paired import verdict
 
     assert verdict({"a": [1.0, 1.001, 0.999] * 10}, 1.02)[1].startswith("within")
     assert verdict({"a": [1.2, 1.21, 1.19] * 10}, 1.02)[1].startswith("ABOVE")
@@ -130,7 +121,7 @@ def test_speed_pairs_each_request_with_its_twin_and_keeps_the_ratios(monkeypatch
     transfer time; a request that pulled nothing gives no transfer ratio; --speed-control runs
     both pairs stock; --speed-on-first starts the pdpatch pair first and still divides on by
     off."""
-    from rig.proxy import Completion, PDResult, TransferStats
+    from lab.rig.proxy import Completion, PDResult, TransferStats
 
     started = {}
 
@@ -241,8 +232,8 @@ def test_results_table_says_how_d_fared_when_p_was_killed():
 
 
 def test_d_transfer_counters_are_summed_over_labels_and_missing_ones_count_zero():
-    from rig.proxy import TransferStats
-    from rig.servers import prometheus_counters
+    from lab.rig.proxy import TransferStats
+    from lab.rig.servers import prometheus_counters
 
     page = ("# HELP vllm:nixl_xfer_time_seconds x\n"
             'vllm:nixl_xfer_time_seconds_count{engine="0"} 2.0\n'
@@ -261,7 +252,7 @@ def test_geometry_and_prompt_lengths_options():
     model and its 2048-token limit unchanged."""
     import argparse
 
-    from rig.model import tiny_config
+    from lab.rig.model import tiny_config
 
     lengths = gpu_pd.prompt_lengths("600, 1500,4000,8000")
     assert lengths == (600, 1500, 4000, 8000)

@@ -41,7 +41,7 @@ from pdpatch.hashing import (  # noqa: E402
     to_event_extra_keys,
     to_event_int,
 )
-from pdpatch.hashing.peer_check import build_params, compare, parse_params  # noqa: E402
+from pdpatch.hashing.key_params import build_params, compare, parse_params  # noqa: E402
 from pdpatch.hashing.request_adapter import hasher_for_request  # noqa: E402
 
 VERSION = "0.33.0"
@@ -235,7 +235,7 @@ def test_request_adapter_prompt_embeds() -> None:
     assert h.keys == req.block_hashes
 
 
-def test_peer_check_between_real_requests() -> None:
+def test_key_params_between_real_requests() -> None:
     """P's params (built from its real Request) checked by D against D's real Request."""
     toks = [(i * 104729) % 151000 for i in range(300)]
     lora = LoraSpec("ad", "/adapters/ad")

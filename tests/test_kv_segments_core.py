@@ -8,6 +8,7 @@ import dataclasses
 import threading
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 
@@ -234,7 +235,7 @@ def test_shadow_describes_the_peer_in_local_terms() -> None:
 def test_cross_check_refuses_any_difference_but_addresses() -> None:
     conv = ks.Conversion(meta=None, shadow=None, plan=type("P", (), {"local": None,
                                                                      "remote": None})(),
-                         descs=[(10, 64, 0), (20, 64, 0)], factor=1)
+                         descs=np.array([(10, 64, 0), (20, 64, 0)], dtype=np.uint64), factor=1)
     conv.check_against([(999, 64, 0), (888, 64, 0)], 1)            # addresses may differ
     for stock, factor, match in (([(1, 64, 0)], None, "builds 1 remote descriptors"),
                                  ([(1, 64, 0), (2, 32, 0)], None, "descriptor 1 is 32 B"),

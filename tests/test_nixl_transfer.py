@@ -22,7 +22,7 @@ import pytest
 import torch
 from kv_helpers import LayoutSpec, Side, build_side, expected_copy, peer_main, side_nbytes
 
-from kv_reference import coalesce, strided_pair_rows
+from lab.kv_reference import coalesce, strided_pair_rows
 from pdpatch.kv import BlockIdError, GeometryMismatch, HeadSlice, PairPlan, infer_geometry
 from pdpatch.kv.staging import ByteCopier, StagingAgent, StagingStats
 

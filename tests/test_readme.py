@@ -1,23 +1,16 @@
 """The README's patch and settings tables are the registry's and the declarations' own text
-(``scripts/doc_tables.py`` writes them; ``--check`` is what this test asks)."""
+(``python -m scripts.doc_tables`` writes them; ``--check`` is what this test asks)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from lab import doc_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _doc_tables():
-    spec = importlib.util.spec_from_file_location("doc_tables", ROOT / "scripts/doc_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_readme_tables_are_generated_from_the_code():
-    doc_tables = _doc_tables()
     assert doc_tables.main(["--check"]) == 0        # it says what to run when not
     text = (ROOT / "README.md").read_text()
     drifted = text.replace("| `peer_check` |", "| `peer_check_old` |", 1)

@@ -5,11 +5,24 @@ target it declares (a target that did not resolve would leave its patch silently
 from __future__ import annotations
 
 import importlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import robust_matrix
 from packaging.version import Version
-from versions_harness import INSTALLED, SOURCES_ROOT, listed_releases
+from versions_harness import (
+    FULL_MATRIX_VAR,
+    INSTALLED,
+    SOURCES_ROOT,
+    available_versions,
+    change_points,
+    listed_releases,
+    version_bounds,
+)
 
 from pdpatch.vllm_sites import SUPPORTED
 
@@ -59,9 +72,26 @@ def test_every_active_patch_wraps_every_target(ver):
     assert all(ts for ts in targets.values()), targets        # no active patch without targets
 
 
-def test_ci_keeps_the_oldest_the_newest_and_every_change_point():
-    from versions_harness import change_points
+def test_the_full_matrix_switch_reaches_the_collection():
+    """``scripts/release_matrix.sh`` sets the switch for pytest: tests/conftest.py clears every
+    ``PDPATCH_*`` setting, and the harness's ``PDLAB_*`` switch must survive it (under one prefix,
+    the "full" matrix collected the subset).  Collected with the switch on, the per-release test
+    of this file lists every fetched release, also those the subset leaves out."""
+    every = [v for v in available_versions() if Version(v) in SUPPORTED
+             and Version(v) < Version(INSTALLED)]
+    left_out = set(every) - set(change_points(every, version_bounds()))
+    if not left_out:
+        pytest.skip("the fetched releases are all change points: the subset is the full matrix")
+    test_id = f"{__file__}::{test_every_active_patch_wraps_every_target.__name__}"
+    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                        "-p", "no:cacheprovider", test_id],
+                       capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).parent.parent, env={**os.environ, FULL_MATRIX_VAR: "1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert set(re.findall(r"\[(\d+\.\d+\.\d+)\]", p.stdout)) == {*every, INSTALLED}
 
+
+def test_ci_keeps_the_oldest_the_newest_and_every_change_point():
     rels = ["0.19.1", "0.20.2", "0.21.0", "0.23.0", "0.24.0", "0.25.1"]
     bounds = {Version("0.20"), Version("0.24"), Version("0.34")}
     assert change_points(rels, bounds) == ["0.19.1", "0.20.2", "0.24.0", "0.25.1"]
@@ -71,8 +101,6 @@ def test_ci_keeps_the_oldest_the_newest_and_every_change_point():
 
 def test_every_version_bound_of_the_site_table_is_seen():
     """A bound that only a Version literal holds (not a declared range) is a change point too."""
-    from versions_harness import version_bounds
-
     from pdpatch import vllm_sites
 
     bounds = version_bounds()

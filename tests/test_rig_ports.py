@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rig import servers
-from rig.servers import EngineGroup, EngineSpec, EngineStartError
+from lab.rig import servers
+from lab.rig.servers import EngineGroup, EngineSpec, EngineStartError
 
 
 def test_free_ports_are_outside_the_ephemeral_range_distinct_and_bindable() -> None:

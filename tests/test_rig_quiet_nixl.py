@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 
-from rig import engine_env
+from lab.rig import engine_env
 
 IDLE_S = 2.0
 PROBE = f"""

@@ -9,7 +9,7 @@ import urllib.error
 
 import pytest
 
-from rig import proxy
+from lab.rig import proxy
 
 
 def _result(error: str | None, tokens: list[int]) -> proxy.PDResult:

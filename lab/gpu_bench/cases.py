@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from kv_reference import (
+from lab.kv_reference import (
     coalesce,
     nixl_merged_count,
     split_staged,

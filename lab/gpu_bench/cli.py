@@ -19,8 +19,9 @@ from .checks import detect, policy
 from .initiator import Bench
 from .report import environment, summary, summary_gap
 
-#: The script that the diagnostics run again, in fresh processes.
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_kv_bench.py"
+#: The command that the diagnostics run again, in fresh processes (from the checkout root).
+COMMAND = ("-m", "scripts.gpu_kv_bench")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main() -> int:
@@ -60,7 +61,7 @@ def main() -> int:
                     help="rerun one cudaMalloc config without UCX_CUDA_IPC_ENABLE_GET_ZCOPY")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    if a.device == "cuda" and os.environ.get("PDPATCH_BENCH_NO_IPC_DEFAULT") != "1":
+    if a.device == "cuda" and os.environ.get("PDLAB_BENCH_NO_IPC_DEFAULT") != "1":
         os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
     if a.quick:
         a.layers, a.pool_mib, a.reps = 2, 4, 2
@@ -77,7 +78,7 @@ def main() -> int:
         cases.insert(0, ("fused", "fused"))
     patterns = a.patterns.split(",")
     if a.no_ctx_first:
-        os.environ["PDPATCH_BENCH_NO_CTX"] = "1"
+        os.environ["PDLAB_BENCH_NO_CTX"] = "1"
     elif a.device == "cuda":
         import torch
 
@@ -198,11 +199,11 @@ def diag_ctx(a) -> dict:
                          ("CUDA context first", [])):
         path = f"/tmp/pdpatch_diag_{os.getpid()}_{len(out)}.json"
         env = {**os.environ, "UCX_PROTO_INFO": "y"}
-        cmd = [sys.executable, str(SCRIPT), "--device", "cuda", "--pools", "cuda",
+        cmd = [sys.executable, *COMMAND, "--device", "cuda", "--pools", "cuda",
                "--block-kib", "64,64", "--patterns", "scattered", "--cases", "ff",
                "--write-kib", "0", "--gap-kib", "0", "--pool-mib", "64", "--reps", "2",
                "--no-policy", "--no-detect", "--no-warmup", "--json", path, *extra]
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
         text = p.stdout + p.stderr
         with open(os.path.join(outdir, f"diag_ctx_{len(out)}.txt"), "w") as f:
             f.write(text)
@@ -237,13 +238,13 @@ def env_compare(a) -> dict:
         if val:
             env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = val
         else:
-            env["PDPATCH_BENCH_NO_IPC_DEFAULT"] = "1"
+            env["PDLAB_BENCH_NO_IPC_DEFAULT"] = "1"
         path = f"/tmp/pdpatch_envcmp_{os.getpid()}_{val}.json"
-        cmd = [sys.executable, str(SCRIPT), "--device", "cuda", "--pools", "cuda",
+        cmd = [sys.executable, *COMMAND, "--device", "cuda", "--pools", "cuda",
                "--block-kib", "64", "--patterns", "scattered,runs16", "--cases", "ff",
                "--write-kib", "0", "--pool-mib", "256", "--reps", "3", "--no-policy",
                "--no-detect", "--json", path]
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
         try:
             with open(path) as f:
                 rows = json.load(f)["results"]

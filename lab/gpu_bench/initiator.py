@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from kv_reference import nixl_merged_count
+from lab.kv_reference import nixl_merged_count
 from pdpatch.kv import PairPlan
 from pdpatch.kv.staging import ByteCopier, StagingAgent
 from pdpatch.kv.staging.plans import CopyPlan

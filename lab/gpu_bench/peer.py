@@ -21,7 +21,7 @@ from .pools import Pool, check_blocks, fill, layer_content, lazy_torch, make_poo
 def peer_main(conn, name: str, device: str, env: dict) -> None:
     os.environ.update(env)
     try:
-        if device == "cuda" and os.environ.get("PDPATCH_BENCH_NO_CTX") != "1":
+        if device == "cuda" and os.environ.get("PDLAB_BENCH_NO_CTX") != "1":
             lazy_torch().zeros(1, device="cuda:0")  # a CUDA context before UCX starts
             lazy_torch().cuda.synchronize()
         agent = new_agent(name)

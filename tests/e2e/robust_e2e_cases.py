@@ -36,8 +36,8 @@ import msgspec
 import zmq
 from hypothesis import strategies as st
 
-from rig import proxy
-from rig.servers import Engine
+from lab.rig import proxy
+from lab.rig.servers import Engine
 
 GET_META_MSG = b"get_meta_msg"      # vllm ...nixl/metadata.py (0.33); checked in fetch_payload
 BLOCK = 128                         # the CPU platform's KV block size (tokens)

@@ -20,9 +20,9 @@ from __future__ import annotations
 import random
 import re
 
-from rig import proxy
-from rig.model import tiny_config
-from rig.servers import EngineGroup, EngineSpec
+from lab.rig import proxy
+from lab.rig.model import tiny_config
+from lab.rig.servers import EngineGroup, EngineSpec
 
 MAX_TOKENS = 12
 ALGO = ("--prefix-caching-hash-algo", "xxhash_cbor")

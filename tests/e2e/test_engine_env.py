@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rig import engine_env
+from lab.rig import engine_env
 
 # Referenced by vLLM 0.33.0's CPU-path files but XPU-only; absent from any CPU build.
 XPU_ONLY_OPS = {"xpu_host_register", "xpu_host_unregister"}

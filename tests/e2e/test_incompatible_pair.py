@@ -14,9 +14,9 @@ from __future__ import annotations
 import time
 import urllib.error
 
-from rig import proxy
-from rig.model import model_dir
-from rig.servers import EngineGroup, EngineSpec
+from lab.rig import proxy
+from lab.rig.model import model_dir
+from lab.rig.servers import EngineGroup, EngineSpec
 
 MAX_TOKENS = 8
 BOUND_S = 60.0  # the whole failing request must be answered within this

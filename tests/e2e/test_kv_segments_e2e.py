@@ -20,9 +20,9 @@ import re
 
 import pytest
 
-from rig.demo import PromptCase, demo_prompts, run_case
-from rig.model import tiny_config
-from rig.servers import EngineGroup, EngineSpec
+from lab.rig.demo import PromptCase, demo_prompts, run_case
+from lab.rig.model import tiny_config
+from lab.rig.servers import EngineGroup, EngineSpec
 
 MAX_TOKENS = 16
 CPU_BLOCK_SIZE = 128

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from rig.demo import demo_prompts, run_case
-from rig.engine_env import engine_env
-from rig.model import tiny_config
-from rig.servers import EngineGroup, EngineSpec
+from lab.rig.demo import demo_prompts, run_case
+from lab.rig.engine_env import engine_env
+from lab.rig.model import tiny_config
+from lab.rig.servers import EngineGroup, EngineSpec
 
 MAX_TOKENS = 16
 CPU_BLOCK_SIZE = 128

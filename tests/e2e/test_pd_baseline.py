@@ -16,11 +16,11 @@ import time
 
 import pytest
 
+from lab.rig import proxy
+from lab.rig.demo import PromptCase, demo_prompts, run_case
+from lab.rig.model import tiny_config
+from lab.rig.servers import EngineGroup, EngineSpec
 from pdpatch.patches import block_keys
-from rig import proxy
-from rig.demo import PromptCase, demo_prompts, run_case
-from rig.model import tiny_config
-from rig.servers import EngineGroup, EngineSpec
 
 MAX_TOKENS = 24
 CPU_BLOCK_SIZE = 128  # what the CPU platform forces; checked against the engine below

@@ -43,8 +43,8 @@ import robust_e2e_cases as C
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from rig import proxy
-from rig.servers import Engine, EngineGroup, EngineSpec
+from lab.rig import proxy
+from lab.rig.servers import Engine, EngineGroup, EngineSpec
 
 RIG_SPECS = [
     EngineSpec("P", "kv_producer", pdpatch=True),

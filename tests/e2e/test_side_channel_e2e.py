@@ -10,7 +10,7 @@ import socket
 import time
 from pathlib import Path
 
-from rig.servers import Engine, EngineSpec
+from lab.rig.servers import Engine, EngineSpec
 
 EXIT_BOUND_S = 420.0
 

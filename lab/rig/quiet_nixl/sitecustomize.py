@@ -6,7 +6,7 @@ thread (``nixlUcxSharedThread::run``) passes that delay to ``poll()`` as the tim
 engine's NIXL agent keeps one core busy for its whole life (seen with gdb: ``poll(nfds=2,
 timeout=0)`` at 100 % of a core in the prefill engine's worker).  On the 2-core CI machine that
 takes the cores from the engines under test.  Here the agent is created with a
-``PDPATCH_RIG_NIXL_POLL_US`` delay (default 1000 us): UCX events still wake the thread at once;
+``PDLAB_RIG_NIXL_POLL_US`` delay (default 1000 us): UCX events still wake the thread at once;
 it only stops polling an idle worker thousands of times a second.  Nothing else of NIXL or vLLM
 changes.  The rig puts this directory last on the engines' ``PYTHONPATH``, so pdpatch's own
 ``sitecustomize`` (when a test activates pdpatch that way) runs first and chains here; this one
@@ -23,7 +23,7 @@ def _quiet_nixl_progress_thread() -> None:
         import wrapt
     except ImportError:
         return
-    delay_us = int(os.environ.get("PDPATCH_RIG_NIXL_POLL_US", "1000"))
+    delay_us = int(os.environ.get("PDLAB_RIG_NIXL_POLL_US", "1000"))
 
     def patch(api) -> None:
         bindings = api.nixlBind

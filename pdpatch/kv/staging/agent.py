@@ -33,6 +33,7 @@ at the first READ to stage and registered with NIXL per slot length.  Needs torc
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -185,6 +186,7 @@ class StagingAgent(Layer):
         if twin is None:
             return self._nixl.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
                                                  remote_ids, *args, **kwargs)
+        t0 = time.perf_counter()
         try:
             planned = self._planner.plan(local_handle, local_ids, twin, remote_handle,
                                          remote_ids)
@@ -192,8 +194,9 @@ class StagingAgent(Layer):
             self._not_staged(str(why))
             return self._nixl.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
                                                  remote_ids, *args, **kwargs)
+        planning_ms = (time.perf_counter() - t0) * 1e3    # the first one sets staging up
         if isinstance(planned, ChunkedRead):
-            return self._post_chunked(planned, args, kwargs)
+            return self._post_chunked(planned, args, kwargs, planning_ms)
         read, slot_handle, slot_ids, r_ids = planned
         if read.spans is not None:
             try:
@@ -223,12 +226,14 @@ class StagingAgent(Layer):
             first = self.stats.posted(read)
         (logger.info if first else logger.debug)(
             "pdpatch kv_segments: staged READ from %s: %d KiB in %d descriptors instead of "
-            "%d%s", read.peer, read.requested >> 10, read.staged, read.stock,
-            "" if read.spans is None else
-            f", reading {(read.nbytes - read.requested) >> 10} KiB between requested blocks")
+            "%d%s (planned in %.1f ms)", read.peer, read.requested >> 10, read.staged,
+            read.stock, "" if read.spans is None else
+            f", reading {(read.nbytes - read.requested) >> 10} KiB between requested blocks",
+            planning_ms)
         return handle
 
-    def _post_chunked(self, read: ChunkedRead, args: tuple, kwargs: dict) -> Any:
+    def _post_chunked(self, read: ChunkedRead, args: tuple, kwargs: dict,
+                      planning_ms: float) -> Any:
         """A READ larger than the free staging: its first chunk's NIXL READ is vLLM's handle
         (:mod:`.chunked`).  The notification vLLM asks for is sent once every chunk has
         landed, not with any chunk."""
@@ -243,8 +248,9 @@ class StagingAgent(Layer):
             first = self.stats.posted(read)
         (logger.info if first else logger.debug)(
             "pdpatch kv_segments: staged READ from %s in %d chunks of up to %d KiB, %d in "
-            "flight: %d KiB in %d descriptors instead of %d", read.peer, read.bounds.size - 1,
-            read.lane_bytes >> 10, LANES, read.nbytes >> 10, read.staged, read.stock)
+            "flight: %d KiB in %d descriptors instead of %d (planned in %.1f ms)", read.peer,
+            read.bounds.size - 1, read.lane_bytes >> 10, LANES, read.nbytes >> 10, read.staged,
+            read.stock, planning_ms)
         return handle
 
     def transfer(self, handle: Any, *args: Any, **kwargs: Any) -> Any:

@@ -7,6 +7,7 @@ length, shared out by a first-fit allocator, and copied into the KV memory by a
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -80,13 +81,15 @@ class StagingBuffer:
     def _make(self) -> None:
         import torch
 
+        t0 = time.perf_counter()
         memory = list(self._memory())
         device = ByteCopier(arenas_of(memory)).device
         tensor = torch.empty(self.capacity, dtype=torch.uint8, device=device)
         self._copier = ByteCopier(arenas_of([*memory, tensor]))
         self._tensor, self.base = tensor, int(tensor.data_ptr())
         logger.info("pdpatch kv_segments: %d MiB staging buffer on %s for converted READs "
-                    "(%s)", self.capacity >> 20, device, self._setting)
+                    "(%s), made in %.0f ms", self.capacity >> 20, device, self._setting,
+                    (time.perf_counter() - t0) * 1e3)
 
     def slot_list(self, slot: int, dev: int) -> Any:
         """The buffer as a prepared list of ``slot``-byte entries, registered with the device id

@@ -148,9 +148,18 @@ class ByteCopier:
         return flat[: flat.numel() // g * g].view(dtype).view(-1, g // esz)
 
     def _index(self, rows: np.ndarray) -> Any:
+        """The rows as an index tensor, uploaded on the copier's own stream: the kernels that
+        read it run there, and stream order is what makes them wait for the upload.  Uploaded
+        on the calling thread's stream instead, the index reached the GPU behind the model's
+        kernels while the copy stream read it already (an H200 run under load: "index_copy_():
+        index out of bounds", a device-side assert that killed the engine)."""
         import torch
 
-        return torch.from_numpy(rows).to(self.device, non_blocking=True)
+        host = torch.from_numpy(rows)
+        if self._stream is None:
+            return host.to(self.device)
+        with torch.cuda.stream(self._stream):
+            return host.to(self.device, non_blocking=True)
 
     def launch(self, ops: list[tuple], sync: bool = True) -> Any:
         """Run prepared copies.  ``sync=False`` on CUDA returns an event to poll; the caller

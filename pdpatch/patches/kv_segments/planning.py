@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 from packaging.version import Version
@@ -19,6 +20,8 @@ from pdpatch.patches.kv_segments.settings import count
 # The descriptor-planning core (pdpatch.kv, ~6 ms) is imported by the functions that use it,
 # when vLLM first registers or pairs KV caches, not by install() inside every `import vllm`.
 if TYPE_CHECKING:
+    import numpy as np
+
     from pdpatch.kv import KVGeometry, PairPlan
 
 
@@ -139,34 +142,40 @@ def remote_geometry(meta: Any, num_layers: int, layout: str, heads: int,
 
 @dataclass
 class Conversion:
-    """A peer whose K/V placement differs from the local one, planned and validated."""
+    """A peer whose K/V placement differs from the local one, planned and validated.
+
+    ``descs`` stays an ``(N, 3)`` uint64 array end to end: NIXL's ``get_xfer_descs`` takes it
+    as it is, while a list of tuples costs ~1 s per 500k descriptors at first contact (an 8B
+    model's over-allocated pool) before the first request can read."""
 
     meta: Any
     shadow: Any
     plan: PairPlan
-    descs: list[tuple[int, int, int]]
+    descs: np.ndarray
     factor: int
     substituted: bool = False   # set by the inner wrapper that swapped vLLM's list
 
-    def substitute(self, stock: list, factor: int | None) -> list[tuple[int, int, int]]:
+    def substitute(self, stock: list, factor: int | None) -> np.ndarray:
         """pdpatch's descriptors in place of vLLM's ``stock`` list (checked); the wrapper that
         started the conversion reads :attr:`substituted` to learn vLLM built a list to swap."""
         self.check_against(stock, factor)
         self.substituted = True
-        return list(self.descs)
+        return self.descs
 
     def check_against(self, stock: list, factor: int | None) -> None:
         """vLLM's own list (built from the shadow) must match pdpatch's in count, order and
         lengths -- only addresses may differ -- or the desc ids would not line up."""
+        import numpy as np
+
         from pdpatch.kv import GeometryMismatch
 
-        stock_lens = [int(d[1]) for d in stock]
-        mine = [d[1] for d in self.descs]
+        mine = self.descs[:, 1]
+        stock_lens = np.fromiter(map(itemgetter(1), stock), dtype=np.uint64, count=len(stock))
         problem = ""
-        if len(stock_lens) != len(mine):
-            problem = f"vLLM builds {len(stock_lens)} remote descriptors, pdpatch {len(mine)}"
-        elif stock_lens != mine:
-            i = next(i for i, (a, b) in enumerate(zip(stock_lens, mine, strict=True)) if a != b)
+        if stock_lens.size != mine.size:
+            problem = f"vLLM builds {stock_lens.size} remote descriptors, pdpatch {mine.size}"
+        elif not np.array_equal(stock_lens, mine):
+            i = int(np.flatnonzero(stock_lens != mine)[0])
             problem = (f"descriptor {i} is {stock_lens[i]} B in vLLM's list, {mine[i]} B in "
                        "pdpatch's")
         elif factor is not None and factor != self.factor:
@@ -234,7 +243,6 @@ def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version, *,
         HeadOrderMismatch,
         PairPlan,
         UnsupportedLayout,
-        as_tuples,
         handshake_kind,
         slices_for,
     )
@@ -285,8 +293,8 @@ def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version, *,
             return None
         plan = PairPlan(local.view, remote, local_slice=sl.local, remote_slice=sl.remote,
                         block_size_ratio=sl.block_size_ratio, receiver_reorders_heads=reorders)
-        descs = as_tuples(plan.remote_table())
-        return Conversion(meta, shadow(meta, remote, local.kind), plan, descs, sl.remote.index)
+        return Conversion(meta, shadow(meta, remote, local.kind), plan, plan.remote_table(),
+                          sl.remote.index)
     except (GeometryMismatch, UnsupportedLayout) as exc:
         if isinstance(exc, UnsupportedLayout) and not mixed and advertised is None:
             return None        # nothing pdpatch knows better than stock; let vLLM decide

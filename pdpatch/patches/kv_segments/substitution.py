@@ -9,6 +9,7 @@ there)."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from packaging.version import Version
@@ -105,7 +106,9 @@ def make_add_remote_wrapper(version: Version) -> Wrapper:
         if meta is None or rank in getattr(instance, "_remote_agents", {}).get(
                 getattr(meta, "engine_id", None), {}):
             return wrapped(*args, **kwargs)
+        t0 = time.perf_counter()
         conversion = _plan(instance, meta, tp_size, version)
+        t1 = time.perf_counter()
         if conversion is None:
             return wrapped(*args, **kwargs)
         if "nixl_agent_meta" in kwargs:
@@ -129,10 +132,14 @@ def make_add_remote_wrapper(version: Version) -> Wrapper:
                 "vLLM built no remote descriptor list pdpatch could replace",
                 conversion.plan.local, conversion.plan.remote)
         count("conversions")
+        t2 = time.perf_counter()
         staged = stage_peer(instance, meta.engine_id, rank, conversion.plan.remote)
-        logger.info("pdpatch kv_segments: peer %s rank %s converted (%s -> %s, %d descriptors%s)",
+        t3 = time.perf_counter()
+        logger.info("pdpatch kv_segments: peer %s rank %s converted (%s -> %s, %d descriptors%s) "
+                    "in %.0f ms: planning %.0f, vLLM's add_remote_agent %.0f, staging %.0f",
                     meta.engine_id, rank, conversion.plan.remote.kind, conversion.plan.local.kind,
-                    len(conversion.descs), ", READs staged" if staged else "")
+                    len(conversion.descs), ", READs staged" if staged else "",
+                    (t3 - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
         return result
 
     return add_remote_agent

@@ -1,4 +1,6 @@
-"""Prove that a prefill (P) and a decode (D) peer mean the same blocks, over untrusted params.
+"""Block-key params: prove that a prefill (P) and a decode (D) peer mean the same blocks.
+
+(Not the ``peer_check`` patch, which bounds a peer's handshake metadata.)
 
 P describes its keys for a request with :func:`build_params` (a small JSON-able dict for
 ``kv_transfer_params``); D parses what arrives with :func:`parse_params` (bounded, validating:

@@ -19,7 +19,7 @@ from pdpatch.hashing import (
     PeerParamsError,
     PromptEmbeds,
 )
-from pdpatch.hashing.peer_check import (
+from pdpatch.hashing.key_params import (
     Limits,
     build_params,
     compare,

@@ -1,0 +1,1 @@
+"""The benchmarks behind ``scripts/bench_*.py`` (run as ``python -m scripts.bench_NAME``)."""

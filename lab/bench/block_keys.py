@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Block keys of a 32k-token request: pdpatch.hashing vs vLLM's own ``hash_block_tokens`` chain.
+
+    VLLM_TARGET_DEVICE=cpu .venv/bin/python -m scripts.bench_block_keys [--tokens 32768]
+
+For each algorithm, in the same process and the same run: vLLM's chain (``init_none_hash`` then
+``hash_block_tokens`` per full block, exactly what ``get_request_block_hasher`` does for a plain
+request) and ``pdpatch.hashing.block_keys`` (the public API: config, NONE_HASH, keys) on the
+same tokens.  The keys are asserted byte-identical before any time is reported.  The runs are
+interleaved (vLLM, pdpatch, vLLM, ...); times are this process's CPU time
+(``time.process_time``, which other processes on a shared machine disturb less than wall time:
+``--wall`` for wall time), the median of ``--repeat`` runs with the minimum in brackets;
+ratio = vLLM / pdpatch.
+
+pdpatch runs with its compiled block encoder (built by the wheel's build hook; the header says
+whether it is present) and, in the last column, with its pure-Python encoders and input checks
+only (what a build without a C compiler gets), both in the same interleaved runs.
+
+A second baseline, vLLM's full request path (a real ``Request`` with
+``get_request_block_hasher``, i.e. with its per-block extra-key calls), is printed alongside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=151936, help="token ids drawn below this")
+    ap.add_argument("--repeat", type=int, default=25)
+    ap.add_argument("--seed", default="0", help="PYTHONHASHSEED of both sides")
+    ap.add_argument("--wall", action="store_true", help="wall-clock time instead of CPU time")
+    args = ap.parse_args()
+
+    os.environ["PYTHONHASHSEED"] = args.seed  # vLLM's init_none_hash reads it at call time
+    import vllm
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils as K
+    from vllm.v1.request import Request
+
+    from pdpatch.hashing import KeyConfig, block_keys, encoders, inputs
+
+    rng = random.Random(1234)
+    tokens = [rng.randrange(args.vocab) for _ in range(args.tokens)]
+    bs = args.block_size
+    print(f"vLLM {vllm.__version__}, Python {sys.version.split()[0]}, {args.tokens} tokens, "
+          f"hash_block_size {bs}, vocab {args.vocab}, median (min) of {args.repeat} runs, "
+          f"{'wall' if args.wall else 'CPU'} time; load average {os.getloadavg()[0]:.1f}")
+
+    compiled, first_non_id = encoders._compiled, inputs._first_non_id
+    print(f"pdpatch's compiled block encoder: {'present' if compiled else 'ABSENT'}; "
+          "last column: pdpatch with its pure-Python encoders only, ratio vs the vLLM chain")
+    print(f"{'algorithm':12} {'vLLM chain':>18} {'pdpatch':>18} {'ratio':>14}   "
+          f"{'vLLM Request':>12} {'ratio':>6}   {'pure Python':>11} {'ratio':>6}")
+    worst_cbor = None
+    for algo in ALGOS:
+        fn = get_hash_fn_by_name(algo)
+        K.init_none_hash(fn)
+        hash_block_tokens = K.hash_block_tokens
+
+        def vllm_chain(fn=fn, hash_block_tokens=hash_block_tokens) -> list[bytes]:
+            out, parent = [], None
+            for s in range(0, len(tokens) - bs + 1, bs):
+                parent = hash_block_tokens(fn, parent, tokens[s:s + bs], None)
+                out.append(parent)
+            return out
+
+        def vllm_request(fn=fn) -> list[bytes]:
+            req = Request(request_id="b", prompt_token_ids=tokens,
+                          sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                          block_hasher=K.get_request_block_hasher(bs, fn))
+            return req.block_hashes
+
+        config = KeyConfig(vllm_version="0.33.0", algo=algo, hash_block_size=bs,
+                           pythonhashseed=args.seed)
+
+        def ours(config=config) -> list[bytes]:
+            return block_keys(tokens, config)
+
+        def ours_pure() -> list[bytes]:
+            encoders._compiled, inputs._first_non_id = None, None
+            try:
+                return ours()
+            finally:
+                encoders._compiled, inputs._first_non_id = compiled, first_non_id
+
+        expected = vllm_chain()
+        assert ours() == expected, f"{algo}: pdpatch keys differ from vLLM's"
+        assert ours_pure() == expected, f"{algo}: pdpatch's pure-Python keys differ"
+        assert vllm_request() == expected
+        times: dict[str, list[float]] = {"chain": [], "ours": [], "request": [], "pure": []}
+        clock = time.perf_counter if args.wall else time.process_time
+        for _ in range(args.repeat):
+            for name, fn_ in (("chain", vllm_chain), ("ours", ours), ("request", vllm_request),
+                              ("pure", ours_pure)):
+                t = clock()
+                fn_()
+                times[name].append(clock() - t)
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        low = {k: min(v) * 1e3 for k, v in times.items()}
+        ratio = med["chain"] / med["ours"]
+        if algo.endswith("_cbor"):
+            worst_cbor = ratio if worst_cbor is None else min(worst_cbor, ratio)
+        print(f"{algo:12} {med['chain']:5.2f} ({low['chain']:5.2f}) ms "
+              f"{med['ours']:5.2f} ({low['ours']:5.2f}) ms {ratio:5.2f}x "
+              f"({low['chain'] / low['ours']:4.2f}x)   {med['request']:5.2f} ms "
+              f"{med['request'] / med['ours']:5.2f}x   {med['pure']:5.2f} ms "
+              f"{med['chain'] / med['pure']:5.2f}x")
+    print(f"keys byte-identical for all algorithms; cbor algorithms (median): >= "
+          f"{worst_cbor:.2f}x (goal 3x)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

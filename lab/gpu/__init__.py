@@ -1,0 +1,1 @@
+"""Real vLLM GPU engines on the device machine (``python3 -m scripts.gpu_pd``)."""

@@ -1,0 +1,208 @@
+"""The device machine's vLLM GPU engines for ``lab/gpu/pd.py``: a scenario's P and D as real
+vLLM OpenAI servers started from the unpacked stage (pdpatch from the checkout through its
+``sitecustomize`` way in, kvcached on D where the scenario asks), their requests and metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lab.rig.proxy import TransferStats
+from lab.rig.servers import free_port, prometheus_counters
+
+REPO = Path(__file__).resolve().parents[2]
+
+MAX_TOKENS = 16
+
+
+MAX_MODEL_LEN = 2048
+
+
+@dataclass(frozen=True)
+class Scenario:
+    pdpatch: bool
+    p_backend: str
+    d_backend: str
+    hashseed: str | None = "0"         # PYTHONHASHSEED on both engines (None: unset)
+    d_env: dict = field(default_factory=dict)
+    p_env: dict = field(default_factory=dict)
+    controls: bool = False
+    salt_mismatch: bool = False         # one extra request whose D-side cache_salt differs
+    kill_p: bool = False                # last: P killed after prefilling, before D pulls
+    p_stock: bool = False               # P without pdpatch even where D has it
+    d_ktc: dict = field(default_factory=dict)   # more --kv-transfer-config keys for D
+    d_kvcached: bool = False            # D's KV cache in a kvcached (CUDA VMM) pool
+    load: int = 0                       # then this many long P/D requests, LOAD_IN_FLIGHT at once
+    note: str = ""
+
+
+KVCACHED_ENV = {
+    "ENABLE_KVCACHED": "true",
+    "KVCACHED_CONTIGUOUS_LAYOUT": "false",   # kvcached refuses NixlConnector otherwise
+    "VLLM_USE_V2_MODEL_RUNNER": "0",         # kvcached 0.1.6 patches the V1 runner below 0.29
+    "KVCACHED_GPU_UTILIZATION": "0.3",
+}
+
+
+@dataclass(frozen=True)
+class Paths:
+    site: Path                  # the unpacked stage
+    model: Path
+    logs: Path
+    kvcached: Path | None = None   # kvcached's site and its sitecustomize (install_kvcached)
+    max_model_len: int = MAX_MODEL_LEN
+
+
+def install_kvcached(stage: Path, dest: Path) -> Path:
+    """Build kvcached's sdist against this machine's torch and CUDA into ``dest/site`` and
+    write ``dest/sitecustomize.py``: kvcached patches vLLM from a ``.pth`` file, which Python
+    runs only in a site directory, not in a ``--target`` folder on PYTHONPATH."""
+    if not (dest / "sitecustomize.py").exists():
+        t0 = time.time()
+        subprocess.run([sys.executable, "-m", "pip", "-q", "install", "--no-build-isolation",
+                        "--no-deps", "--no-index", "--target", str(dest / "site"),
+                        *map(str, sorted((stage / "kvcached").iterdir()))], check=True)
+        (dest / "sitecustomize.py").write_text(
+            f"import site\nsite.addsitedir({str(dest / 'site')!r})\n")
+        print(f"kvcached built in {time.time() - t0:.0f}s", flush=True)
+    return dest
+
+
+def kvcached_used(ipc_name: str, shm: Path = Path("/dev/shm")) -> int | None:
+    """Bytes of KV memory kvcached has mapped in engine ``ipc_name`` (its shared-memory
+    record: total, used, preallocated, int64 each), or None before it wrote one."""
+    try:
+        raw = (shm / ipc_name).read_bytes()[:24]
+    except OSError:
+        return None
+    return int.from_bytes(raw[8:16], "little", signed=True) if len(raw) == 24 else None
+
+
+class Engine:
+    def __init__(self, name: str, role: str, backend: str, sc: Scenario, paths: Paths,
+                 gpu: int | None = None) -> None:
+        self.name, self.port = name, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ)
+        path = [str(paths.site)]
+        if role == "kv_consumer" and sc.d_kvcached:
+            if paths.kvcached is None:
+                raise SystemExit("kvcached scenarios need the stage's kvcached/ folder "
+                                 "(scripts/gpu_stage.sh --kvcached)")
+            path = [str(paths.kvcached), *path]
+            self.kvcached_ipc = f"pdpatch-{name}-{os.getpid()}"
+            env.update(KVCACHED_ENV, KVCACHED_IPC_NAME=self.kvcached_ipc)
+        pdpatch = sc.pdpatch and not (role == "kv_producer" and sc.p_stock)
+        if pdpatch:
+            path = [str(REPO / "sitecustomize"), str(REPO), *path]
+        env.pop("PYTHONHASHSEED", None)
+        if sc.hashseed is not None:
+            env["PYTHONHASHSEED"] = sc.hashseed
+        env.update({
+            "PYTHONPATH": os.pathsep.join(path), "ENABLE_PDPATCH": str(pdpatch).lower(),
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1",
+            "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_USE_FLASHINFER_SAMPLER": "0", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on",
+        })
+        env.update(sc.p_env if role == "kv_producer" else sc.d_env)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--host", "127.0.0.1", "--port", str(self.port), "--model", str(paths.model),
+               "--served-model-name", "tiny", "--skip-tokenizer-init", "--enforce-eager", "-O0",
+               "--max-model-len", str(paths.max_model_len), "--gpu-memory-utilization", "0.12",
+               "--seed", "0",
+               "--attention-backend", backend,
+               "--kv-transfer-config",
+               json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
+                           **(sc.d_ktc if role == "kv_consumer" else {})})]
+        self.log = paths.logs / f"{name}.log"
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log.open("wb"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def complete(self, prompt: list[int], n: int, kvp: dict | None = None,
+                 salt: str | None = None, timeout_s: float = 120.0) -> dict:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0.0,
+                "ignore_eos": True, "logprobs": 1, "return_token_ids": True,
+                "return_tokens_as_token_ids": True}
+        if kvp is not None:
+            body["kv_transfer_params"] = kvp
+        if salt is not None:
+            body["cache_salt"] = salt
+        req = urllib.request.Request(self.url + "/v1/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                d = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return {"error": f"HTTP {e.code}: {e.read()[:300]!r}"}
+        except OSError as e:
+            return {"error": repr(e)}
+        c = d["choices"][0]
+        return {"ids": c.get("token_ids") or [],
+                "lp": (c.get("logprobs") or {}).get("token_logprobs") or [],
+                "kvp": d.get("kv_transfer_params"), "ms": 1000 * (time.perf_counter() - t0)}
+
+    def metrics(self) -> dict[str, float]:
+        try:
+            with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+                return prometheus_counters(r.read().decode())
+        except OSError:
+            return {}
+
+    def pulled(self, prompt: list[int], kvp: dict, salt: str | None = None,
+               timeout_s: float = 120.0) -> dict:
+        """A decode with ``kvp``, and how many NIXL transfers (and bytes) it cost D."""
+        before = self.metrics()
+        out = self.complete(prompt, MAX_TOKENS, kvp, salt=salt, timeout_s=timeout_s)
+        moved = TransferStats.delta(before, self.metrics())
+        out["pulled"], out["bytes"] = moved.transfers, int(moved.bytes)
+        out["xfer_s"] = moved.xfer_time_s
+        return out
+
+
+def start_pair(name: str, sc: Scenario, paths: Paths, two_gpus: bool = False,
+               timeout_s: float = 300) -> tuple[Engine, Engine, float]:
+    """P and D on GPU 0, or P on GPU 0 and D on GPU 1.  On one GPU, P starts once D is up: an
+    engine that profiles GPU memory while the other is still loading can find no room for its
+    KV cache ("No available memory for the cache blocks", seen on an H100)."""
+    t0 = time.time()
+
+    def wait(*engines: Engine) -> None:
+        while time.time() - t0 < timeout_s and not all(e.healthy() for e in engines):
+            if any(e.proc.poll() is not None for e in engines):
+                return
+            time.sleep(1)
+
+    d = Engine(f"{name}-D", "kv_consumer", sc.d_backend, sc, paths,
+               gpu=1 if two_gpus else None)
+    if not two_gpus:
+        wait(d)
+    p = Engine(f"{name}-P", "kv_producer", sc.p_backend, sc, paths,
+               gpu=0 if two_gpus else None)
+    wait(p, d)
+    return p, d, time.time() - t0

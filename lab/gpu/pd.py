@@ -1,0 +1,551 @@
+"""Real vLLM GPU engines doing P/D over NIXL on the device machine, stock vs pdpatch, each
+request judged by lab/gpu/oracle.py (numeric drift vs corrupted KV), the oracle proven by
+deliberately corrupted controls in the same run.
+
+Run on the device machine, from the repository root, with the stage built by
+``scripts/gpu_stage.sh`` carried along::
+
+    python3 -m scripts.gpu_pd --stage .gpu_stage/vllm-0.25.1 --out "$OUT" ref fa-triton ...
+
+(``-m`` from the root: the device's ``python3`` has no pdpatch install, so the checkout root must
+be what puts ``lab`` and ``pdpatch`` on ``sys.path``; see ``lab/__init__.py``.)
+
+A scenario is ``name`` from :data:`SCENARIOS`.  The reference ``ref`` (stock, same backend on
+both sides) sets the tolerances from its first-token drift per prompt (or ``--tolerances``
+takes them from an earlier run), and its controls (P's first block read into every block;
+another prompt's KV) must be caught.  Results go
+to ``$OUT/gpu_pd.json`` and a Markdown table to ``$OUT/gpu_pd.md``; every engine's log, compressed,
+to ``$OUT/logs.tar.xz`` (a device run returns at most 8 files).
+
+Scenarios with kvcached on D need the stage built with ``scripts/gpu_stage.sh --kvcached``: the
+sdist is built here, against the device's own torch and CUDA, once per warm machine.
+
+``--geometry llama3-8b`` gives the tiny model Llama-3-8B's KV cache (32 layers, 8 KV heads of
+128: a request moves an 8B model's bytes over NIXL), ``--prompt-lengths 600,1500,4000,8000``
+the prompts; the table shows D's NIXL time per prompt (``vllm:nixl_xfer_time_seconds``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import itertools
+import json
+import random
+import statistics
+import subprocess
+import sysconfig
+import tarfile
+import time
+from pathlib import Path
+
+from lab.gpu import oracle, unpack
+from lab.gpu.engines import (
+    MAX_MODEL_LEN,
+    MAX_TOKENS,
+    REPO,
+    Engine,
+    Paths,
+    Scenario,
+    install_kvcached,
+    kvcached_used,
+    start_pair,
+)
+from lab.paired import median_ci, verdict
+from lab.rig.proxy import PREFILL_KV_PARAMS as PREFILL
+from lab.rig.proxy import PDResult
+from lab.rig.proxy import pd_request as streamed_pd_request
+from pdpatch.patches import block_keys
+
+PROMPT_LENGTHS = (7, 16, 17, 100, 600, 1500)
+GEOMETRIES: dict[str, dict] = {
+    "tiny": {},
+    # Llama-3-8B's KV cache (32 layers, 8 KV heads of 128): 128 KiB per token in bf16, so a
+    # request's NIXL READ moves what an 8B model's would; the rest of the model stays tiny
+    # (hidden 256: ~0.2 GB of seeded weights), its outputs judged by the same oracle.
+    "llama3-8b": {"num_hidden_layers": 32, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "head_dim": 128},
+}
+"""``--geometry``: config overrides of the rig's tiny Llama (2 layers, 4 KV heads of 64)."""
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "ref": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", controls=True,
+                    note="reference: stock, same backend"),
+    "ref-load": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", load=96,
+                         note="stock, same backend, under load: the drift batching alone gives"),
+    "stock-fa-triton": Scenario(False, "FLASH_ATTN", "TRITON_ATTN"),
+    "stock-triton-fa": Scenario(False, "TRITON_ATTN", "FLASH_ATTN"),
+    "fa-triton": Scenario(True, "FLASH_ATTN", "TRITON_ATTN", hashseed=None, controls=True),
+    "triton-fa": Scenario(True, "TRITON_ATTN", "FLASH_ATTN", hashseed=None),
+    "fa-fa": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", hashseed=None, salt_mismatch=True,
+                      note="PYTHONHASHSEED unset on both; a cache_salt mismatch D must refuse"),
+    "kill-p": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", kill_p=True,
+                       note="P killed after prefilling, before D pulls"),
+    "stock-kill-p": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", kill_p=True,
+                             note="P killed after prefilling, before D pulls"),
+    # D token-major (the layout kvcached forces), P stock head-major
+    "stock-nhd": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", d_env={"VLLM_KV_CACHE_LAYOUT": "NHD"},
+                          note="D token-major, P head-major"),
+    "stock-nhd-permute": Scenario(False, "FLASH_ATTN", "FLASH_ATTN",
+                                  d_env={"VLLM_KV_CACHE_LAYOUT": "NHD"},
+                                  d_ktc={"enable_permute_local_kv": True},
+                                  note="D token-major with vLLM's enable_permute_local_kv"),
+    "nhd": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, controls=True,
+                    d_env={"PDPATCH_LAYOUT_FORCE": "1"},
+                    note="D token-major by pdpatch's layout override, P stock"),
+    # kvcached 0.1.6 on D (token-major VMM pool, over-allocated), P stock head-major
+    "stock-kvc": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", d_kvcached=True,
+                          note="kvcached pool on D, both stock"),
+    "kvc": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, d_kvcached=True,
+                    controls=True, load=96,
+                    note="kvcached pool on D with pdpatch's defaults, P stock"),
+    "kvc-unstaged": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, d_kvcached=True,
+                             load=96, d_env={"PDPATCH_KV_STAGING_MIB": "0"},
+                             note="as kvc, converted READs straight into the VMM pool"),
+}
+LOAD_IN_FLIGHT = 32
+"""With the two longest prompts, ~34k tokens of KV in flight on D: 16 of kvcached's 2 MiB pages
+per layer for the tiny Llama, beyond the 5-10 it keeps reserved, so pages get mapped and
+unmapped while other requests' READs run."""
+KILL_BOUND_S = 120.0
+"""How long D may take to fail a request whose P is gone (vLLM's own handshake and transfer
+timeouts decide; the bound only keeps a hang from stalling the run)."""
+
+
+def prompt_lengths(text: str) -> tuple[int, ...]:
+    """``--prompt-lengths 600,1500,4000``: at least two (the controls and the load use the
+    last two), each at least one token."""
+    try:
+        lengths = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated token counts, got {text!r}") from None
+    if len(lengths) < 2 or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"two or more token counts >= 1, got {text!r}")
+    return lengths
+
+
+BLOCK_SIZE = 16
+"""vLLM's default KV block size on CUDA (the engines set no ``--block-size``)."""
+BASELINE_SALT = "baseline"
+"""D's own prefill of each prompt (the oracle's baseline) runs under this ``cache_salt``: with
+prefix caching on, an unsalted baseline would reuse the very blocks D pulled and judge them by
+themselves."""
+
+
+def build_encoder() -> str:
+    """Compile pdpatch's C block encoder for this interpreter, as a wheel install has it (the
+    engines run pdpatch from the checkout, where only the CPU machine's build lies); the
+    engines fall back to the pure-Python encoder where this fails."""
+    source = REPO / "pdpatch" / "hashing" / "_block_items.c"
+    target = source.with_name("_block_items" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    cmd = ["cc", "-shared", "-fPIC", "-O2", "-fno-strict-aliasing",
+           f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(target)]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"pure Python ({type(exc).__name__}: {getattr(exc, 'stderr', '') or exc})"[:300]
+    return f"compiled ({target.name})"
+
+
+def staged_vllm(site: Path) -> str:
+    """The vLLM release unpacked in ``site`` (from its dist-info's name)."""
+    found = sorted(site.glob("vllm-*.dist-info"))
+    return found[0].name.removeprefix("vllm-").removesuffix(".dist-info") if found else "?"
+
+
+def hit_prompts(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Requests that find their prefix in D's prefix cache, sent after ``prompts`` (vLLM's
+    default, prefix caching on, as operators run it): ``hit-partial`` shares the first half
+    (whole blocks) of the longest prompt and pulls only the rest; ``hit-full`` repeats the
+    longest prompt, all of it cached on D."""
+    longest = list(prompts.values())[-1]
+    half = len(longest) // 2 // BLOCK_SIZE * BLOCK_SIZE
+    rng = random.Random(len(longest))
+    tail = [rng.randrange(3, 512) for _ in range(len(longest) - half)]
+    return {"hit-partial": longest[:half] + tail, "hit-full": list(longest)}
+
+
+def model_config(geometry: str, lengths: tuple[int, ...]) -> tuple[dict, int]:
+    """The model's config overrides and the engines' ``--max-model-len`` for ``geometry`` and
+    the longest prompt: a P/D request is the prompt plus :data:`MAX_TOKENS`, and ``--speed``
+    requests up to :data:`SPEED_TOKENS` after its own lengths; never below the rig's 2048."""
+    longest = max(*lengths, *SPEED_LENGTHS) + max(MAX_TOKENS, SPEED_TOKENS)
+    max_len = max(MAX_MODEL_LEN, -(-longest // 1024) * 1024)
+    overrides = dict(GEOMETRIES[geometry])
+    if max_len > MAX_MODEL_LEN:
+        overrides["max_position_embeddings"] = max_len
+    return overrides, max_len
+
+
+def decoded(r: dict) -> oracle.Decoded:
+    return oracle.Decoded(r.get("ids") or [], r.get("lp") or [])
+
+
+def pd_request(p: Engine, d: Engine, prompt: list[int], mutate=None, salt=None,
+               d_salt=None) -> dict:
+    """P prefills, D pulls and decodes.  ``salt`` (vLLM's ``cache_salt``) on both sides keeps a
+    request apart from what either engine's prefix cache holds already (prefix caching is on,
+    vLLM's default); ``d_salt`` on D alone (a tenant mismatch D must refuse)."""
+    pre = p.complete(prompt, 1, dict(PREFILL), salt=salt)
+    if "error" in pre:
+        return {"error": "P: " + pre["error"]}
+    kvp = pre["kvp"] or {}
+    if mutate is not None:
+        kvp = mutate(kvp)
+    out = d.pulled(prompt, kvp, salt=d_salt if d_salt is not None else salt)
+    out["remote_blocks"] = len(kvp.get("remote_block_ids") or [])
+    out["p_lp0"] = (pre.get("lp") or [None])[0]
+    return out
+
+
+def repeat_first_block(kvp: dict) -> dict:
+    ids = kvp.get("remote_block_ids") or []
+    if ids and isinstance(ids[0], list):        # per KV-cache group
+        wrong = [oracle.repeated_block(g) for g in ids]
+    else:
+        wrong = oracle.repeated_block(ids)
+    return {**kvp, "remote_block_ids": wrong}
+
+
+def kill_p(p: Engine, d: Engine, prompts: dict[str, list[int]]) -> dict:
+    """P prefills two requests and dies before D pulls them: D must fail each within the bound
+    and go on serving (a local request, then health)."""
+    names = list(prompts)[-2:]
+    pre = {n: p.complete(prompts[n], 1, dict(PREFILL), salt="kill-p") for n in names}
+    p.stop()
+    out: dict = {}
+    for n in names:
+        t0 = time.perf_counter()
+        got = d.pulled(prompts[n], pre[n].get("kvp") or {}, salt="kill-p",
+                       timeout_s=KILL_BOUND_S)
+        out[n] = {"error": got.get("error"), "seconds": round(time.perf_counter() - t0, 1),
+                  "decoded": len(got.get("ids") or [])}
+    local = d.complete(prompts[names[0]], MAX_TOKENS)
+    out["after"] = {"local_ok": len(local.get("ids") or []) == MAX_TOKENS,
+                    "healthy": d.healthy(), "alive": d.proc.poll() is None}
+    return out
+
+
+def under_load(p: Engine, d: Engine, prompts: dict[str, list[int]], n: int) -> dict:
+    """``n`` P/D requests, :data:`LOAD_IN_FLIGHT` at a time, alternating the two longest prompts;
+    where D runs kvcached, its mapped memory is sampled meanwhile (pages mapped for new requests and
+    unmapped for finished ones while other requests' transfers run).  Each answer is kept for
+    the oracle (against D's own prefill of the same prompt)."""
+    names = [list(prompts)[-1 - i % 2] for i in range(n)]
+    used: list[int] = []
+    ipc = getattr(d, "kvcached_ipc", None)
+    with concurrent.futures.ThreadPoolExecutor(LOAD_IN_FLIGHT) as pool:
+        t0 = time.perf_counter()
+        futs = [pool.submit(pd_request, p, d, prompts[nm], salt=f"load-{i}")
+                for i, nm in enumerate(names)]
+        while ipc and not all(f.done() for f in futs):
+            if (u := kvcached_used(ipc)) is not None:
+                used.append(u)
+            time.sleep(0.02)
+        got = [f.result() for f in futs]
+        seconds = time.perf_counter() - t0
+    return {"seconds": round(seconds, 1), "answers": list(zip(names, got, strict=True)),
+            "kvcached_used": churn(used) if ipc else None}
+
+
+def churn(samples: list[int]) -> dict:
+    """How often kvcached's mapped memory grew (pages mapped) and shrank (pages unmapped)."""
+    steps = [b - a for a, b in itertools.pairwise(samples)]
+    return {"samples": len(samples), "grew": sum(1 for s in steps if s > 0),
+            "shrank": sum(1 for s in steps if s < 0),
+            "min": min(samples, default=None), "max": max(samples, default=None)}
+
+
+SPEED_GOAL = 1.02
+SPEED_LENGTHS = (100, 600, 1500)
+SPEED_TOKENS = 64
+
+
+def _xfer_s(r: PDResult) -> float | None:
+    """D's NIXL transfer time for one streamed P/D request; None where it pulled nothing."""
+    return r.transfer.xfer_time_s if r.transfer and r.transfer.transfers else None
+
+
+def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False,
+          on_first: bool = False) -> dict:
+    """P/D TTFT and decode throughput, pdpatch on vs off: two FLASH_ATTN pairs on one GPU, the
+    same fresh prompt sent to both back to back (order alternating), ``reps`` rounds per prompt
+    length.  TTFT is P's prefill round trip plus D's first streamed token; the paired ratios'
+    medians and bootstrap intervals say whether the run resolves the goal.  ``control`` runs
+    the "on" pair stock too (an A/A run): what the ratios read when only the pairs differ.
+    The pair started second was the faster one in an A/A run; ``on_first`` starts the "on"
+    pair first, so two runs with opposite orders cross pdpatch over between the start slots."""
+    rng = random.Random(11)
+    sides = {"off": Scenario(False, "FLASH_ATTN", "FLASH_ATTN"),
+             "on": Scenario(not control, "FLASH_ATTN", "FLASH_ATTN")}
+    start_order = ["on", "off"] if on_first else ["off", "on"]
+    pairs = {k: start_pair(f"speed-{k}", sides[k], paths) for k in start_order}
+    ttft_by_len: dict[str, dict[int, list[float]]] = {k: {} for k in sides}
+    tput: dict[str, list[float]] = {k: [] for k in sides}
+    xfer: dict[str, list[float]] = {k: [] for k in sides}
+    ratio_ttft, ratio_tput, ratio_xfer, errors, same = [], [], [], [], 0
+    try:
+        for rnd in range(warmup + reps):
+            for n in SPEED_LENGTHS:
+                prompt = [rng.randrange(3, 512) for _ in range(n)]
+                order = list(sides) if (rnd + n) % 2 == 0 else list(sides)[::-1]
+                outs = {}
+                for k in order:
+                    p, d, _ = pairs[k]
+                    try:
+                        outs[k] = streamed_pd_request(p, d, prompt, SPEED_TOKENS, timeout_s=120)
+                    except (OSError, RuntimeError) as e:  # recorded; the round is skipped
+                        errors.append(f"{k} len{n}: {type(e).__name__}: {e}"[:200])
+                if rnd < warmup or len(outs) < 2:
+                    continue
+                for k, r in outs.items():
+                    ttft_by_len[k].setdefault(n, []).append(r.ttft_s)
+                    if r.decode.decode_tok_per_s:
+                        tput[k].append(r.decode.decode_tok_per_s)
+                    if _xfer_s(r) is not None:
+                        xfer[k].append(_xfer_s(r))
+                on, off = outs["on"], outs["off"]
+                ratio_ttft.append(on.ttft_s / off.ttft_s)
+                if on.decode.decode_tok_per_s and off.decode.decode_tok_per_s:
+                    ratio_tput.append(off.decode.decode_tok_per_s / on.decode.decode_tok_per_s)
+                if _xfer_s(on) is not None and _xfer_s(off):
+                    ratio_xfer.append(_xfer_s(on) / _xfer_s(off))
+                same += on.decode.token_ids == off.decode.token_ids
+    finally:
+        for p, d, _ in pairs.values():
+            p.stop()
+            d.stop()
+    worst, said = verdict({"ttft": ratio_ttft, "tput": ratio_tput}, SPEED_GOAL)
+
+    def med(xs: list[float]) -> float | None:
+        return round(statistics.median(xs), 5) if xs else None
+
+    return {"control": control, "started_first": start_order[0],
+            "rounds": len(ratio_ttft), "lengths": SPEED_LENGTHS,
+            "max_tokens": SPEED_TOKENS,
+            "start_s": {k: round(v[2], 1) for k, v in pairs.items()},
+            "ttft_s": {k: med([x for xs in by.values() for x in xs])
+                       for k, by in ttft_by_len.items()},
+            "ttft_s_by_length": {k: {n: med(v) for n, v in by.items()}
+                                 for k, by in ttft_by_len.items()},
+            "decode_tok_s": {k: med(v) for k, v in tput.items()},
+            "xfer_s": {k: med(v) for k, v in xfer.items()},
+            "ratio_ttft_on_off": [med(ratio_ttft), *median_ci(ratio_ttft)],
+            "ratio_tput_off_on": [med(ratio_tput), *median_ci(ratio_tput)],
+            # D's NIXL transfer time alone, where pdpatch's read-path wrappers run
+            "ratio_xfer_on_off": [med(ratio_xfer), *median_ci(ratio_xfer)] if ratio_xfer else None,
+            "paired": {"ttft_on_off": ratio_ttft, "tput_off_on": ratio_tput,
+                       "xfer_on_off": ratio_xfer},
+            "outputs_identical": f"{same}/{len(ratio_ttft)}", "errors": errors[:10],
+            "worst": round(worst, 4), "verdict": said}
+
+
+def run_scenario(name: str, sc: Scenario, prompts: dict[str, list[int]], paths: Paths,
+                 two_gpus: bool = False) -> dict:
+    p, d, start_s = start_pair(name, sc, paths, two_gpus)
+    res: dict = {"scenario": name, "pdpatch": sc.pdpatch, "P": sc.p_backend, "D": sc.d_backend,
+                 "hashseed": sc.hashseed, "note": sc.note, "start_s": round(start_s, 1),
+                 "requests": {}, "controls": {}}
+    try:
+        if not (p.healthy() and d.healthy()):
+            res["error"] = f"engines not healthy after {start_s:.0f}s"
+            return res
+        for pname, prompt in {**prompts, **hit_prompts(prompts)}.items():
+            got = pd_request(p, d, prompt)
+            base = d.complete(prompt, MAX_TOKENS, salt=BASELINE_SALT)
+            entry = {k: got.get(k)
+                     for k in ("error", "pulled", "bytes", "xfer_s", "remote_blocks", "ms",
+                               "p_lp0")}
+            if "error" not in got and "error" not in base:
+                entry["pd"], entry["base"] = got, base
+            res["requests"][pname] = entry
+        if sc.controls:
+            names = list(prompts)
+            long_a, long_b = names[-2], names[-1]
+            wrong = pd_request(p, d, prompts[long_a], mutate=repeat_first_block,
+                               salt="control-wrong-blocks")
+            res["controls"]["wrong-blocks"] = {"prompt": long_a, **_slim(wrong)}
+            other = p.complete(prompts[long_b][:len(prompts[long_a])], 1, dict(PREFILL),
+                               salt="control-other-prompt")
+            kvp = {k: v for k, v in (other.get("kvp") or {}).items()
+                   if k != block_keys.PARAMS_KEY}
+            swapped = d.pulled(prompts[long_a], kvp, salt="control-other-prompt")
+            res["controls"]["other-prompt"] = {"prompt": long_a, **_slim(swapped)}
+        if sc.salt_mismatch:
+            prompt = prompts[list(prompts)[-2]]
+            got = pd_request(p, d, prompt, salt="tenant", d_salt="another-tenant")
+            res["salt_mismatch"] = {k: got.get(k) for k in ("error", "pulled")}
+        if sc.load:
+            res["load"] = under_load(p, d, prompts, sc.load)
+        if sc.kill_p:
+            res["kill_p"] = kill_p(p, d, prompts)
+    finally:
+        for e in (p, d):
+            e.stop()
+    res["d_log_pdpatch"] = [ln for ln in d.log.read_text(errors="replace").splitlines()
+                            if "pdpatch" in ln][:20]
+    res["errors"] = {e.name: [ln for ln in e.log.read_text(errors="replace").splitlines()
+                              if "Error" in ln or "Traceback" in ln][:10] for e in (p, d)}
+    return res
+
+
+def _slim(r: dict) -> dict:
+    return {k: r.get(k) for k in ("error", "ids", "lp", "pulled", "p_lp0")}
+
+
+def judge(results: list[dict], tol: dict[str, float]) -> None:
+    """Attach the oracle's verdicts to every request and control (in place).  A control that
+    ended in an error decoded nothing: it is no evidence either way and is not counted."""
+    for res in results:
+        verdicts = {}
+        for cname, c in res["controls"].items():
+            entry = res["requests"][c["prompt"]]
+            if c.get("error") or "base" not in entry:
+                c["caught"] = None
+                continue
+            v = oracle.judge(decoded(c), decoded(entry["base"]), tol[c["prompt"]],
+                             entry.get("p_lp0"))
+            c.update(caught=not v.intact, reason=v.reason, dlp0=v.dlp0)
+            verdicts[f"{res['scenario']}/{cname}"] = v
+        res["oracle"] = oracle.judge_run(verdicts).__dict__ if res["controls"] else None
+        if "load" in res:
+            judge_load(res["load"], res["requests"], tol)
+        for pname, entry in res["requests"].items():
+            if "pd" in entry:
+                v = oracle.judge(decoded(entry.pop("pd")), decoded(entry.pop("base")), tol[pname],
+                                 entry.get("p_lp0"))
+                entry.update(intact=v.intact, reason=v.reason, dlp0=v.dlp0, tol=v.tol,
+                             agree=v.agree)
+
+
+def judge_load(load: dict, requests: dict, tol: dict[str, float]) -> None:
+    """Replace the load phase's answers by their verdicts (against D's own prefill of the same
+    prompt, from the sequential phase)."""
+    verdicts = []
+    for pname, got in load.pop("answers"):
+        base = requests[pname].get("base")
+        if got.get("error") or base is None:
+            verdicts.append({"prompt": pname, "error": got.get("error") or "no baseline"})
+            continue
+        v = oracle.judge(decoded(got), decoded(base), tol[pname], got.get("p_lp0"))
+        verdicts.append({"prompt": pname, "intact": v.intact, "reason": v.reason,
+                         "dlp0": v.dlp0, "agree": v.agree, "ids": got.get("ids")})
+    load.update(requests=len(verdicts), intact=sum(1 for v in verdicts if v.get("intact")),
+                errors=sorted({v["error"][:120] for v in verdicts if "error" in v}),
+                not_intact=[v for v in verdicts if v.get("intact") is False])
+
+
+def markdown(results: list[dict], gpu: str) -> str:
+    rows = [f"GPU: {gpu}", "",
+            "| scenario | pdpatch | P -> D | PYTHONHASHSEED | start s | intact / requests | "
+            "KV pulled (requests) | D's NIXL time per prompt, ms | max dlp0 | controls caught | "
+            "note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        reqs = r["requests"].values()
+        intact = sum(1 for e in reqs if e.get("intact"))
+        pulled = sum(1 for e in reqs if (e.get("pulled") or 0) > 0)
+        dl = max((e.get("dlp0") or 0.0 for e in reqs), default=0.0)
+        ctl = r.get("oracle") or {}
+        caught = f"{ctl.get('caught')}/{ctl.get('controls')}" if ctl else "-"
+        errs = sorted({(e.get("error") or "")[:80] for e in reqs if e.get("error")})
+        note = "; ".join(filter(None, [r.get("note", ""), r.get("error", ""), *errs]))
+        if "salt_mismatch" in r:
+            note += f"; salt mismatch: pulled={r['salt_mismatch'].get('pulled')}"
+        if "load" in r:
+            ld = r["load"]
+            note += (f"; {ld['requests']} at once ({LOAD_IN_FLIGHT} in flight): "
+                     f"{ld['intact']} intact in {ld['seconds']}s")
+            if ld.get("kvcached_used"):
+                note += f", kvcached memory {ld['kvcached_used']}"
+        if "kill_p" in r:
+            k = r["kill_p"]
+            fails = [f"{v['seconds']}s {'error' if v['error'] else 'decoded ' + str(v['decoded'])}"
+                     for n, v in k.items() if n != "after"]
+            note += f"; P killed: {', '.join(fails)}; after: {k['after']}"
+        xfer = ", ".join(f"{n.removeprefix('len')}: {e['xfer_s'] * 1e3:.2f}"
+                         for n, e in r["requests"].items() if e.get("xfer_s"))
+        rows.append(f"| {r['scenario']} | {r['pdpatch']} | {r['P']} -> {r['D']} | "
+                    f"{r['hashseed']} | {r['start_s']} | {intact}/{len(r['requests'])} | "
+                    f"{pulled} | {xfer or '-'} | {dl:.1e} | {caught} | {note} |")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stage", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--site", type=Path, default=Path("/tmp/pdpatch-gpu-site"))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/pdpatch-gpu-work"),
+                    help="model and engine logs (only the summary and a log archive go to --out)")
+    ap.add_argument("--tolerances", type=Path, help="gpu_pd.json of an earlier run's reference")
+    ap.add_argument("--two-gpus", action="store_true", help="P on GPU 0, D on GPU 1")
+    ap.add_argument("--speed", type=int, metavar="ROUNDS", default=0,
+                    help="also time P/D with pdpatch on vs off (paired, ROUNDS per prompt "
+                         "length); writes $OUT/gpu_speed.json")
+    ap.add_argument("--speed-control", action="store_true",
+                    help="with --speed: both pairs stock (A/A), to measure the pairs' own bias")
+    ap.add_argument("--speed-on-first", action="store_true",
+                    help="with --speed: start the pdpatch pair first (the default starts it "
+                         "second); two runs with opposite orders cancel a start-order bias")
+    ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="tiny",
+                    help="the model's KV geometry (llama3-8b: 32 layers, 8 KV heads of 128)")
+    ap.add_argument("--prompt-lengths", type=prompt_lengths, default=PROMPT_LENGTHS,
+                    metavar="N,N,...", help="prompt lengths in tokens (default: "
+                    f"{','.join(map(str, PROMPT_LENGTHS))})")
+    ap.add_argument("scenarios", nargs="*", choices=sorted(SCENARIOS))
+    args = ap.parse_args(argv)
+    if not (args.scenarios or args.speed):
+        ap.error("name a scenario or --speed")
+    args.out.mkdir(parents=True, exist_ok=True)
+    logs = args.work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    if not (args.site / "vllm" / "__init__.py").exists():
+        print(f"unpacked in {unpack.unpack(args.stage, args.site):.1f}s", flush=True)
+    print(f"block-key encoder: {build_encoder()}", flush=True)
+    import torch
+
+    from lab.rig.model import model_dir
+
+    overrides, max_len = model_config(args.geometry, args.prompt_lengths)
+    model = model_dir(args.work / f"model-{args.geometry}-{max_len}", **overrides)
+    kvc = (install_kvcached(args.stage, args.work / "kvcached")
+           if any(SCENARIOS[n].d_kvcached for n in args.scenarios) else None)
+    paths = Paths(args.site, model, logs, kvc, max_len)
+    gpu = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+           f"{' (P on GPU 0, D on GPU 1)' if args.two_gpus else ''}, torch {torch.__version__}, "
+           f"vLLM {staged_vllm(args.site)}, model geometry {args.geometry}, prefix caching on")
+    rng = random.Random(7)
+    prompts = {f"len{n}": [rng.randrange(3, 512) for _ in range(n)]
+               for n in args.prompt_lengths}
+    results = []
+    for name in args.scenarios:
+        print(f"=== {name}", flush=True)
+        results.append(run_scenario(name, SCENARIOS[name], prompts, paths, args.two_gpus))
+    if results:
+        ref = next((r for r in results if r["scenario"] == "ref"), None)
+        if ref is not None:
+            pairs = {k: (decoded(e["pd"]), decoded(e["base"]), e.get("p_lp0"))
+                     for k, e in ref["requests"].items() if "pd" in e}
+            tol = oracle.tolerances(pairs)
+        else:
+            tol = json.loads(args.tolerances.read_text())["tolerances"]
+        judge(results, tol)
+        (args.out / "gpu_pd.json").write_text(json.dumps(
+            {"gpu": gpu, "tolerances": tol, "results": results}, indent=1, default=str))
+        (args.out / "gpu_pd.md").write_text(markdown(results, gpu))
+        print(markdown(results, gpu), flush=True)
+    if args.speed:
+        print("=== speed", flush=True)
+        timed = {"gpu": gpu, **speed(paths, args.speed, control=args.speed_control,
+                                       on_first=args.speed_on_first)}
+        (args.out / "gpu_speed.json").write_text(json.dumps(timed, indent=1))
+        print(json.dumps(timed, indent=1), flush=True)
+    with tarfile.open(args.out / "logs.tar.xz", "w:xz") as tf:
+        tf.add(logs, arcname="logs")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

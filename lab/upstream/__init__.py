@@ -1,0 +1,1 @@
+"""vLLM's own connector suites, stock vs pdpatch (``python -m scripts.upstream_suites``)."""
