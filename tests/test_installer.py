@@ -296,7 +296,8 @@ PDPATCH_NAMES = {
 def test_only_the_attached_helper_keeps_pdpatch_data_on_vllm_objects():
     """No module stashes data on vLLM objects under names of its own: every pdpatch-ish name
     in the package (identifier or string) is one of :data:`PDPATCH_NAMES`, and only
-    pdpatch/attached.py names the attribute; no patch keeps module-global state."""
+    pdpatch/attached.py names the attribute; no patch keeps module-global state; the KV core
+    (pdpatch/kv/) imports nothing of the patches (their proxy stack included)."""
     import ast
     import re
     from pathlib import Path
@@ -316,6 +317,9 @@ def test_only_the_attached_helper_keeps_pdpatch_data_on_vllm_objects():
                 names.append(node.value)
             elif isinstance(node, ast.Attribute):
                 names.append(node.attr)
+            elif isinstance(node, ast.ImportFrom) and rel.startswith("kv/"):
+                assert not (node.module or "").startswith(
+                    ("pdpatch.patches", "pdpatch.agent_layers", "pdpatch.installer")), rel
             elif isinstance(node, ast.Global) and rel.startswith("patches"):
                 pytest.fail(f"{rel}: `global {', '.join(node.names)}` (a patch's state "
                             "belongs in its State)")
