@@ -290,6 +290,7 @@ PDPATCH_NAMES = {
     "pdpatch_counter": "dataclass field metadata (pdpatch.state)",
     "pdpatch_label": "dataclass field metadata (pdpatch.state)",
     "pdpatch_autoload": "the .pth file's name",
+    "pdpatch_bootstrap": "the installed sitecustomize directory's name",
 }
 
 
