@@ -283,6 +283,7 @@ def test_every_patch_state_is_made_by_install_and_replaced_by_one_reset(fresh_pd
 PDPATCH_NAMES = {
     "_pdpatch": "pdpatch.attached.ATTR: the one attribute on vLLM objects",
     "_self_pdpatch_patch": "on pdpatch's own wrapt wrapper (installer)",
+    "_pdpatch_handler": "on pdpatch's own log handler (log)",
     "_pdpatch_base": "on pdpatch's own payload subclass (kv_segments.handshake)",
     "pdpatch_kv_geometry": "protocol: P's handshake metadata field",
     "pdpatch_block_keys": "protocol: the kv_transfer_params entry P sends",
