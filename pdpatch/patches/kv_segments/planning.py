@@ -15,7 +15,7 @@ from packaging.version import Version
 
 from pdpatch import vllm_sites
 from pdpatch.log import logger
-from pdpatch.patches.kv_segments.settings import count
+from pdpatch.patches.kv_segments.state import count
 
 # The descriptor-planning core (pdpatch.kv, ~6 ms) is imported by the functions that use it,
 # when vLLM first registers or pairs KV caches, not by install() inside every `import vllm`.
