@@ -171,9 +171,6 @@ def _hint_peer(vllm_config: Any, token_major: str, head_major: str) -> None:
         advice = (f"set kv_transfer_config.enable_permute_local_kv=true on this decode engine "
                   f"({why} keeps pdpatch from doing it), or run the prefill engine with "
                   f"pdpatch's layout override too")
-    elif role in DECODE_ROLES and version in vllm_sites.RECEIVE_PERMUTE_SCRAMBLES:
-        advice = (f"run the prefill engine with pdpatch's layout override too (vLLM "
-                  f"{version}'s enable_permute_local_kv reorders this layout's blocks wrongly)")
     elif role in DECODE_ROLES:
         if getattr(ktc, "enable_permute_local_kv", False):
             logger.info("pdpatch layout: this engine uses %s; a stock peer uses %s, and "
@@ -231,18 +228,29 @@ def let_decode_reorder(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
     return wrapped(*args, **kwargs)
 
 
-def reorder_blocks_first(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Wrapper of vLLM's ``kv_postprocess_layout_on_receive(cache, indices)`` (0.19-0.28): a
-    blocks-first cache ``[N, 2, bs, H, D]`` is reordered as its K and its V views, each the
-    4-D ``[N, bs, H, D]`` the release's function is written for.  Stock raises there, in
-    ``get_finished``, and the decode worker dies on the first block it receives."""
+def reorder_in_memory_order(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Wrapper of vLLM's ``kv_postprocess_layout_on_receive(cache, indices)`` (0.19-0.28),
+    which reads a cache's *logical* shape as ``[N, bs, H, D]`` and its bytes in that order.
+
+    * a blocks-first cache ``[N, 2, bs, H, D]`` (Triton/FlashInfer <= 0.25, FlashAttention
+      0.23-0.25) is reordered as its K and its V views; stock raises in ``get_finished`` and
+      the decode worker dies on the first block it receives;
+    * a token-major cache whose logical shape is head-major ``[N, H, bs, 2D]`` with its bytes in
+      ``[N, bs, H, 2D]`` order (0.26-0.28's packed K|V) is handed over as its memory-order
+      view; stock reinterprets the bytes in logical order and the received blocks come out
+      scrambled, with no error.
+    Any other cache is the release's own case."""
     cache = args[0] if args else kwargs["cache"]
-    if getattr(cache, "ndim", 4) != 5 or cache.shape[1] != 2:
-        return wrapped(*args, **kwargs)
     indices = args[1] if len(args) > 1 else kwargs["indices"]
-    for kv in (0, 1):
-        wrapped(cache[:, kv], indices)
-    return None
+    ndim = getattr(cache, "ndim", 4)
+    if ndim == 5 and cache.shape[1] == 2:
+        for kv in (0, 1):
+            wrapped(cache[:, kv], indices)
+        return None
+    if ndim == 4 and cache.stride(2) > cache.stride(1) and cache.shape[1] > 1 \
+            and cache.shape[2] > 1:
+        return wrapped(cache.permute(0, 2, 1, 3), indices)
+    return wrapped(*args, **kwargs)
 
 
 # -------------------------------------------------------------------------- layout in force
@@ -438,7 +446,7 @@ def _targets(version: Version) -> list[Target]:
         out.append(Target(site.module, site.qualname, let_decode_reorder))
     site = vllm_sites.lookup(vllm_sites.RECEIVE_PERMUTE, version)
     if site is not None:
-        out.append(Target(site.module, site.qualname, reorder_blocks_first))
+        out.append(Target(site.module, site.qualname, reorder_in_memory_order))
     if not vllm_sites.checks_hetero_tp_layout(version):
         site = vllm_sites.lookup(vllm_sites.VALIDATE_HANDSHAKE, version)
         if site is not None:
