@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from packaging.version import Version
 
-from pdpatch import config, vllm_sites
+from pdpatch import config, metrics, vllm_sites
 from pdpatch.log import logger
 from pdpatch.registry import Patch, Target
 
@@ -339,7 +339,7 @@ def _check(sched: Any, request: Any, params: dict, version: Version) -> str:
         verdict = Verdict("rejected", ("malformed",), str(exc))
         _count("rejected", verdict.causes)
         _warn_causes(verdict, peer, request_id, recompute)
-        return "recompute" if recompute else "load"
+        return _refused(metrics.REFUSED_PARAMS) if recompute else "load"
     try:
         verdict = judge(_engine_keys_for(sched, version), _request_inputs(request), peer_keys)
     except Exception as exc:  # a bug here must not take the scheduler down
@@ -360,7 +360,17 @@ def _check(sched: Any, request: Any, params: dict, version: Version) -> str:
         return "load"
     _count("rejected" if verdict.status == "rejected" else "mismatched", verdict.causes)
     _warn_causes(verdict, peer, request_id, recompute)
-    return "recompute" if recompute else "load"
+    if not recompute:
+        return "load"
+    return _refused(metrics.KEY_MISMATCH if verdict.status == "mismatch" else
+                    metrics.REFUSED_PARAMS)
+
+
+def _refused(outcome: tuple[str, str]) -> str:
+    """Count a request whose remote KV the check refused; it is computed locally."""
+    metrics.count(metrics.REFUSALS, NAME)
+    metrics.count(metrics.KV_REQUESTS, *outcome)
+    return "recompute"
 
 
 def make_engine_hook(version: Version) -> Callable[..., Any]:
