@@ -91,8 +91,10 @@ def scenario_metrics() -> dict[str, Any]:
     worker_records = (second.data.get(metrics.RECORDS_KEY) if second is not None else None)
     folded = first.aggregate(second) if second is not None else first
 
-    # Both loads end, one failed; the promotion runs in the next schedule().
+    # Both loads end, one failed (marked as the release's invalid-block handling marks a load
+    # whose first block failed: no valid tokens); the promotion runs in the next schedule().
     sched.failed_recving_kv_req_ids.add("failed")
+    reqs[1].num_computed_tokens = 0
     sched.update_from_output(out, _output([], finished_recving={"pulled", "failed"}))
     out = sched.schedule()
     promoted = [r.status.name for r in reqs]
