@@ -31,7 +31,7 @@ RECORDS_KEY = "pdpatch"
 PREFIX = "pdpatch:"
 
 #: A record: ``[metric, [label values...], amount]`` (lists: msgpack and pickle carry them).
-Record = list
+Record = list[Any]
 
 
 class Metric(NamedTuple):
@@ -89,8 +89,9 @@ _local: list[Exporter] = []
 
 
 def count(metric: str, *labels: str, amount: int = 1) -> None:
-    """Add ``amount`` to a counter of this process.  Cheap and never raises on a known metric;
-    the count is exported by the next hand-over (or at once where ``/metrics`` is served)."""
+    """Add ``amount`` to a counter of this process (an unknown metric or a wrong number of
+    labels is a bug of the caller and raises); exported with this process's next hand-over to
+    the API server, or at once in a process that serves ``/metrics``."""
     spec = METRICS[metric]
     if len(labels) != len(spec.labels):
         raise ValueError(f"{metric} takes labels {spec.labels}, got {labels}")
@@ -109,12 +110,6 @@ def drain() -> list[Record]:
         taken = list(_pending.items())
         _pending.clear()
     return [[m, list(labels), n] for (m, labels), n in taken]
-
-
-def pending() -> dict[tuple[str, tuple[str, ...]], int]:
-    """Counts not yet handed over (tests, ``pdpatch.status``)."""
-    with _lock:
-        return dict(_pending)
 
 
 def reset() -> None:
@@ -178,8 +173,7 @@ def unregister_collectors() -> None:
 def add_exporter(owner: Any, exporter: Exporter) -> None:
     """``exporter`` serves ``owner`` (a ``NixlPromMetrics``) and this process's own counts."""
     _exporters[owner] = exporter
-    _local.append(exporter)
-    del _local[:-1]
+    _local[:] = [exporter]
 
 
 def exporter_for(owner: Any) -> Exporter | None:

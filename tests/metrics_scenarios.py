@@ -17,6 +17,7 @@ for a failed async load); worker 0 had a failed NIXL transfer, worker 1 staged a
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 import re
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import block_keys_scenarios as bks
 import robust_worker as rw
 
-from pdpatch import metrics
+from pdpatch import metrics, vllm_sites
 
 
 def _facade(connector_cls: type, worker: Any) -> Any:
@@ -43,7 +44,7 @@ def _output(reqs: list[Any], **kv: Any) -> Any:
     return out
 
 
-def _exposition(text: str) -> dict[str, float]:
+def exposition(text: str) -> dict[str, float]:
     """The ``pdpatch:*_total`` and ``vllm:nixl_num_failed_transfers_total`` samples, by
     series (``name{label="value",...}``, labels sorted, ``model_name`` left out)."""
     series = {}
@@ -58,9 +59,43 @@ def _exposition(text: str) -> dict[str, float]:
     return series
 
 
-def scenario_metrics() -> dict[str, Any]:
+def api_server(vllm_config: Any, stats: Any) -> tuple[dict[str, float], list[str]]:
+    """What an API server makes of one ``SchedulerStats``: its ``/metrics`` samples (after
+    one ``params_check`` refusal of its own) and its CLI logger's connector line."""
     import prometheus_client
     from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+
+    prom = PrometheusStatLogger(vllm_config)
+    prom.record(scheduler_stats=stats, iteration_stats=None, engine_idx=0)
+    metrics.count(metrics.REFUSALS, "params_check")       # straight to its counters
+    exported = exposition(prometheus_client.generate_latest(prometheus_client.REGISTRY).decode())
+    # The records must not change the CLI line.
+    cli = LoggingStatLogger(vllm_config)
+    cli.record(scheduler_stats=stats, iteration_stats=None, engine_idx=0)
+    lines: list[str] = []
+    cli.kv_connector_logging.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    return exported, lines
+
+
+def api_server_alone() -> None:
+    """One API server process of several: the stats of :func:`scenario_metrics`'s last step
+    (its payload, as EngineCore sends it), recorded by a patched API server."""
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    from pdpatch import installer
+
+    installer.install()
+    site = vllm_sites.lookup(vllm_sites.NIXL_STATS_HOME, rw.version_of())
+    payload = {k: list(v) for k, v in
+               getattr(importlib.import_module(site.module), site.qualname)().data.items()}
+    payload["num_failed_transfers"] = [1]
+    payload[metrics.RECORDS_KEY] = [["staged_read_bytes", [], 4096],
+                                    ["kv_requests", ["pulled", ""], 1],
+                                    ["kv_requests", ["recomputed", "failure"], 1]]
+    api_server(bks.vllm_config(bks.BASE, "kv_consumer"), SchedulerStats(kv_connector_stats=payload))
+
+
+def scenario_metrics() -> dict[str, Any]:
     from vllm.v1.request import RequestStatus
 
     metrics.reset()
@@ -103,18 +138,7 @@ def scenario_metrics() -> dict[str, Any]:
     stats = next(e.scheduler_stats for e in eco.values() if e.scheduler_stats is not None)
     payload = stats.kv_connector_stats or {}
 
-    registry = prometheus_client.REGISTRY
-    prom = PrometheusStatLogger(sched.vllm_config)
-    prom.record(scheduler_stats=stats, iteration_stats=None, engine_idx=0)
-    # An API server's own count (params_check): straight to its counters.
-    metrics.count(metrics.REFUSALS, "params_check")
-    exported = _exposition(prometheus_client.generate_latest(registry).decode())
-
-    # The CLI logger's connector line from the same stats: the records must not change it.
-    cli = LoggingStatLogger(sched.vllm_config)
-    cli.record(scheduler_stats=stats, iteration_stats=None, engine_idx=0)
-    lines: list[str] = []
-    cli.kv_connector_logging.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    exported, lines = api_server(sched.vllm_config, stats)
     metrics.reset()
     return {"waiting": waiting, "promoted": promoted, "worker_records": worker_records,
             "payload_keys": sorted(payload), "records": payload.get(metrics.RECORDS_KEY),

@@ -82,3 +82,28 @@ def test_exporter_skips_what_it_does_not_know():
     text = generate_latest(registry).decode()
     assert 'pdpatch:peers_converted_total{engine="3",model_name="m"} 2.0' in text
     assert 'pdpatch:peers_converted_total{engine="0",model_name="m"} 0.0' in text
+
+
+def test_several_api_servers_sum_like_vllm_own(tmp_path):
+    """With several API servers vLLM collects ``/metrics`` from Prometheus multiprocess files
+    (``PROMETHEUS_MULTIPROC_DIR``): two API server processes record the scenario's stats, and
+    the collection over both adds pdpatch's counters up as it adds vLLM's ``vllm:nixl_*``."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    code = f"import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}]\n" \
+        "import conftest, metrics_scenarios\nmetrics_scenarios.api_server_alone()"
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(tmp_path))
+    got = metrics_scenarios.exposition(generate_latest(registry).decode())
+    assert {k: got.get(k) for k in (PULLED, FAILED, STAGED_BYTES, PARAMS_CHECK, NIXL_FAILED)} \
+        == {PULLED: 2.0, FAILED: 2.0, STAGED_BYTES: 8192.0, PARAMS_CHECK: 2.0,
+            NIXL_FAILED: 2.0}, got
