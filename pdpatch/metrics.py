@@ -7,11 +7,12 @@ params) and the API server (refused ``kv_transfer_params``).  Only the API serve
 ``NixlKVConnectorStats`` rides its model-runner output to the scheduler, whose
 ``SchedulerStats.kv_connector_stats`` (the stats' plain dict) reaches the API server, where
 ``NixlPromMetrics.observe`` records them as ``vllm:nixl_*`` -- so pdpatch's counts ride along:
-a process's counts since its last hand-over travel as *records* under one extra key of that
-dict (:data:`RECORDS_KEY`), and the API server adds them to ``pdpatch:*`` Prometheus counters
-built like vLLM's own (its counter class, its ``model_name``/``engine`` labels, so vLLM's
-multiprocess collection with several API servers covers them too).  The wrappers that do
-this are the ``metrics`` patch (:mod:`pdpatch.patches.metrics`); this module holds no vLLM code.
+the counts made for a worker (or a scheduler) since its last hand-over travel with that
+object's statistics as *records* under one extra key of that dict (:data:`RECORDS_KEY`), and
+the API server adds them to ``pdpatch:*`` Prometheus counters built like vLLM's own (its
+counter class, its ``model_name``/``engine`` labels, so vLLM's multiprocess collection with
+several API servers covers them too).  The wrappers that do this are the ``metrics`` patch
+(:mod:`pdpatch.patches.metrics`); this module holds no vLLM code.
 
 A count made in a process that serves ``/metrics`` (an API server's ``params_check``
 refusals) goes straight to its counters, labelled with the first engine the server fronts.
@@ -81,17 +82,24 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
 )}
 
 _lock = threading.Lock()
-_pending: dict[tuple[str, tuple[str, ...]], int] = {}
+# Counts not handed over yet, per vLLM object they were made for (a NIXL worker, a scheduler
+# or its connector): each goes out with that object's own statistics, never another's (two
+# engines in one process, vLLM's tests, keep their counts apart); gone with the object.
+_pending: weakref.WeakKeyDictionary[Any, dict[tuple[str, tuple[str, ...]], int]] = \
+    weakref.WeakKeyDictionary()
+# Objects whose counts belong to another's (a worker's staging agent's stats -> the worker).
+_attributed: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()
 # The exporters of this process by the vLLM object that built them (none outside a /metrics
-# server); the newest gets counts made in this process.
+# server); the newest takes the counts made in this process at once.
 _exporters: weakref.WeakKeyDictionary[Any, Exporter] = weakref.WeakKeyDictionary()
 _local: list[Exporter] = []
 
 
-def count(metric: str, *labels: str, amount: int = 1) -> None:
-    """Add ``amount`` to a counter of this process (an unknown metric or a wrong number of
-    labels is a bug of the caller and raises); exported with this process's next hand-over to
-    the API server, or at once in a process that serves ``/metrics``."""
+def count(owner: Any, metric: str, *labels: str, amount: int = 1) -> None:
+    """Add ``amount`` to a counter, for ``owner``: the vLLM object whose statistics carry it
+    to the API server (``None``: made in the API server itself).  Where this process serves
+    ``/metrics`` the count is exported at once; a count for no owner elsewhere is dropped.
+    An unknown metric or a wrong number of labels is a bug of the caller and raises."""
     spec = METRICS[metric]
     if len(labels) != len(spec.labels):
         raise ValueError(f"{metric} takes labels {spec.labels}, got {labels}")
@@ -99,23 +107,39 @@ def count(metric: str, *labels: str, amount: int = 1) -> None:
     if exporter is not None:
         exporter.export([[metric, list(labels), amount]], None)
         return
+    if owner is None:
+        return
     with _lock:
-        key = (metric, labels)
-        _pending[key] = _pending.get(key, 0) + amount
+        parent = _attributed.get(owner)
+        owner = parent() if parent is not None else owner
+        if owner is None:
+            return
+        counts = _pending.setdefault(owner, {})
+        counts[(metric, labels)] = counts.get((metric, labels), 0) + amount
 
 
-def drain() -> list[Record]:
-    """This process's counts since the last drain, as records; they are forgotten here."""
+def attribute(obj: Any, owner: Any) -> None:
+    """Counts made for ``obj`` from now on are ``owner``'s."""
     with _lock:
-        taken = list(_pending.items())
-        _pending.clear()
-    return [[m, list(labels), n] for (m, labels), n in taken]
+        _attributed[obj] = weakref.ref(owner)
+
+
+def drain(*owners: Any) -> list[Record]:
+    """The counts of ``owners`` since their last drain, as records; forgotten here."""
+    records: list[Record] = []
+    with _lock:
+        for owner in owners:
+            if owner is not None:
+                taken = _pending.pop(owner, None) or {}
+                records += [[m, list(labels), n] for (m, labels), n in taken.items()]
+    return records
 
 
 def reset() -> None:
     """Forget pending counts and exporters (tests)."""
     with _lock:
         _pending.clear()
+        _attributed.clear()
     _exporters.clear()
     _local.clear()
 

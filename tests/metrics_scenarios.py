@@ -67,7 +67,7 @@ def api_server(vllm_config: Any, stats: Any) -> tuple[dict[str, float], list[str
 
     prom = PrometheusStatLogger(vllm_config)
     prom.record(scheduler_stats=stats, iteration_stats=None, engine_idx=0)
-    metrics.count(metrics.REFUSALS, "params_check")       # straight to its counters
+    metrics.count(None, metrics.REFUSALS, "params_check")       # straight to its counters
     exported = exposition(prometheus_client.generate_latest(prometheus_client.REGISTRY).decode())
     # The records must not change the CLI line.
     cli = LoggingStatLogger(vllm_config)
@@ -120,8 +120,9 @@ def scenario_metrics() -> dict[str, Any]:
     stats_cls = type(worker.xfer_stats)
     first = stats_cls()
     first.record_failed_transfer()
-    metrics.count(metrics.STAGED_READS)
-    metrics.count(metrics.STAGED_READ_BYTES, amount=4096)
+    metrics.count(worker, metrics.STAGED_READS)
+    metrics.count(worker, metrics.STAGED_READ_BYTES, amount=4096)
+    metrics.count(rw.build_worker("other-engine"), metrics.STAGED_READS)   # not this worker's
     second = _facade(type(sched.connector), worker).get_kv_connector_stats()
     worker_records = (second.data.get(metrics.RECORDS_KEY) if second is not None else None)
     folded = first.aggregate(second) if second is not None else first

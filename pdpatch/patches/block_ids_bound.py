@@ -132,7 +132,7 @@ def make_check(version: Version) -> Wrapper:
         with _counter_lock:
             loads_refused += 1
             n = loads_refused
-        metrics.count(metrics.REFUSALS, NAME)
+        metrics.count(instance, metrics.REFUSALS, NAME)
         logger.error("pdpatch: KV load of request %s refused: %s; the request fails (the "
                      "scheduler recomputes or fails it, per kv_load_failure_policy); check the "
                      "proxy forwards P's kv_transfer_params unchanged and sends D the prompt P "

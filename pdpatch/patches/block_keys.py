@@ -339,7 +339,7 @@ def _check(sched: Any, request: Any, params: dict, version: Version) -> str:
         verdict = Verdict("rejected", ("malformed",), str(exc))
         _count("rejected", verdict.causes)
         _warn_causes(verdict, peer, request_id, recompute)
-        return _refused(metrics.REFUSED_PARAMS) if recompute else "load"
+        return _refused(sched, metrics.REFUSED_PARAMS) if recompute else "load"
     try:
         verdict = judge(_engine_keys_for(sched, version), _request_inputs(request), peer_keys)
     except Exception as exc:  # a bug here must not take the scheduler down
@@ -362,14 +362,14 @@ def _check(sched: Any, request: Any, params: dict, version: Version) -> str:
     _warn_causes(verdict, peer, request_id, recompute)
     if not recompute:
         return "load"
-    return _refused(metrics.KEY_MISMATCH if verdict.status == "mismatch" else
+    return _refused(sched, metrics.KEY_MISMATCH if verdict.status == "mismatch" else
                     metrics.REFUSED_PARAMS)
 
 
-def _refused(outcome: tuple[str, str]) -> str:
+def _refused(sched: Any, outcome: tuple[str, str]) -> str:
     """Count a request whose remote KV the check refused; it is computed locally."""
-    metrics.count(metrics.REFUSALS, NAME)
-    metrics.count(metrics.KV_REQUESTS, *outcome)
+    metrics.count(sched, metrics.REFUSALS, NAME)
+    metrics.count(sched, metrics.KV_REQUESTS, *outcome)
     return "recompute"
 
 

@@ -113,7 +113,7 @@ def make_check(version: Version) -> Wrapper:
             remote_tp = arg(args, kwargs, 1, "remote_tp_size")
             found = problems(instance, meta, remote_tp, version)
             if found:
-                metrics.count(metrics.REFUSALS, NAME)
+                metrics.count(instance, metrics.REFUSALS, NAME)
                 raise GeometryNotDivisible(
                     "pdpatch: NIXL handshake rejected, the descriptor maths would truncate: "
                     + "; ".join(found) + " [division_checks]")

@@ -2,10 +2,11 @@
 
 The counts ride vLLM's NIXL statistics channel (:mod:`pdpatch.metrics` says how); the wrappers:
 
-* the connector facade's ``get_kv_connector_stats`` (worker half only): this worker process's
-  records join the stats it returns -- a fresh ``NixlKVConnectorStats`` when stock has none;
-* ``Scheduler.make_stats``: the EngineCore process's records join the step's connector stats
-  (only with a NIXL connector and vLLM's stats on, where ``/metrics`` gets connector stats);
+* the connector facade's ``get_kv_connector_stats`` (worker half only): the records counted for
+  its worker join the stats it returns -- a fresh ``NixlKVConnectorStats`` when stock has none;
+* ``Scheduler.make_stats``: the records counted for the scheduler, its connector and the
+  connector's scheduler half join the step's connector stats (only with a NIXL connector and
+  vLLM's stats on, where ``/metrics`` gets connector stats);
 * ``Scheduler._update_waiting_for_remote_kv``: one ``kv_requests`` count per request whose KV
   load ended: ``pulled``, or ``recomputed``/``failure`` when the release marked it failed;
 * ``NixlKVConnectorStats.aggregate``: stock extends every key of the other stats into its own
@@ -32,11 +33,11 @@ from pdpatch.registry import Patch, Target, Wrapper
 NAME = "metrics"
 
 
-def _attach(stats: Any, build: Any) -> Any:
-    """``stats`` (or a fresh one from ``build()``) carrying this process's pending records."""
+def _attach(stats: Any, build: Any, *owners: Any) -> Any:
+    """``stats`` (or a fresh one from ``build()``) carrying the pending records of ``owners``."""
     if stats is not None and not isinstance(getattr(stats, "data", None), dict):
         return stats
-    records = metrics.drain()
+    records = metrics.drain(*owners)
     if not records:
         return stats
     if stats is None:
@@ -49,7 +50,7 @@ def worker_stats(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     stats = wrapped(*args, **kwargs)
     if getattr(instance, "connector_worker", None) is None or not allowed(NAME, instance):
         return stats
-    return _attach(stats, instance.build_kv_connector_stats)
+    return _attach(stats, instance.build_kv_connector_stats, instance.connector_worker)
 
 
 def _nixl_connector(scheduler: Any, version: Version) -> Any:
@@ -67,7 +68,8 @@ def make_scheduler_stats(version: Version) -> Wrapper:
                 not allowed(NAME, instance):
             return wrapped(*args, **kwargs)
         stats = arg(args, kwargs, 1, "kv_connector_stats", None)
-        new = _attach(stats, type(connector).build_kv_connector_stats)
+        new = _attach(stats, type(connector).build_kv_connector_stats, instance, connector,
+                      getattr(connector, "connector_scheduler", None))
         if new is not stats:
             if len(args) > 1:
                 args = (args[0], new, *args[2:])
@@ -85,7 +87,7 @@ def make_load_outcome(version: Version) -> Wrapper:
             getattr(instance, "failed_recving_kv_req_ids", ())
         result = wrapped(*args, **kwargs)
         if _nixl_connector(instance, version) is not None and allowed(NAME, instance):
-            metrics.count(metrics.KV_REQUESTS,
+            metrics.count(instance, metrics.KV_REQUESTS,
                           *(metrics.LOAD_FAILED if failed else metrics.PULLED))
         return result
 

@@ -73,8 +73,8 @@ def make_guard(version: Version, receive: bool) -> Wrapper:
             found = problems(params, seeded)
             if found:
                 params["do_remote_prefill"] = False
-                metrics.count(metrics.REFUSALS, NAME)
-                metrics.count(metrics.KV_REQUESTS, *metrics.REFUSED_PARAMS)
+                metrics.count(instance, metrics.REFUSALS, NAME)
+                metrics.count(instance, metrics.KV_REQUESTS, *metrics.REFUSED_PARAMS)
                 logger.warning(
                     "pdpatch: request %s: kv_transfer_params unusable by vLLM %s's NIXL "
                     "connector (%s): no KV is loaded for it and no prefill engine is told "

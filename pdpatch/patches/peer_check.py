@@ -110,7 +110,7 @@ def check_peer(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     if allowed(NAME, instance) and all(hasattr(meta, f) for f in REQUIRED_FIELDS):
         found = problems(meta)
         if found:
-            metrics.count(metrics.REFUSALS, NAME)
+            metrics.count(instance, metrics.REFUSALS, NAME)
             raise PeerMetadataInvalid(
                 f"pdpatch: NIXL handshake rejected, peer {getattr(meta, 'engine_id', '?')} "
                 "advertised impossible metadata: " + "; ".join(found) + " [peer_check]")

@@ -53,7 +53,7 @@ def make_guard(version: Version) -> Wrapper:
             with _counter_lock:
                 failures_contained += 1
                 n = failures_contained
-            metrics.count(metrics.FAILURES_CONTAINED, NAME)
+            metrics.count(instance, metrics.FAILURES_CONTAINED, NAME)
             logger.error(
                 "pdpatch: KV load of request %s failed (%s: %s); failing this request instead "
                 "of the worker [read_guard, %d so far]", req_id, type(exc).__name__, exc, n,

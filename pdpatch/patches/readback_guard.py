@@ -58,7 +58,7 @@ def guard_readback(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     count, load_async = result
     if not (load_async and count) or vllm_sites.readback_receive_queued(instance, params):
         return result
-    metrics.count(metrics.REFUSALS, NAME)
+    metrics.count(instance, metrics.REFUSALS, NAME)
     kv_role = getattr(getattr(getattr(instance, "vllm_config", None), "kv_transfer_config",
                               None), "kv_role", None)
     logger.warning(

@@ -95,8 +95,8 @@ class StagingStats:
         """Count a staged READ handed to NIXL; True for the first one."""
         first = self.staged_reads == 0
         self.staged_reads += 1
-        metrics.count(metrics.STAGED_READS)
-        metrics.count(metrics.STAGED_READ_BYTES,
+        metrics.count(self, metrics.STAGED_READS)
+        metrics.count(self, metrics.STAGED_READ_BYTES,
                       amount=read.nbytes if isinstance(read, ChunkedRead) else read.requested)
         self.descriptors_stock += read.stock
         self.descriptors_staged += read.staged

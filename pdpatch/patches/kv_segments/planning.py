@@ -304,7 +304,7 @@ def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version, *,
         if isinstance(err, HeadOrderMismatch):
             err = HeadOrderMismatch(f"{err.reason}. {HEAD_ORDER_ADVICE}", err.local, err.remote)
         count("rejected", str(err))
-        metrics.count(metrics.REFUSALS, NAME)
+        metrics.count(worker, metrics.REFUSALS, NAME)
         logger.error("pdpatch kv_segments: refusing peer %s (backend %s; local %s): %s",
                      getattr(meta, "engine_id", "?"), remote_name or "?", local_name, err)
         raise err from None

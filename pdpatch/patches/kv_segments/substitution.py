@@ -132,7 +132,7 @@ def make_add_remote_wrapper(version: Version) -> Wrapper:
                 "vLLM built no remote descriptor list pdpatch could replace",
                 conversion.plan.local, conversion.plan.remote)
         count("conversions")
-        metrics.count(metrics.PEERS_CONVERTED)
+        metrics.count(instance, metrics.PEERS_CONVERTED)
         t2 = time.perf_counter()
         staged = stage_peer(instance, meta.engine_id, rank, conversion.plan.remote)
         t3 = time.perf_counter()
