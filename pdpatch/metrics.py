@@ -110,18 +110,23 @@ def count(owner: Any, metric: str, *labels: str, amount: int = 1) -> None:
     if owner is None:
         return
     with _lock:
-        parent = _attributed.get(owner)
-        owner = parent() if parent is not None else owner
-        if owner is None:
-            return
-        counts = _pending.setdefault(owner, {})
-        counts[(metric, labels)] = counts.get((metric, labels), 0) + amount
+        try:
+            parent = _attributed.get(owner)
+            owner = parent() if parent is not None else owner
+            if owner is not None:
+                counts = _pending.setdefault(owner, {})
+                counts[(metric, labels)] = counts.get((metric, labels), 0) + amount
+        except TypeError:           # an owner that cannot be weakly keyed: not counted
+            logger.debug("pdpatch: %s not counted for a %s [metrics]", metric, type(owner))
 
 
 def attribute(obj: Any, owner: Any) -> None:
     """Counts made for ``obj`` from now on are ``owner``'s."""
     with _lock:
-        _attributed[obj] = weakref.ref(owner)
+        try:
+            _attributed[obj] = weakref.ref(owner)
+        except TypeError:           # counted for ``obj`` then, which count() drops
+            logger.debug("pdpatch: counts of a %s not attributed [metrics]", type(obj))
 
 
 def drain(*owners: Any) -> list[Record]:

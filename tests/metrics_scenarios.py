@@ -115,13 +115,19 @@ def scenario_metrics() -> dict[str, Any]:
     out = sched.schedule()
     waiting = [r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in reqs]
 
-    # The workers: 0 had a failed transfer (stock's own stats); 1 staged a READ (pdpatch).
+    # The workers: 0 had a failed transfer (stock's own stats); 1 staged a READ (pdpatch:
+    # counted by its staging agent where pdpatch put one in front of it, 0.19-0.25).
+    from pdpatch import agent_layers
+    from pdpatch.kv.staging import StagingAgent
+
     worker = rw.build_worker("D-engine")
+    agent = agent_layers.find(worker, StagingAgent)
+    counter = worker if agent is None else agent.stats
     stats_cls = type(worker.xfer_stats)
     first = stats_cls()
     first.record_failed_transfer()
-    metrics.count(worker, metrics.STAGED_READS)
-    metrics.count(worker, metrics.STAGED_READ_BYTES, amount=4096)
+    metrics.count(counter, metrics.STAGED_READS)
+    metrics.count(counter, metrics.STAGED_READ_BYTES, amount=4096)
     metrics.count(rw.build_worker("other-engine"), metrics.STAGED_READS)   # not this worker's
     second = _facade(type(sched.connector), worker).get_kv_connector_stats()
     worker_records = (second.data.get(metrics.RECORDS_KEY) if second is not None else None)
@@ -141,7 +147,8 @@ def scenario_metrics() -> dict[str, Any]:
 
     exported, lines = api_server(sched.vllm_config, stats)
     metrics.reset()
-    return {"waiting": waiting, "promoted": promoted, "worker_records": worker_records,
+    return {"waiting": waiting, "promoted": promoted, "staging_agent": agent is not None,
+            "worker_records": worker_records,
             "payload_keys": sorted(payload), "records": payload.get(metrics.RECORDS_KEY),
             "failed_transfers": payload.get("num_failed_transfers"),
             "exported": exported, "cli": lines}

@@ -10,8 +10,9 @@ from __future__ import annotations
 import metrics_scenarios
 import pytest
 import robust_matrix
+from packaging.version import Version
 
-from pdpatch import metrics
+from pdpatch import metrics, vllm_sites
 
 PULLED = 'pdpatch:kv_requests_total{cause="",engine="0",outcome="pulled"}'
 FAILED = 'pdpatch:kv_requests_total{cause="failure",engine="0",outcome="recomputed"}'
@@ -26,13 +27,15 @@ NIXL_FAILED = 'vllm:nixl_num_failed_transfers_total{engine="0"}'
 def assert_stock(obs: dict) -> None:
     assert obs["waiting"] == [True, True], obs
     assert obs["worker_records"] is None and obs["records"] is None, obs
+    assert not obs["staging_agent"], obs
     assert obs["failed_transfers"] == [1], obs
     assert obs["exported"] == {NIXL_FAILED: 1.0}, obs
     assert obs["cli"], obs          # the interval's line (a failed transfer), to compare with
 
 
-def assert_exported(obs: dict, stock: dict) -> None:
+def assert_exported(obs: dict, stock: dict, version: Version) -> None:
     assert obs["waiting"] == [True, True], obs
+    assert obs["staging_agent"] == (version in vllm_sites.KV_SPLIT_DESCRIPTORS), obs
     assert "WAITING_FOR_REMOTE_KVS" not in obs["promoted"], obs
     # the worker's counts ride its stats; the scheduler's join them in make_stats
     assert obs["worker_records"] == [["staged_reads", [], 1], ["staged_read_bytes", [], 4096]]
@@ -57,14 +60,14 @@ def test_counts_reach_metrics_0_33(fresh_pdpatch):
     stock = metrics_scenarios.scenario_metrics()
     assert_stock(stock)
     assert fresh_pdpatch.install()["metrics"].status == "active"
-    assert_exported(metrics_scenarios.scenario_metrics(), stock)
+    assert_exported(metrics_scenarios.scenario_metrics(), stock, Version("0.33.0"))
 
 
 @pytest.mark.parametrize("ver", robust_matrix.OLD_RELEASES)
 def test_counts_reach_metrics_on_old_release(ver):
     stock, patched = robust_matrix.stock_and_patched(ver, "metrics", "metrics")
     assert_stock(stock)
-    assert_exported(patched, stock)
+    assert_exported(patched, stock, Version(ver))
 
 
 def test_exporter_skips_what_it_does_not_know():

@@ -75,7 +75,7 @@ class StagedRead:
                         np.full(n, self.slot, dtype=np.int64))
 
 
-@dataclass
+@dataclass(eq=False)      # one agent's counters, by identity (pdpatch.metrics keys them)
 class StagingStats:
     staged_reads: int = 0
     staged_bytes: int = 0
