@@ -122,7 +122,7 @@ def scenario_metrics() -> dict[str, Any]:
 
     worker = rw.build_worker("D-engine")
     agent = agent_layers.find(worker, StagingAgent)
-    counter = worker if agent is None else agent.stats
+    counter = worker if agent is None else agent
     stats_cls = type(worker.xfer_stats)
     first = stats_cls()
     first.record_failed_transfer()

@@ -75,7 +75,7 @@ class StagedRead:
                         np.full(n, self.slot, dtype=np.int64))
 
 
-@dataclass(eq=False)      # one agent's counters, by identity (pdpatch.metrics keys them)
+@dataclass
 class StagingStats:
     staged_reads: int = 0
     staged_bytes: int = 0
@@ -91,12 +91,13 @@ class StagingStats:
     chunk_failures: int = 0         # chunked READs that ended ERR
     not_staged: Counter = field(default_factory=Counter)   # reason -> requests
 
-    def posted(self, read: StagedRead | ChunkedRead) -> bool:
-        """Count a staged READ handed to NIXL; True for the first one."""
+    def posted(self, read: StagedRead | ChunkedRead, agent: Any) -> bool:
+        """Count a staged READ ``agent`` handed to NIXL (here and for ``/metrics``); True for
+        the first one."""
         first = self.staged_reads == 0
         self.staged_reads += 1
-        metrics.count(self, metrics.STAGED_READS)
-        metrics.count(self, metrics.STAGED_READ_BYTES,
+        metrics.count(agent, metrics.STAGED_READS)
+        metrics.count(agent, metrics.STAGED_READ_BYTES,
                       amount=read.nbytes if isinstance(read, ChunkedRead) else read.requested)
         self.descriptors_stock += read.stock
         self.descriptors_staged += read.staged

@@ -37,7 +37,7 @@ def install_staging(worker: Any, kv_caches: Any) -> None:
         capacity=mib << 20, memory=lambda: _kv_memory(worker, kv_caches),
         gap=None if gap is None else gap << 10, capacity_setting=STAGING_ENV,
         gap_setting=GAP_ENV)
-    metrics.attribute(agent.stats, worker)      # its staged READs reach /metrics as the worker's
+    metrics.attribute(agent, worker)      # its staged READs reach /metrics as the worker's
 
 
 def stage_peer(worker: Any, engine_id: str, rank: int, remote: KVGeometry) -> bool:
