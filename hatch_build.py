@@ -2,7 +2,7 @@
 
 The encoder writes the serialized token ids of every block in one call, which is where most of
 a key chain's time goes in pure Python (``scripts/bench_block_keys.py`` measures both builds
-against vLLM's own chain; the README's benchmark table has the figures).
+against vLLM's own chain; docs/proof.md's benchmark table has the figures).
 pdpatch is correct without it: where no C compiler or Python headers are found the wheel is
 built pure-Python, a warning says so, and ``pdpatch doctor`` reports "pure Python".
 ``PDPATCH_REQUIRE_C_ENCODER=1`` turns that warning into a build error (the test setup sets it,

@@ -12,8 +12,18 @@ def _doctor(args: argparse.Namespace) -> int:
     return doctor.run(as_json=args.json, check_targets=not args.no_import)
 
 
+def version_text() -> str:
+    """``pdpatch --version``: the distribution that provides this package, or where it runs
+    from when no distribution does (a source tree on ``sys.path``)."""
+    from pdpatch import provenance
+
+    return "pdpatch " + (provenance.installed_as() or
+                         f"(not installed as {provenance.DIST}: {provenance.PACKAGE_DIR})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdpatch", description=__doc__)
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", required=True)
     doc = sub.add_parser("doctor", help="what pdpatch would patch here, and why not")
     doc.add_argument("--json", action="store_true", help="machine-readable output")

@@ -3,16 +3,9 @@
 Why read late: on Ray the driver's environment reaches an actor only after the interpreter
 started (vLLM copies it in ``initialize_worker``), so nothing here is cached at import time.
 
-Variables (never ``VLLM_``-prefixed: vLLM warns or fails on unknown ``VLLM_*`` names):
-
-==============================  ==========================================================
-``ENABLE_PDPATCH``              master switch (alias ``PDPATCH_ENABLED``); default off
-``PDPATCH_DISABLE``             comma list of patch names, or ``*`` for all
-``PDPATCH_<NAME>``              ``1``/``0`` for one patch; wins over ``PDPATCH_DISABLE``
-``PDPATCH_STRICT``              a patch that is enabled but cannot apply stops startup
-``PDPATCH_ALLOW_UNTESTED_VLLM`` apply patches outside their declared vLLM versions
-``PDPATCH_LOG_LEVEL``           level of the ``pdpatch`` logger (default INFO)
-==============================  ==========================================================
+Every variable is declared once, at the end of this module (``GLOBAL_SETTINGS``, and
+``PATCH_OPTIONS`` for the options of single patches): values, range, unit, default, meaning.
+None is ``VLLM_``-prefixed (vLLM warns or fails on unknown ``VLLM_*`` names).
 
 The same settings may also come from ``kv_transfer_config.kv_connector_extra_config["pdpatch"]``
 (a dict: ``{"disable": [...], "<name>": bool}``), which travels inside ``VllmConfig`` to every
@@ -83,20 +76,17 @@ def master_enabled(env: Mapping[str, str] | None = None) -> tuple[bool, str]:
     env = os.environ if env is None else env
     for var in MASTER_VARS:
         if var in env:
-            return parse_bool(var, env[var]), var
+            return ENABLE.parse(env[var], var), var
     return False, "ENABLE_PDPATCH unset"
 
 
-def read_settings(patch_names: Iterable[str], env: Mapping[str, str] | None = None,
-                  option_vars: Iterable[str] = ()) -> Settings:
-    """Parse every ``PDPATCH_*`` variable; unknown names and bad values raise ``ConfigError``.
-
-    ``option_vars`` are the extra variables patches declare (``Patch.options``); each patch
-    parses its own, this only keeps them from being taken for typos.
-    """
+def read_settings(patch_names: Iterable[str], env: Mapping[str, str] | None = None) -> Settings:
+    """Parse and check every ``PDPATCH_*`` variable against its declaration
+    (:data:`GLOBAL_SETTINGS`, :data:`PATCH_OPTIONS`); unknown names and bad values raise
+    ``ConfigError`` naming the variable and the valid values."""
     env = os.environ if env is None else env
     known = set(patch_names)
-    options = set(option_vars)
+    options = {s.var: s for s in PATCH_OPTIONS}
     enabled, source = master_enabled(env)
     if "ENABLE_PDPATCH" in env and "PDPATCH_ENABLED" in env:
         a = parse_bool("ENABLE_PDPATCH", env["ENABLE_PDPATCH"])
@@ -107,6 +97,8 @@ def read_settings(patch_names: Iterable[str], env: Mapping[str, str] | None = No
     disabled = _parse_disable(env.get("PDPATCH_DISABLE", ""), known)
     overrides: dict[str, bool] = {}
     for var, raw in env.items():
+        if var in options:
+            options[var].parse(raw)
         if not var.startswith("PDPATCH_") or var in GLOBAL_VARS or var in options:
             continue
         name = var[len("PDPATCH_"):].lower()
@@ -116,21 +108,14 @@ def read_settings(patch_names: Iterable[str], env: Mapping[str, str] | None = No
                 f"{', '.join(sorted(GLOBAL_VARS + tuple(options)))}, and "
                 f"{', '.join(toggle_var(n) for n in sorted(known))}"
             )
-        overrides[name] = parse_bool(var, raw)
+        overrides[name] = TOGGLE.parse(raw, var)
 
-    level = env.get("PDPATCH_LOG_LEVEL", "INFO").strip().upper() or "INFO"
-    if level not in LOG_LEVELS:
-        raise ConfigError(
-            f"PDPATCH_LOG_LEVEL={env['PDPATCH_LOG_LEVEL']!r} is not a valid value; "
-            f"accepted: {', '.join(LOG_LEVELS)}"
-        )
     return Settings(
         enabled=enabled,
         enabled_source=source,
-        strict=parse_bool("PDPATCH_STRICT", env.get("PDPATCH_STRICT", "0")),
-        allow_untested=parse_bool(
-            "PDPATCH_ALLOW_UNTESTED_VLLM", env.get("PDPATCH_ALLOW_UNTESTED_VLLM", "0")),
-        log_level=level,
+        strict=STRICT.read(env),
+        allow_untested=ALLOW_UNTESTED.read(env),
+        log_level=LOG_LEVEL.read(env),
         disabled=disabled,
         overrides=overrides,
     )
@@ -182,3 +167,120 @@ def extra_config_allows(patch_name: str, kv_connector_extra_config: Mapping | No
             f'patch names or "*", got {disable!r}'
         )
     return patch_name not in disable
+
+
+# ---------------------------------------------------------------------------- declared settings
+#
+# Every environment variable pdpatch reads, declared once: its values, range, unit, default and
+# meaning.  The parsers below and in the patches use these declarations, `read_settings` checks
+# every one that is set (so `pdpatch doctor` and startup reject a bad value before a patch would
+# read it), and `scripts/doc_tables.py` writes the README's settings table from them.
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``PDPATCH_*`` variable (or the master switch).
+
+    ``kind``: ``switch`` (on/off words), ``int`` (a whole number in ``minimum..maximum``, in
+    ``unit``; ``auto``, when set, is a word meaning "pdpatch decides"), ``choice`` (one of
+    ``choices``), ``names`` (patch names, checked against the registry by ``read_settings``),
+    ``level`` (a logging level).  ``default`` is the value as it would be written; ``patch``
+    names the patch whose option it is ("" for global settings).
+    """
+
+    var: str
+    kind: str
+    default: str
+    doc: str
+    unit: str = ""
+    minimum: int | None = None
+    maximum: int | None = None
+    choices: tuple[str, ...] = ()
+    auto: str = ""
+    patch: str = ""
+
+    def accepted(self) -> str:
+        """The valid values, as the README and every error message state them."""
+        if self.kind == "switch":
+            return "1/true/yes/on or 0/false/no/off"
+        if self.kind == "int":
+            span = (f"{self.minimum}-{self.maximum}" if self.maximum is not None
+                    else f"{self.minimum} or more")
+            return f"{span} {self.unit}" + (f", or `{self.auto}`" if self.auto else "")
+        if self.kind in ("choice", "level"):
+            return " / ".join(self.choices)
+        return "`name,name` or `*`"
+
+    def parse(self, raw: str | None, var: str | None = None):
+        """The value of ``raw`` (None or blank: the default); ``ConfigError`` naming the
+        variable (``var`` for a pattern such as ``PDPATCH_<NAME>``) and the valid range."""
+        text = (self.default if raw is None or not raw.strip() else raw).strip()
+        invalid = ConfigError(f"{var or self.var}={raw!r} is not a valid value; accepted: "
+                              f"{self.accepted()} (default {self.default or 'unset'})")
+        if self.kind == "switch":
+            try:
+                return parse_bool(var or self.var, text)
+            except ConfigError:
+                raise invalid from None
+        if self.kind == "int":
+            if self.auto and text.lower() == self.auto:
+                return None
+            try:
+                value = int(text)
+            except ValueError:
+                raise invalid from None
+            if value < (self.minimum or 0) or (self.maximum is not None and value > self.maximum):
+                raise invalid
+            return value
+        if self.kind in ("choice", "level"):
+            word = text.upper() if self.kind == "level" else text.lower()
+            if word not in self.choices:
+                raise invalid
+            return word
+        return text
+
+    def read(self, env: Mapping[str, str] | None = None):
+        """This setting's value in ``env`` (default ``os.environ``), parsed."""
+        return self.parse((os.environ if env is None else env).get(self.var))
+
+
+ENABLE = Setting("ENABLE_PDPATCH", "switch", "0",
+                 "master switch (alias `PDPATCH_ENABLED`); off: pdpatch changes nothing")
+DISABLE = Setting("PDPATCH_DISABLE", "names", "",
+                  "patches to leave off (`*`: all of them)")
+TOGGLE = Setting("PDPATCH_<NAME>", "switch", "1",
+                 "one patch on or off (the patch table's \"turn off\" column); wins over "
+                 "`PDPATCH_DISABLE`")
+STRICT = Setting("PDPATCH_STRICT", "switch", "0",
+                 "an enabled patch that cannot apply, or an invalid setting, stops startup")
+ALLOW_UNTESTED = Setting(
+    "PDPATCH_ALLOW_UNTESTED_VLLM", "switch", "0",
+    "apply patches outside the vLLM releases they declare (with a vLLM newer than pdpatch "
+    "knows, every process warns which patches are off until this is set or pdpatch upgraded)")
+LOG_LEVEL = Setting("PDPATCH_LOG_LEVEL", "level", "INFO", "level of the `pdpatch` logger",
+                    choices=LOG_LEVELS)
+LAYOUT_FORCE = Setting("PDPATCH_LAYOUT_FORCE", "switch", "0",
+                       "token-major KV layout even where kvcached does not allocate the KV",
+                       patch="layout")
+LAYOUT_PERMUTE = Setting(
+    "PDPATCH_LAYOUT_PERMUTE", "switch", "1",
+    "a token-major decode engine turns on vLLM's own `enable_permute_local_kv` (0.19-0.25), "
+    "so stock head-major prefill engines pair with it", patch="layout")
+BLOCK_KEYS_ON_MISMATCH = Setting(
+    "PDPATCH_BLOCK_KEYS_ON_MISMATCH", "choice", "recompute",
+    "on a P/D block-key mismatch: compute the prompt locally, or only warn and load P's KV",
+    choices=("recompute", "warn"), patch="block_keys")
+KV_STAGING_MIB = Setting(
+    "PDPATCH_KV_STAGING_MIB", "int", "128",
+    "staging memory per decode worker for a converted peer's READs (0.19-0.25); 0 turns "
+    "staging off", unit="MiB", minimum=0, maximum=65536, patch="kv_segments")
+KV_GAP_KIB = Setting(
+    "PDPATCH_KV_GAP_KIB", "int", "auto",
+    "bytes a staged READ may read between requested blocks to merge descriptors; 0 turns gap "
+    "reads off, `auto` measures the transport per peer", unit="KiB", minimum=0,
+    maximum=1048576, auto="auto", patch="kv_segments")
+
+GLOBAL_SETTINGS: tuple[Setting, ...] = (ENABLE, DISABLE, TOGGLE, STRICT, ALLOW_UNTESTED,
+                                        LOG_LEVEL)
+PATCH_OPTIONS: tuple[Setting, ...] = (LAYOUT_FORCE, LAYOUT_PERMUTE, BLOCK_KEYS_ON_MISMATCH,
+                                      KV_STAGING_MIB, KV_GAP_KIB)

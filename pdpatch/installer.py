@@ -89,7 +89,8 @@ def install() -> dict[str, PatchState]:
             if ps.status == "active":
                 for ts in ps.targets:
                     _arm(ps, ts)
-        logger.info(summary_line())
+        line = summary_line()
+        (logger.warning if " foreign_pdpatch=[" in line else logger.info)(line)
         newer = newer_than_supported(_state.patches, version)
         if newer:
             logger.warning(newer)
@@ -221,20 +222,29 @@ def _unwrap(ts: TargetState) -> None:
 def summary_line() -> str:
     """The one grep-able line per process (stable wording: scripts and tests match it).
 
-    ``patched``: active patches whose every target is wrapped; ``armed``: active patches with
-    a target whose module this process has not imported yet (it is wrapped the moment vLLM
-    imports it; a module that never imports leaves the patch armed, never "patched")."""
+    ``ready``: patches switched on and in force in this process: each target is wrapped, or
+    is wrapped the moment vLLM imports its module (``pdpatch.status()`` shows which);
+    ``failed`` (only when there is one): a patch a target of which could not be wrapped;
+    ``skipped``: patches off here, and why; ``foreign_pdpatch`` (only then): another package's
+    files share the ``pdpatch`` import name (:mod:`pdpatch.provenance`)."""
+    from pdpatch import provenance
+
     active = [ps for ps in _state.patches.values() if ps.status == "active"]
-    patched = [ps.patch.name for ps in active if all(ts.status == "wrapped" for ts in ps.targets)]
-    armed = [ps.patch.name for ps in active if ps.patch.name not in patched]
+    failed = [f"{ps.patch.name} ({ts.target.label}: {ts.detail})" for ps in active
+              for ts in ps.targets if ts.status == "failed"]
+    ready = [ps.patch.name for ps in active
+             if not any(ts.status == "failed" for ts in ps.targets)]
+    foreign = provenance.foreign_pdpatch(deep=False)
     skipped = [f"{n} ({ps.reason})" for n, ps in _state.patches.items()
                if ps.status == "skipped"]
     notes = [note for ps in _state.patches.values() if ps.patch.summary_note
              for note in [ps.patch.summary_note(ps.status == "active")] if note]
     return (f"pdpatch: pid={os.getpid()} role={process_role()} vllm={_state.vllm} "
-            f"patched=[{', '.join(patched)}] armed=[{', '.join(armed)}] "
-            f"skipped=[{'; '.join(skipped)}]"
-            + (f" notes=[{'; '.join(notes)}]" if notes else ""))
+            f"ready=[{', '.join(ready)}] "
+            + (f"failed=[{'; '.join(failed)}] " if failed else "")
+            + f"skipped=[{'; '.join(skipped)}]"
+            + (f" notes=[{'; '.join(notes)}]" if notes else "")
+            + (f" foreign_pdpatch=[{'; '.join(foreign)}]" if foreign else ""))
 
 
 def process_role() -> str:

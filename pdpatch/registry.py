@@ -9,11 +9,12 @@ every subclass; the installer refuses a target whose class merely inherits the a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from packaging.version import Version
 
+from pdpatch import config
 from pdpatch.versions import VersionRange
 
 # wrapt's wrapper signature: (wrapped, instance, args, kwargs) -> result
@@ -40,12 +41,16 @@ class Patch:
     versions: VersionRange                         # vLLM releases this patch is written for
     targets: Callable[[Version], Sequence[Target]]
     why_version: str = ""                          # said when the version gate skips it
-    options: tuple[str, ...] = field(default=())    # extra PDPATCH_* variables it reads
     # A short note for the summary line, given whether the patch is active here ("" = none):
     # e.g. which of two cooperating patchers is in charge.
     summary_note: Callable[[bool], str] | None = None
     # Runtime state for `pdpatch.status()` (decisions taken after install).
     runtime_status: Callable[[], str] | None = None
+
+    @property
+    def options(self) -> tuple[config.Setting, ...]:
+        """The extra ``PDPATCH_*`` variables this patch reads (declared in ``pdpatch.config``)."""
+        return tuple(s for s in config.PATCH_OPTIONS if s.patch == self.name)
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier() or self.name.lower() != self.name:

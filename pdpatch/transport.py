@@ -215,6 +215,11 @@ def _driver() -> ctypes.CDLL | None:
     return _libcuda
 
 
+def cuda_driver_present() -> bool:
+    """Whether this machine has a working CUDA driver (``libcuda`` loads and initializes)."""
+    return _driver() is not None
+
+
 def probe_memory(ptr: int, label: str = "") -> MemoryFacts:
     """Facts about the allocation at device address ``ptr`` (e.g. ``kv_cache.data_ptr()``),
     read with ``cuPointerGetAttribute``; ``kind="unknown"`` without a CUDA driver."""

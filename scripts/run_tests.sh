@@ -7,6 +7,11 @@
 # steps with one pytest run taking them (e.g. -m "not e2e").  pytest's "no tests ran" (exit 5)
 # fails.
 set -uo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then   # the comment above, nothing run
+  echo "usage: bash scripts/run_tests.sh [PYTEST-ARGS...]"
+  sed -n '2,/^set /p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'
+  exit 0
+fi
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$here"
 py=.venv/bin/python

@@ -36,7 +36,7 @@ def test_enabled_process_is_patched_and_logs_one_summary_line():
     result, err = run_child("self", enable=True)
     assert result["wrapped"] and result["installed"]
     assert summary_pids(err) == [result["pid"]]
-    assert "role=main vllm=0.33.0 patched=[" in err
+    assert "role=main vllm=0.33.0 ready=[" in err
 
 
 def test_unset_switch_wraps_nothing_and_logs_nothing():
@@ -67,13 +67,18 @@ def test_switch_set_after_start_activates_through_the_plugin_entry_point():
     assert len(summary_pids(err)) == 1
 
 
-def test_invalid_switch_fails_vllm_plugin_loading_with_a_clear_message():
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", ENABLE_PDPATCH="maybe")
+@pytest.mark.parametrize("setting", [{"ENABLE_PDPATCH": "maybe"},
+                                     {"ENABLE_PDPATCH": "1", "PDPATCH_KV_STAGING_MIB": "-1"}],
+                         ids=["switch", "option"])
+def test_invalid_setting_fails_vllm_plugin_loading_with_a_clear_message(setting):
+    """A patch's option too is checked at startup, not when the patch first reads it."""
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", **setting)
     out = subprocess.run(
         [sys.executable, "-c", "from vllm.plugins import load_general_plugins as f; f()"],
         env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
-    assert "ENABLE_PDPATCH='maybe' is not a valid value" in out.stderr
+    var, raw = list(setting.items())[-1]
+    assert f"{var}={raw!r} is not a valid value; accepted: " in out.stderr
 
 
 def _site_packages() -> str:

@@ -81,16 +81,35 @@ def test_extra_config_section():
 def test_patch_options_and_harness_variables_are_not_typos():
     from lab.env import VARS  # the harness's own: another prefix, nothing to declare here
 
-    s = config.read_settings(NAMES, {"PDPATCH_LAYOUT_FORCE": "1", **dict.fromkeys(VARS, "/x")},
-                             ["PDPATCH_LAYOUT_FORCE"])
+    s = read(PDPATCH_LAYOUT_FORCE="1", **dict.fromkeys(VARS, "/x"))
     assert s.overrides == {}
-    with pytest.raises(config.ConfigError, match="PDPATCH_LAYOUT_FORCE"):
-        read(PDPATCH_LAYOUT_FORCE="1")          # without the patch declaring it
 
 
-def test_every_declared_option_is_accepted_by_the_real_patch_list():
-    from pdpatch.patches import all_patches, read_settings
+# a value of the right kind, and one outside each declared option's range or choices
+BAD = {"switch": ["2", "maybe"], "choice": ["ignore"],
+       "int": ["abc", "-1", "1.5", "99999999"]}
 
-    options = {var: "0" for p in all_patches() for var in p.options}
-    assert "PDPATCH_LAYOUT_FORCE" in options
-    read_settings(options)
+
+@pytest.mark.parametrize("option", config.PATCH_OPTIONS, ids=lambda s: s.var)
+def test_every_option_is_validated_when_settings_are_read(option):
+    """The declaration is the check: its default parses, and a bad value stops
+    ``read_settings`` (startup, ``pdpatch doctor``) naming the variable and the valid values."""
+    from pdpatch.patches import patch_names, read_settings
+
+    assert option.patch in patch_names()
+    assert option.read({}) == option.parse(option.default)
+    read_settings({option.var: option.default})
+    for raw in BAD[option.kind]:
+        with pytest.raises(config.ConfigError) as err:
+            read_settings({option.var: raw})
+        assert f"{option.var}={raw!r} is not a valid value; accepted: {option.accepted()}" \
+            in str(err.value)
+
+
+def test_size_options_units_ranges_and_auto():
+    assert config.KV_STAGING_MIB.read({}) == 128
+    assert config.KV_STAGING_MIB.read({"PDPATCH_KV_STAGING_MIB": " 0 "}) == 0
+    assert config.KV_GAP_KIB.read({}) is None
+    assert config.KV_GAP_KIB.read({"PDPATCH_KV_GAP_KIB": " Auto "}) is None
+    with pytest.raises(config.ConfigError, match=r"accepted: 0-65536 MiB \(default 128\)"):
+        config.KV_STAGING_MIB.read({"PDPATCH_KV_STAGING_MIB": "auto"})

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from venvs import DEPS, bare_venv, clean_env, site_packages
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +26,10 @@ def test_healthy_install_reports_ways_in_and_patch_targets():
     assert "patch read_guard: would apply (default)" in out.stdout
     assert "NixlPullConnectorWorker._read_blocks_for_req: present" in out.stdout
     assert "block-key encoder: compiled" in out.stdout
+    assert f"pdpatch package: {ROOT / 'pdpatch'} (vllm-pdpatch " in out.stdout
+    assert f"(editable: {ROOT}))" in out.stdout
+    # only what holds for this installation: vLLM's own import warnings stay out
+    assert "Failed to import from vllm._C" not in out.stdout + out.stderr
 
 
 def test_json_output_and_toggle_reason():
@@ -41,14 +46,21 @@ def test_patch_options_are_reported_with_their_values():
     out = doctor(sys.executable, "--no-import", ENABLE_PDPATCH="1",
                  PDPATCH_KV_STAGING_MIB="64")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "  option PDPATCH_KV_STAGING_MIB: '64'" in out.stdout
-    assert "  option PDPATCH_BLOCK_KEYS_ON_MISMATCH: not set (the patch's default)" in out.stdout
+    assert "  option PDPATCH_KV_STAGING_MIB=64" in out.stdout
+    assert "  option PDPATCH_BLOCK_KEYS_ON_MISMATCH: not set (default recompute)" in out.stdout
 
 
-def test_invalid_setting_is_a_problem():
-    out = doctor(sys.executable, "--no-import", ENABLE_PDPATCH="maybe")
-    assert out.returncode == 1
-    assert "ENABLE_PDPATCH='maybe' is not a valid value" in out.stdout
+@pytest.mark.parametrize("var,raw,accepted", [
+    ("ENABLE_PDPATCH", "maybe", "1/true/yes/on or 0/false/no/off"),
+    ("PDPATCH_KV_STAGING_MIB", "abc", "0-65536 MiB"),
+    ("PDPATCH_KV_STAGING_MIB", "-1", "0-65536 MiB"),
+    ("PDPATCH_KV_GAP_KIB", "-5", "0-1048576 KiB, or `auto`"),
+])
+def test_invalid_setting_is_a_problem(var, raw, accepted):
+    out = doctor(sys.executable, "--no-import", **{var: raw})
+    assert out.returncode == 1, out.stdout
+    assert f"PROBLEM: invalid setting: {var}={raw!r} is not a valid value; accepted: " \
+        f"{accepted}" in out.stdout
 
 
 def test_vllm_plugins_allowlist_without_pdpatch_is_reported():

@@ -62,7 +62,7 @@ def test_toggle_off_skips_with_reason(fresh_pdpatch, monkeypatch):
     assert read_attr() is original
     line = fresh_pdpatch.summary_line()
     assert "read_guard (toggled off (PDPATCH_READ_GUARD=0))" in line.split("skipped=[")[1]
-    assert "read_guard" not in line.split("patched=[")[1].split("]")[0]
+    assert "read_guard" not in line.split("ready=[")[1].split("]")[0]
 
 
 def test_version_gate_skips_unless_untested_allowed(fresh_pdpatch, monkeypatch):
@@ -107,9 +107,10 @@ def test_newer_vllm_warns_once_naming_the_patches_that_are_off(fresh_pdpatch, mo
         logger.removeHandler(handler)
 
 
-def test_summary_line_calls_a_patch_patched_only_once_its_targets_are_wrapped(
+def test_summary_line_calls_a_patch_ready_before_vllm_imports_its_module(
         fresh_pdpatch, monkeypatch):
-    """A target whose module never imports leaves its patch armed, never "patched"."""
+    """A target whose module this process has not imported is wrapped when it is: the patch is
+    ready, and ``status()`` shows the target still waiting (armed)."""
     never = Patch(name="never", summary="test", versions=">=0.1",
                   targets=lambda v: [Target("vllm.no_such_module", "f",
                                             lambda w, i, a, k: w(*a, **k))])
@@ -119,7 +120,7 @@ def test_summary_line_calls_a_patch_patched_only_once_its_targets_are_wrapped(
     importlib.import_module(PULL)                 # read_guard's module is already imported
     fresh_pdpatch.install()
     line = fresh_pdpatch.summary_line()
-    assert "patched=[read_guard] armed=[never] skipped=[]" in line, line
+    assert "ready=[never, read_guard] skipped=[]" in line, line
     assert fresh_pdpatch.status()["patches"]["never"]["targets"] == {
         "vllm.no_such_module:f": ("armed", "")}
 
@@ -139,6 +140,8 @@ def test_target_on_a_subclass_that_only_inherits_is_refused(fresh_pdpatch, monke
     assert ts.status == "failed"
     assert "inherited from NixlBaseConnectorWorker" in ts.detail
     assert "register_kv_caches" not in pull_cls().__dict__
+    line = fresh_pdpatch.summary_line()
+    assert f"ready=[] failed=[bad_target ({ts.target.label}: LookupError: " in line, line
 
 
 def test_strict_mode_turns_a_failed_target_into_an_error(fresh_pdpatch, monkeypatch):

@@ -258,35 +258,15 @@ def test_patch_targets_per_release() -> None:
     assert names("0.33.0") == [*common, "restore_kv_caches", "add_remote_agent"]
 
 
-def test_gap_setting() -> None:
-    """Unset or ``auto``: measured per peer (None); a number of KiB; 0 turns gap reads off."""
-    assert ks.gap_kib({}) is None
-    assert ks.gap_kib({ks.GAP_ENV: " Auto "}) is None
-    assert ks.gap_kib({ks.GAP_ENV: "0"}) == 0
+def test_settings_readers_and_the_names_the_staging_agent_reports() -> None:
+    """The patch reads its options as ``pdpatch.config`` declares them (values, ranges and
+    errors: test_config.py); the staging agent names them in its messages."""
+    assert (ks.staging_mib({}), ks.gap_kib({})) == (ks.STAGING_DEFAULT_MIB, None)
+    assert ks.staging_mib({ks.STAGING_ENV: " 512 "}) == 512
     assert ks.gap_kib({ks.GAP_ENV: "2048"}) == 2048
-    for bad in ("-4", "big", "0.5"):
-        with pytest.raises(config.ConfigError,
-                           match=r"PDPATCH_KV_GAP_KIB=.* \(0 turns gap reads off"):
-            ks.gap_kib({ks.GAP_ENV: bad})
-    assert ks.GAP_ENV in ks.PATCH.options
     from pdpatch.patches.kv_segments.staged_reads import install_staging
 
     worker = type("W", (), {"nixl_wrapper": object()})()
     install_staging(worker, {})
-    agent = worker.nixl_wrapper            # names the settings in its messages
+    agent = worker.nixl_wrapper
     assert (agent._gap_setting, agent._capacity_setting) == (ks.GAP_ENV, ks.STAGING_ENV)
-
-
-def test_staging_size_setting() -> None:
-    assert ks.staging_mib({}) == ks.STAGING_DEFAULT_MIB
-    assert ks.staging_mib({ks.STAGING_ENV: "0"}) == 0
-    assert ks.staging_mib({ks.STAGING_ENV: " 512 "}) == 512
-    for bad in ("-1", "lots", "1.5", "auto"):
-        with pytest.raises(config.ConfigError,
-                           match=r"PDPATCH_KV_STAGING_MIB=.* \(0 turns staging off"):
-            ks.staging_mib({ks.STAGING_ENV: bad})
-    # declared by the patch, so the settings parser does not take it for a typo
-    assert ks.STAGING_ENV in ks.PATCH.options
-    settings = config.read_settings(["kv_segments"], {ks.STAGING_ENV: "64"},
-                                    option_vars=ks.PATCH.options)
-    assert settings.overrides == {}

@@ -195,4 +195,4 @@ print(json.dumps({{"layout": core.resolve_kv_cache_layout(c, {CUDA_LIKE!r}, []).
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["layout"] == TOKEN_MAJOR
-    assert "layout" in result["summary"].split("patched=[")[1].split("]")[0]
+    assert "layout" in result["summary"].split("ready=[")[1].split("]")[0]

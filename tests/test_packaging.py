@@ -19,10 +19,11 @@ CHILD = Path(__file__).parent / "activation_child.py"
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    """Built as the README's install section says (``pip wheel --no-deps -w dist ./``)."""
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(out), str(ROOT)],
-                   check=True, capture_output=True, timeout=600)
-    (whl,) = out.glob("pdpatch-*.whl")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out),
+                    str(ROOT)], check=True, capture_output=True, timeout=600)
+    (whl,) = out.glob("vllm_pdpatch-*.whl")
     return whl
 
 
@@ -70,7 +71,7 @@ def test_wheel_without_a_c_compiler(tmp_path, required):
         return
     assert out.returncode == 0, said[-3000:]
     assert "pure-Python encoders (about 2x slower)" in said
-    (whl,) = tmp_path.glob("pdpatch-*.whl")
+    (whl,) = tmp_path.glob("vllm_pdpatch-*.whl")
     assert whl.name.endswith("-py3-none-any.whl")
     with zipfile.ZipFile(whl) as z:
         assert not [n for n in z.namelist() if "_block_items" in n]
@@ -92,11 +93,47 @@ def test_installed_wheel_activates_in_a_fresh_interpreter(wheel, tmp_path):
                              capture_output=True, text=True, env=clean_env(), timeout=120)
     assert encoder.stdout.split() == ["True", str(site / "pdpatch/hashing/encoders.py")], \
         encoder.stdout + encoder.stderr
+    # the distribution is vllm-pdpatch, its plugin registered, and the command says so
+    code = ("import importlib.metadata as md; d = md.distribution('vllm-pdpatch'); "
+            "print(d.version, [e.value for e in d.entry_points if e.group == "
+            "'vllm.general_plugins'])")
+    meta = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True,
+                          text=True, env=clean_env(), timeout=120)
+    assert meta.stdout.split(None, 1) == ["0.1.0", "['pdpatch.bootstrap.plugin:load']\n"], \
+        meta.stdout + meta.stderr
+    assert pdpatch(venv, "--version").stdout == "pdpatch vllm-pdpatch 0.1.0\n"
+    assert pdpatch(venv, "doctor", "--no-import").returncode == 0
+
+
+def pdpatch(venv: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(venv / "bin" / "python"), "-m", "pdpatch", *args],
+                          capture_output=True, text=True, env=clean_env(**env), timeout=300)
+
+
+def test_a_foreign_pdpatch_next_to_the_wheel_is_named(wheel, tmp_path):
+    """The public index's pdpatch (pandas) installed over ours: its dist-info next to ours and
+    its __init__.py in our package.  Doctor fails naming both; the summary line warns."""
+    venv = bare_venv(tmp_path / "v")
+    site = site_packages(venv)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                    str(site), str(wheel)], check=True, timeout=300)
+    foreign = site / "pdpatch-0.1.9.dist-info"
+    foreign.mkdir()
+    (foreign / "METADATA").write_text("Metadata-Version: 2.1\nName: pdpatch\nVersion: 0.1.9\n")
+    with (site / "pdpatch" / "__init__.py").open("a") as fh:
+        fh.write("\n# written by another package\n")
+    out = pdpatch(venv, "doctor", "--no-import")
+    assert out.returncode == 1, out.stdout
+    assert "PROBLEM: foreign pdpatch: the unrelated 'pdpatch' 0.1.9" in out.stdout
+    assert "PROBLEM: foreign pdpatch: pdpatch/__init__.py was overwritten" in out.stdout
+    _, err = probe(venv / "bin" / "python", ENABLE_PDPATCH="1")
+    [line] = [ln for ln in err.splitlines() if " ready=[" in ln]
+    assert "WARNING" in line and " foreign_pdpatch=[the unrelated 'pdpatch' 0.1.9" in line, line
 
 
 def test_editable_install_of_this_checkout_has_the_pth():
     site = Path(DEPS)
-    direct = json.loads(next(site.glob("pdpatch-*.dist-info/direct_url.json")).read_text())
+    direct = json.loads(next(site.glob("vllm_pdpatch-*.dist-info/direct_url.json")).read_text())
     assert direct.get("dir_info", {}).get("editable") is True
     assert (site / "pdpatch_autoload.pth").is_file()   # activation itself: test_activation.py
 

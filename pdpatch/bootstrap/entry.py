@@ -34,11 +34,13 @@ def activate(source: str, raise_errors: bool) -> bool:
 
 def _strict() -> bool:
     try:
-        return config.parse_bool("PDPATCH_STRICT", os.environ.get("PDPATCH_STRICT", "0"))
+        return config.STRICT.read()
     except config.ConfigError:
         return True
 
 
 def _safe_level() -> str:
-    level = os.environ.get("PDPATCH_LOG_LEVEL", "INFO").upper()
-    return level if level in config.LOG_LEVELS else "INFO"
+    try:
+        return config.LOG_LEVEL.read()
+    except config.ConfigError:
+        return "INFO"

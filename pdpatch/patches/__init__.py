@@ -43,7 +43,5 @@ def patch_names() -> list[str]:
 
 
 def read_settings(env: Mapping[str, str] | None = None) -> config.Settings:
-    """The environment's settings, checked against every patch's toggle and options."""
-    patches = all_patches()
-    return config.read_settings([p.name for p in patches], env,
-                                [var for p in patches for var in p.options])
+    """The environment's settings, checked against every patch's toggle and declared option."""
+    return config.read_settings(patch_names(), env)

@@ -61,8 +61,7 @@ request that could not be allocated this step; it is judged (and counted) once."
 MAX_HEX_KEYS = 32
 """Keys sent verbatim (hex) for prompts of at most this many blocks; longer prompts send the
 digest only.  Bounds the params at ~2.7 KiB."""
-ON_MISMATCH_ENV = "PDPATCH_BLOCK_KEYS_ON_MISMATCH"
-ON_MISMATCH_CHOICES = ("recompute", "warn")
+ON_MISMATCH_ENV = config.BLOCK_KEYS_ON_MISMATCH.var
 WARN_INTERVAL_S = 60.0
 MAX_REMEMBERED_PEERS = 256
 
@@ -175,12 +174,7 @@ def _peer_name(params: Mapping[str, Any]) -> str:
 
 
 def on_mismatch_policy(env: Mapping[str, str] | None = None) -> str:
-    raw = (os.environ if env is None else env).get(ON_MISMATCH_ENV, "recompute")
-    value = raw.strip().lower() or "recompute"
-    if value not in ON_MISMATCH_CHOICES:
-        raise config.ConfigError(f"{ON_MISMATCH_ENV}={raw!r} is not a valid value; accepted: "
-                                 f"{', '.join(ON_MISMATCH_CHOICES)}")
-    return value
+    return config.BLOCK_KEYS_ON_MISMATCH.read(env)
 
 
 def _warn_causes(verdict: Verdict, peer: str, request_id: str, recompute: bool) -> None:
@@ -422,5 +416,4 @@ PATCH = Patch(
     versions=vllm_sites.SUPPORTED,
     why_version="the connector hooks and hashing rules were checked against 0.19-0.33 only",
     targets=_targets,
-    options=(ON_MISMATCH_ENV,),
 )

@@ -50,9 +50,9 @@ from pdpatch.log import logger
 from pdpatch.registry import Patch, Target
 
 FORCE_KEY = "layout_force"
-FORCE_ENV = "PDPATCH_LAYOUT_FORCE"
+FORCE_ENV = config.LAYOUT_FORCE.var
 PERMUTE_KEY = "layout_permute"
-PERMUTE_ENV = "PDPATCH_LAYOUT_PERMUTE"
+PERMUTE_ENV = config.LAYOUT_PERMUTE.var
 DECODE_ROLES = ("kv_consumer", "kv_both")
 
 
@@ -85,7 +85,7 @@ def _extra_config(vllm_config: Any) -> Mapping | None:
     return extra if isinstance(extra, Mapping) else None
 
 
-def _setting(extra: Mapping | None, key: str, env_var: str,
+def _setting(extra: Mapping | None, key: str, setting: config.Setting,
              env: Mapping[str, str] | None = None) -> tuple[bool | None, str]:
     """A boolean pdpatch setting of this deployment: the extra-config key wins over the
     environment; ``(None, "")`` where neither sets it."""
@@ -98,14 +98,14 @@ def _setting(extra: Mapping | None, key: str, env_var: str,
                 f'kv_connector_extra_config["{config.EXTRA_CONFIG_KEY}"]["{key}"] must be '
                 f"true or false, got {value!r}")
         return value, f'kv_connector_extra_config["pdpatch"]["{key}"]={str(value).lower()}'
-    if env_var in env:
-        value = config.parse_bool(env_var, env[env_var])
-        return value, f"{env_var}={int(value)}"
+    if setting.var in env:
+        value = setting.parse(env[setting.var])
+        return value, f"{setting.var}={int(value)}"
     return None, ""
 
 
 def _forced(extra: Mapping | None, env: Mapping[str, str] | None = None) -> tuple[bool, str]:
-    value, why = _setting(extra, FORCE_KEY, FORCE_ENV, env)
+    value, why = _setting(extra, FORCE_KEY, config.LAYOUT_FORCE, env)
     return bool(value), why if value else ""
 
 
@@ -197,7 +197,7 @@ def _reorder_setting(vllm_config: Any) -> tuple[bool | None, str]:
     ktc = getattr(vllm_config, "kv_transfer_config", None)
     if getattr(ktc, "enable_permute_local_kv", False):
         return True, "kv_transfer_config.enable_permute_local_kv=true"
-    return _setting(_extra_config(vllm_config), PERMUTE_KEY, PERMUTE_ENV)
+    return _setting(_extra_config(vllm_config), PERMUTE_KEY, config.LAYOUT_PERMUTE)
 
 
 def let_decode_reorder(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -219,7 +219,7 @@ def let_decode_reorder(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
             getattr(ktc, "kv_role", None) in DECODE_ROLES and \
             getattr(instance, "kv_cache_layout", None) == token_major and \
             not getattr(ktc, "enable_permute_local_kv", True) and decide(vllm_config)[0]:
-        reorder, why = _setting(_extra_config(vllm_config), PERMUTE_KEY, PERMUTE_ENV)
+        reorder, why = _setting(_extra_config(vllm_config), PERMUTE_KEY, config.LAYOUT_PERMUTE)
         if reorder is False:
             logger.info("pdpatch layout: enable_permute_local_kv left off (%s)", why)
         else:
@@ -472,6 +472,5 @@ PATCH = Patch(
     versions=vllm_sites.SUPPORTED,
     why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
     targets=_targets,
-    options=(FORCE_ENV, PERMUTE_ENV),
     runtime_status=status_line,
 )

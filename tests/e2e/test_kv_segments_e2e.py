@@ -39,10 +39,9 @@ RIG_WARMUP = [("P", "D-stock")]
 
 def test_prefill_advertises_its_geometry_and_decode_is_stock(rig: EngineGroup) -> None:
     p_lines = "\n".join(rig["P"].pdpatch_lines())
-    summaries = re.findall(r"role=(\S+) vllm=0\.33\.0 patched=\[([^\]]*)\] armed=\[([^\]]*)\]",
-                           p_lines)
-    assert any(role.startswith("worker") and "kv_segments" in patched + armed
-               for role, patched, armed in summaries), p_lines
+    summaries = re.findall(r"role=(\S+) vllm=0\.33\.0 ready=\[([^\]]*)\]", p_lines)
+    assert any(role.startswith("worker") and "kv_segments" in ready
+               for role, ready in summaries), p_lines
     adv = re.findall(r"pdpatch kv_segments: advertising (.*)", rig["P"].log_text())
     assert adv and "packed(layers=" in adv[0] and "segments=[KV@0+" in adv[0], adv
     assert rig["D-stock"].pdpatch_lines() == []

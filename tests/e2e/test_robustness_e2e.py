@@ -134,7 +134,7 @@ def sweep(d: Engine, title: str,
 def test_pdpatch_active_where_expected(rig: EngineGroup) -> None:
     text = "\n".join(rig["D"].pdpatch_lines())
     for name in ("read_guard", "params_check", "division_checks", "spec_classify"):
-        assert re.search(rf"(?:patched|armed)=\[[^\]]*\b{name}\b", text), (name, text)
+        assert re.search(rf"ready=\[[^\]]*\b{name}\b", text), (name, text)
     assert rig["Dstock"].pdpatch_lines() == []
 
 
@@ -306,7 +306,7 @@ def test_stock_worker_dies_on_short_block_list(rig: EngineGroup) -> None:
     assert_all_clean([results["D"]])
     # D's request is failed by pdpatch: by block_ids_bound before the read where D has it
     # (it refuses a list that is not D's allocation), else by read_guard containing the assert
-    bound = re.search(r"(?:patched|armed)=\[[^\]]*\bblock_ids_bound\b",
+    bound = re.search(r"ready=\[[^\]]*\bblock_ids_bound\b",
                       "\n".join(d.pdpatch_lines()))
     assert ("[block_ids_bound" if bound else
             "failing this request instead of the worker [read_guard") in d.log_text()

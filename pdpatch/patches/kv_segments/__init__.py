@@ -122,7 +122,6 @@ PATCH = Patch(
     versions=vllm_sites.SUPPORTED,
     why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
     targets=_targets,
-    options=(STAGING_ENV, GAP_ENV),
 )
 
 __all__ = ["FIELD", "GAP_ENV", "INTERCHANGEABLE", "NAME", "PATCH", "STAGING_DEFAULT_MIB",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,9 +14,9 @@ from pdpatch.patches import common
 NAME = "kv_segments"
 FIELD = "pdpatch_kv_geometry"
 BACKENDS_KEY = "kv_segments_backends"
-STAGING_ENV = "PDPATCH_KV_STAGING_MIB"    # passed to the staging agent, named in its messages
-STAGING_DEFAULT_MIB = 128
-GAP_ENV = "PDPATCH_KV_GAP_KIB"            # likewise; unset or "auto": measured per peer
+STAGING_ENV = config.KV_STAGING_MIB.var   # passed to the staging agent, named in its messages
+STAGING_DEFAULT_MIB = int(config.KV_STAGING_MIB.default)
+GAP_ENV = config.KV_GAP_KIB.var           # likewise; unset or "auto": measured per peer
 
 # Backends whose K and V are plain [block, token, head, dim] arrays (split or fused), so that a
 # byte-level conversion is meaningful.  Not CPU_ATTN (from 0.23 vLLM re-packs its cache after a
@@ -47,32 +46,13 @@ def interchangeable(vllm_config: Any) -> frozenset[str]:
 
 def staging_mib(env: Mapping[str, str] | None = None) -> int:
     """``PDPATCH_KV_STAGING_MIB``: MiB of staging per decode worker for converted READs."""
-    value = _size_setting(env, STAGING_ENV, "MiB", f"0 turns staging off; default "
-                          f"{STAGING_DEFAULT_MIB}", auto=False)
-    return STAGING_DEFAULT_MIB if value is None else value
+    return config.KV_STAGING_MIB.read(env)
 
 
 def gap_kib(env: Mapping[str, str] | None = None) -> int | None:
     """``PDPATCH_KV_GAP_KIB``: KiB a staged READ may read between requested blocks; None
     (unset or ``auto``) measures it per peer."""
-    return _size_setting(env, GAP_ENV, "KiB", "0 turns gap reads off; unset or 'auto' "
-                         "measures the transport per peer", auto=True)
-
-
-def _size_setting(env: Mapping[str, str] | None, name: str, unit: str, hint: str, *,
-                  auto: bool) -> int | None:
-    """A size >= 0 from ``name``; None when unset (or ``auto``, where ``auto`` is allowed);
-    ConfigError naming the variable otherwise."""
-    raw = (os.environ if env is None else env).get(name, "").strip()
-    if not raw or (auto and raw.lower() == "auto"):
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise config.ConfigError(f"{name}={raw!r} is not a number of {unit} >= 0 ({hint})")
-    return value
+    return config.KV_GAP_KIB.read(env)
 
 
 @dataclass
