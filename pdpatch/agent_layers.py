@@ -2,8 +2,9 @@
 stack, in one place.
 
 vLLM's NIXL worker reaches its agent only through ``worker.nixl_wrapper``, so a feature that
-must see some of those calls stands a proxy there: a :class:`Layer`, which handles the calls it
-defines and passes everything else to the agent below it.  Three do, always stacked in this
+must see some of those calls stands a proxy there: a :class:`Layer`
+(:class:`pdpatch.agent_proxy.AgentProxy`), which handles the calls it defines and passes
+everything else to the agent below it.  Three do, always stacked in this
 order, outermost first, whichever went on first (:data:`ORDER`):
 
 * ``notif_fix`` -- ``mla_notif``: rewrites one notification, for one ``_read_blocks_for_req``
@@ -25,7 +26,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
+
+from pdpatch.agent_proxy import AgentProxy as Layer
 
 ORDER = ("notif_fix", "substitution", "staging")
 """Layer kinds, outermost first."""
@@ -34,21 +37,7 @@ L = TypeVar("L", bound="Layer")
 
 _lock = threading.Lock()
 
-
-class Layer:
-    """A proxy in front of a NIXL agent.  Subclasses name their :data:`ORDER` entry in
-    ``kind``, define the calls they change and reach the agent below as ``self._agent``."""
-
-    kind: ClassVar[str]
-    _agent: Any
-
-    def __init__(self, agent: Any) -> None:
-        self._agent = agent
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "_agent":        # not set yet: no delegation (and no recursion)
-            raise AttributeError(name)
-        return getattr(self._agent, name)
+__all__ = ["ORDER", "Layer", "find", "layered", "push", "remove", "stack"]
 
 
 def _rank(kind: str) -> int:

@@ -3,6 +3,11 @@
 Every way in (the ``.pth`` import hook, vLLM's general-plugin entry point, ``sitecustomize``)
 ends here.  Wrapping is deferred per target module with wrapt post-import hooks, so installing
 imports no vLLM submodule: a NIXL class is wrapped the moment vLLM itself imports it.
+
+The installer also owns every patch's run-time state (:mod:`pdpatch.state`): ``install()``
+creates each patch's declared ``state``; wrappers reach it with :func:`state_of`, and what a
+patch keeps on a vLLM object with :func:`object_state`; :func:`status`, the summary line and
+:func:`counters` read it, :func:`reset_state` replaces it (tests).
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ from typing import Any
 
 import wrapt
 
-from pdpatch import config, log, versions
+from pdpatch import attached, config, log, versions
 from pdpatch.registry import Patch, Target
+from pdpatch.state import Counter, State
 
 logger = log.logger
 
@@ -56,6 +62,7 @@ class _Process:
     settings: config.Settings | None = None
     vllm: str = "absent"
     patches: dict[str, PatchState] = field(default_factory=dict)
+    states: dict[str, State] = field(default_factory=dict)    # patch name -> its run-time state
     error: str = ""
 
 
@@ -84,6 +91,7 @@ def install() -> dict[str, PatchState]:
         _state.patches = {}
         for patch in patches:
             _state.patches[patch.name] = decide(patch, settings, version)
+        _state.states = {patch.name: patch.state() for patch in patches}
         _state.installed = True
         for ps in _state.patches.values():
             if ps.status == "active":
@@ -219,6 +227,56 @@ def _unwrap(ts: TargetState) -> None:
         logger.warning("pdpatch: %s: %s", ts.target.label, ts.detail)
 
 
+def _declared(name: str) -> Patch:
+    from pdpatch.patches import all_patches
+
+    ps = _state.patches.get(name)
+    if ps is not None:
+        return ps.patch
+    found = next((p for p in all_patches() if p.name == name), None)
+    if found is None:
+        raise LookupError(f"no pdpatch patch is named {name!r}")
+    return found
+
+
+def state_of(name: str) -> Any:
+    """Patch ``name``'s per-process state (its module's ``State`` class): created by
+    :func:`install`, or here on first use where a wrapper runs without it (a test calling it)."""
+    found = _state.states.get(name)
+    if found is None:
+        with _lock:
+            found = _state.states.get(name)
+            if found is None:
+                found = _state.states[name] = _declared(name).state()
+    return found
+
+
+def object_state(name: str, obj: Any) -> Any:
+    """What patch ``name`` keeps on the vLLM object ``obj`` (its declared ``object_state``),
+    made on first use; held by :mod:`pdpatch.attached`."""
+    factory = _declared(name).object_state
+    if factory is None:
+        raise LookupError(f"patch {name!r} declares no object_state")
+    return attached.entry(obj, name, factory)
+
+
+def reset_state() -> None:
+    """Every patch's per-process state made anew (tests: counters, decisions and once-only
+    flags forgotten).  What patches keep on vLLM objects goes with those objects."""
+    from pdpatch.patches import all_patches
+
+    with _lock:
+        _state.states = {p.name: p.state() for p in all_patches()}
+
+
+def counters() -> list[Counter]:
+    """Every patch's counters in this process, by patch order (zero for a patch that never
+    counted); the one source for ``/metrics`` and status."""
+    from pdpatch.patches import all_patches
+
+    return [c for p in all_patches() for c in state_of(p.name).counters(p.name)]
+
+
 def summary_line() -> str:
     """The one grep-able line per process (stable wording: scripts and tests match it).
 
@@ -268,10 +326,13 @@ def status() -> dict[str, Any]:
             "vllm": _state.vllm,
             "patches": {
                 n: {"status": ps.status, "reason": ps.reason,
-                    "runtime": ps.patch.runtime_status() if ps.patch.runtime_status else "",
+                    "runtime": (ps.patch.runtime_status(state_of(n))
+                                if ps.patch.runtime_status else ""),
                     "targets": {ts.target.label: (ts.status, ts.detail) for ts in ps.targets}}
                 for n, ps in _state.patches.items()
             },
+            "counters": {c.name + "".join(f"{{{k}={v}}}" for k, v in c.labels): c.value
+                         for c in counters()},
         }
 
 
@@ -291,4 +352,5 @@ class _ForkAnchor:
 _fork_anchor = _ForkAnchor()
 multiprocessing.util.register_after_fork(_fork_anchor, _after_multiprocessing_fork)
 
-__all__ = ["StrictModeError", "install", "status", "summary_line", "uninstall"]
+__all__ = ["StrictModeError", "counters", "install", "object_state", "reset_state", "state_of",
+           "status", "summary_line", "uninstall"]

@@ -14,11 +14,11 @@ logger = logging.getLogger(LOGGER_NAME)
 
 
 def configure(level: str = "INFO") -> logging.Logger:
-    if not any(getattr(h, "_pdpatch", False) for h in logger.handlers):
+    if not any(getattr(h, "_pdpatch_handler", False) for h in logger.handlers):
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(
             "%(levelname)s %(asctime)s [pdpatch] %(message)s", "%m-%d %H:%M:%S"))
-        handler._pdpatch = True  # type: ignore[attr-defined]
+        handler._pdpatch_handler = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
         logger.propagate = False
     logger.setLevel(level)

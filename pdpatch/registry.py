@@ -4,6 +4,12 @@ A patch module (``pdpatch/patches/<name>.py``, or a package) builds one :class:`
 ``pdpatch.patches.all_patches()`` lists.  Targets name the class that *defines* the attribute
 (not a subclass or an alias such as ``NixlConnector = NixlPullConnector``), so one wrap covers
 every subclass; the installer refuses a target whose class merely inherits the attribute.
+
+A patch's run-time state is declared here too, never kept in module globals: ``state``, a
+:class:`pdpatch.state.State` subclass the installer creates once per process (counters,
+decisions, once-only flags; ``pdpatch.installer.state_of(name)``), and ``object_state``, what it
+keeps on one vLLM object (``pdpatch.installer.object_state(name, obj)``, held by
+:mod:`pdpatch.attached`).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any, NamedTuple
 from packaging.version import Version
 
 from pdpatch import config
+from pdpatch.state import State
 from pdpatch.versions import VersionRange
 
 # wrapt's wrapper signature: (wrapped, instance, args, kwargs) -> result
@@ -44,8 +51,13 @@ class Patch:
     # A short note for the summary line, given whether the patch is active here ("" = none):
     # e.g. which of two cooperating patchers is in charge.
     summary_note: Callable[[bool], str] | None = None
-    # Runtime state for `pdpatch.status()` (decisions taken after install).
-    runtime_status: Callable[[], str] | None = None
+    # Per-process state (a `pdpatch.state.State` subclass), created by `install()`.
+    state: Callable[[], State] = State
+    # What the patch keeps on one vLLM object (a NIXL worker, a scheduler half), made on first
+    # use; None: nothing.
+    object_state: Callable[[], Any] | None = None
+    # Runtime state for `pdpatch.status()` (decisions taken after install), read from `state`.
+    runtime_status: Callable[[Any], str] | None = None
 
     @property
     def options(self) -> tuple[config.Setting, ...]:

@@ -328,12 +328,13 @@ RECEIVE_PERMUTE = (
 )
 
 # Releases whose receive-side reorder yields the peer's heads in the right place for every cache
-# shape their backends allocate (blocks-first caches through the layout patch's wrapper above),
+# shape their backends allocate, through the layout patch's wrapper above (blocks-first caches
+# as their K and V views; 0.26-0.28's token-major packed caches as their memory-order view),
 # checked on each release's real worker code (`pair_reorder*` in test_kv_segments_harness).
-# 0.26-0.28 reshape the *logical* view of a token-major cache, whose logical shape is head-major
-# `(N, H, bs, 2D)` there, instead of its memory order: the reordered blocks come out scrambled.
-# 0.29+ (5-D LBNHC names) not checked yet.
-RECEIVE_PERMUTE_SOUND = VersionRange(">=0.19,<0.26")
+# Stock 0.26-0.28 reshape the *logical* view of a token-major cache, whose logical shape is
+# head-major `(N, H, bs, 2D)` there, instead of its memory order: without the wrapper the
+# reordered blocks come out scrambled.  0.29+ (5-D LBNHC names) not checked yet.
+RECEIVE_PERMUTE_SOUND = VersionRange(">=0.19,<0.29")
 RECEIVE_PERMUTE_SCRAMBLES = VersionRange(">=0.26,<0.29")
 
 

@@ -263,11 +263,12 @@ def exchange(p: Side, d: Side, mutate: Callable[[dict], Any] | None = None,
              steps: int = 1, finish: bool = False, reset: bool = True) -> dict[str, Any]:
     """P then D; ``mutate(params)`` edits what reaches D (a malicious or broken network);
     ``reset``: start from zero counters and fresh rate limits."""
+    from pdpatch import installer
     from pdpatch.patches import block_keys
 
     saved_seed = os.environ.get("PYTHONHASHSEED")
     if reset:
-        block_keys.reset()
+        installer.reset_state()
     try:
         with captured_pdpatch_log() as log:
             params, p_hashes = prefill(p)

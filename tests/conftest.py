@@ -15,9 +15,12 @@ for _var in [v for v in os.environ if v.startswith("PDPATCH_") or v == "ENABLE_P
 
 @pytest.fixture
 def fresh_pdpatch(monkeypatch):
-    """pdpatch uninstalled before and after; yields the installer module."""
+    """pdpatch uninstalled, and every patch's state fresh, before and after; yields the
+    installer module."""
     from pdpatch import installer
 
     installer.uninstall()
+    installer.reset_state()
     yield installer
     installer.uninstall()
+    installer.reset_state()

@@ -107,7 +107,7 @@ def _main(version: str, kvcached_order: str | None) -> dict[str, str]:
             traceback.print_exc()
 
     from pdpatch import block_counts, installer, vllm_sites
-    from pdpatch.patches import layout, num_blocks
+    from pdpatch.patches import num_blocks
 
     token_major, head_major = vllm_sites.layout_names(v)
     variants = h.variants_for(v)
@@ -170,7 +170,7 @@ def _main(version: str, kvcached_order: str | None) -> dict[str, str]:
             assert registered == h.planned_bytes(alloc, PLANNED), "registered bytes != plan"
             h.check_descs_resolve(h.local_descs(reg), h.region_counts(reg.worker), alloc,
                                   PLANNED, registered)
-            return num_blocks.status_line()
+            return num_blocks.status_line(installer.state_of(num_blocks.NAME))
 
         check(f"over_allocated_registers_the_plan[{variant}]", sliced)
 
@@ -213,7 +213,7 @@ def _main(version: str, kvcached_order: str | None) -> dict[str, str]:
         check("layout_with_kvcached_patch", lambda: _kvcached_layout(h, pdpatch=True))
 
         def in_charge():
-            line = num_blocks.status_line()
+            line = num_blocks.status_line(installer.state_of(num_blocks.NAME))
             assert line == "num_blocks=pdpatch+kvcached-patch-neutralized", line
             return line
 
@@ -227,7 +227,7 @@ def _main(version: str, kvcached_order: str | None) -> dict[str, str]:
           lambda: _layout_failure(v, h, token_major, head_major))
     if versions.release_of(v) < Version("0.20"):
         check("hetero_tp_token_major_rejected", lambda: _hetero_tp(v, h))
-    layout._reset_for_tests()
+    installer.reset_state()
     return results
 
 
@@ -304,7 +304,7 @@ def _layout_in_force(v, h, token_major: str, head_major: str) -> str:
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends import utils
 
-    from pdpatch.patches import layout
+    from pdpatch import installer
 
     forced = h.vllm_config(layout=None, extra={"pdpatch": {"layout_force": True}})
     plain = h.vllm_config(layout=None)
@@ -317,7 +317,7 @@ def _layout_in_force(v, h, token_major: str, head_major: str) -> str:
         return f"EngineCore resolve_kv_cache_layout: {token_major} / {head_major}"
     got = {}
     for label, cfg in (("forced", forced), ("plain", plain)):
-        layout._reset_for_tests()
+        installer.reset_state()
         utils.get_kv_cache_layout.cache_clear()
         with set_current_vllm_config(cfg):
             got[label] = utils.get_kv_cache_layout()
@@ -330,10 +330,11 @@ def _layout_failure(v, h, token_major: str, head_major: str) -> str:
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends import utils
 
+    from pdpatch import installer
     from pdpatch.patches import layout
 
     forced = h.vllm_config(layout=None, extra={"pdpatch": {"layout_force": True}})
-    layout._reset_for_tests()
+    installer.reset_state()
     try:
         if hasattr(utils, "resolve_kv_cache_layout"):
             utils.resolve_kv_cache_layout(forced, [[head_major]], [])

@@ -773,7 +773,7 @@ def scenario_transport() -> dict[str, Any]:
     import logging
     import os
 
-    from pdpatch.patches import transport_check
+    from pdpatch import installer
 
     records: list[str] = []
     handler = logging.Handler(logging.WARNING)
@@ -782,7 +782,7 @@ def scenario_transport() -> dict[str, Any]:
     logger.addHandler(handler)
     saved = os.environ.get("UCX_TLS")
     os.environ["UCX_TLS"] = "tcp"
-    transport_check._reported = False
+    installer.reset_state()          # the check runs once per process: let it run again
     try:
         build_worker("engine-t",
                      before_register=lambda w: setattr(w, "kv_buffer_device", "cuda"))

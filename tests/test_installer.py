@@ -238,3 +238,98 @@ def test_summary_line_says_who_reconciles_block_counts_when_kvcached_is_loaded(
     monkeypatch.setenv("PDPATCH_NUM_BLOCKS", "0")
     fresh_pdpatch.install()
     assert "reconciliation by kvcached's own patch" in fresh_pdpatch.summary_line()
+
+
+# ------------------------------------------------------------------ who owns a patch's state
+
+
+def test_every_patch_state_is_made_by_install_and_replaced_by_one_reset(fresh_pdpatch,
+                                                                         monkeypatch):
+    """One answer to "where does a patch keep its state, and how is it reset?": the ``State``
+    its ``Patch`` declares, made by install(), counted in counters(), replaced by
+    reset_state() -- for every patch, under the one spelling of its name (``NAME``)."""
+    import dataclasses
+    import sys
+
+    from pdpatch.state import State
+
+    monkeypatch.setenv("ENABLE_PDPATCH", "1")
+    fresh_pdpatch.install()
+    modules = [m for n, m in list(sys.modules.items())
+               if n.startswith("pdpatch.patches.") and hasattr(m, "PATCH")]
+    assert sorted(m.NAME for m in modules) == sorted(m.PATCH.name for m in modules) \
+        == sorted(patches.patch_names())
+    made = {}
+    for patch in patches.all_patches():
+        state = fresh_pdpatch.state_of(patch.name)
+        assert type(state) is patch.state and isinstance(state, State)
+        made[patch.name] = state
+        for f in dataclasses.fields(state):
+            if "pdpatch_counter" in f.metadata:
+                state.bump(f.name, label="x" if isinstance(getattr(state, f.name), dict)
+                           else None)
+    counted = fresh_pdpatch.counters()
+    assert counted and all(c.value == 1 for c in counted if c.name in {
+        f"{n}_{f.name}" for n, s in made.items() for f in dataclasses.fields(s)})
+    assert {"read_guard_failures_contained", "block_ids_bound_loads_refused",
+            "kv_segments_conversions", "block_keys_mismatched"} <= {c.name for c in counted}
+    fresh_pdpatch.reset_state()
+    for name, old in made.items():
+        assert type(fresh_pdpatch.state_of(name)) is type(old)
+        assert fresh_pdpatch.state_of(name) is not old
+    assert all(c.value == 0 for c in fresh_pdpatch.counters())
+
+
+# Every name pdpatch can give to something on another's object, and why it may: what pdpatch
+# keeps on a vLLM object lives under pdpatch.attached.ATTR only; the rest is protocol (keys
+# that travel to the peer) or belongs to pdpatch's own objects.
+PDPATCH_NAMES = {
+    "_pdpatch": "pdpatch.attached.ATTR: the one attribute on vLLM objects",
+    "_self_pdpatch_patch": "on pdpatch's own wrapt wrapper (installer)",
+    "_pdpatch_handler": "on pdpatch's own log handler (log)",
+    "_pdpatch_base": "on pdpatch's own payload subclass (kv_segments.handshake)",
+    "pdpatch_kv_geometry": "protocol: P's handshake metadata field",
+    "pdpatch_block_keys": "protocol: the kv_transfer_params entry P sends",
+    "_pdpatch_block_keys": "D's verdict memo inside the params it judged (block_keys)",
+    "pdpatch_counter": "dataclass field metadata (pdpatch.state)",
+    "pdpatch_label": "dataclass field metadata (pdpatch.state)",
+    "pdpatch_autoload": "the .pth file's name",
+    "pdpatch_bootstrap": "the installed sitecustomize directory's name",
+}
+
+
+def test_only_the_attached_helper_keeps_pdpatch_data_on_vllm_objects():
+    """No module stashes data on vLLM objects under names of its own: every pdpatch-ish name
+    in the package (identifier or string) is one of :data:`PDPATCH_NAMES`, and only
+    pdpatch/attached.py names the attribute; no patch keeps module-global state; the KV core
+    (pdpatch/kv/) imports nothing of the patches (their proxy stack included)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    import pdpatch
+    from pdpatch import attached
+
+    root = Path(pdpatch.__file__).parent
+    pattern = re.compile(r"^_*(self_)?pdpatch(_\w*)?$")
+    found: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        rel = str(path.relative_to(root))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names.append(node.value)
+            elif isinstance(node, ast.Attribute):
+                names.append(node.attr)
+            elif isinstance(node, ast.ImportFrom) and rel.startswith("kv/"):
+                assert not (node.module or "").startswith(
+                    ("pdpatch.patches", "pdpatch.agent_layers", "pdpatch.installer")), rel
+            elif isinstance(node, ast.Global) and rel.startswith("patches"):
+                pytest.fail(f"{rel}: `global {', '.join(node.names)}` (a patch's state "
+                            "belongs in its State)")
+            for name in names:
+                if pattern.match(name) and name != "pdpatch":
+                    found.setdefault(name, set()).add(rel)
+    assert set(found) <= set(PDPATCH_NAMES), {n: found[n] for n in set(found) - set(PDPATCH_NAMES)}
+    assert found[attached.ATTR] == {"attached.py"}

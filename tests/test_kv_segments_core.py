@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdpatch import config
+from pdpatch import config, installer
 from pdpatch.kv import (
     KIND_FUSED,
     KIND_SPLIT,
@@ -23,7 +23,6 @@ from pdpatch.kv import (
 )
 from pdpatch.kv.geometry import geometry_from_handshake
 from pdpatch.patches import kv_segments as ks
-from pdpatch.patches.kv_segments import handshake
 
 NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 
@@ -125,9 +124,8 @@ def test_advertised_field_is_read_from_the_raw_bytes_and_vllm_sees_a_stock_objec
 def test_payload_post_init_swaps_only_an_alternate_hash() -> None:
     _, _, payload = _classes()
     mine = ks.payload_class(payload)
-    ks._reset_for_tests()
-    with handshake._alt_lock:
-        handshake._ALTERNATES["local-hash"] = {"fi-hash": "FLASHINFER"}
+    installer.reset_state()
+    installer.state_of(ks.NAME).alternates["local-hash"] = {"fi-hash": "FLASHINFER"}
     worker = type("W", (), {"compat_hash": "local-hash", "backend_name": "FLASH_ATTN"})()
     dec = msgspec.msgpack.Decoder(mine)
     with ks.handshake_scope(worker) as ctx:
@@ -138,7 +136,7 @@ def test_payload_post_init_swaps_only_an_alternate_hash() -> None:
         assert other.compatibility_hash == "other-model-hash"        # vLLM still refuses it
     outside = dec.decode(msgspec.msgpack.encode(payload("fi-hash", b"x")))
     assert outside.compatibility_hash == "fi-hash"                   # no handshake: untouched
-    assert ks.stats.hash_alternates_accepted == 1
+    assert installer.state_of(ks.NAME).hash_alternates_accepted == 1
 
 
 def test_scoped_payload_class_nests_across_threads_and_restores() -> None:
@@ -187,7 +185,7 @@ def test_hash_wrapper_returns_vllms_hash_and_records_alternates() -> None:
         compute_nixl_compatibility_hash as real,
     )
 
-    ks._reset_for_tests()
+    installer.reset_state()
     cfg = rw.vllm_config("llama", 2, "kv_consumer", 1)
     got = ks.hash_wrapper(real, None, (cfg, "FLASH_ATTN"), {"transfer_mode": "pull"})
     assert got == real(cfg, "FLASH_ATTN", transfer_mode="pull")

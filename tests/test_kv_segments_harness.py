@@ -398,15 +398,19 @@ D_BACKEND = "TRITON_ATTN"
 
 def _reset() -> None:
     CopyingNixlWrapper.registry.ranges.clear()
-    from pdpatch.patches import kv_segments
+    from pdpatch import installer
 
-    kv_segments._reset_for_tests()
+    installer.reset_state()
 
 
 def _stats() -> dict[str, Any]:
+    from pdpatch import installer
     from pdpatch.patches import kv_segments
 
-    return dict(vars(kv_segments.stats))
+    state = installer.state_of(kv_segments.NAME)
+    return {name: getattr(state, name) for name in (
+        "advertised", "hash_alternates_accepted", "conversions", "mixed_accepted", "rejected",
+        "last_error")}
 
 
 def _remote_lists(d: Side, engine: str) -> list[list[tuple[int, int]]]:

@@ -38,13 +38,13 @@ TRITON_HND = Version("0.20")     # 0.19's Triton ignores the HND layout NIXL ask
 
 STOCK = ["pair", "pair_no_enforce"]
 # A head-major P and a token-major D (kvcached's layout) with vLLM's receive-side reorder:
-# releases whose reorder is right (`vllm_sites.RECEIVE_PERMUTE_SOUND`).
+# releases whose reorder is right, 0.26-0.28 through the layout patch
+# (`vllm_sites.RECEIVE_PERMUTE_SOUND`).
 REORDER = ["pair_reorder", "pair_reorder_off", "pair_reorder_same"]
 
 
 def stock_scenarios(version: Version) -> list[str]:
-    reorder = version in vllm_sites.RECEIVE_PERMUTE_SOUND or \
-        version in vllm_sites.RECEIVE_PERMUTE_SCRAMBLES
+    reorder = version in vllm_sites.RECEIVE_PERMUTE_SOUND
     return [*STOCK, "pair_reorder_same"] if reorder else STOCK
 
 
@@ -375,9 +375,12 @@ def test_triton_ignoring_hnd_is_refused_not_garbled(ver: str) -> None:
 
 
 REORDER_VERSIONS = [ver for ver in VERSIONS if v(ver) in vllm_sites.RECEIVE_PERMUTE_SOUND]
+SCRAMBLE_VERSIONS = [ver for ver in VERSIONS
+                     if v(ver) in vllm_sites.RECEIVE_PERMUTE_SCRAMBLES]
 
 
-@pytest.mark.parametrize("ver", REORDER_VERSIONS)
+@pytest.mark.parametrize("ver", [ver for ver in REORDER_VERSIONS
+                                 if ver not in SCRAMBLE_VERSIONS])
 def test_stock_reorder_on_receive(ver: str) -> None:
     """vLLM's own enable_permute_local_kv, same backend on both sides: right for K/V-first
     FlashAttention (<= 0.22, 4-D K and V caches), but blocks-first FlashAttention (0.23-0.25)
@@ -396,7 +399,8 @@ def test_head_major_prefill_into_token_major_decode(ver: str, name: str) -> None
     """With pdpatch: a decode engine forced token-major (as kvcached forces it) turns on vLLM's
     reorder itself, kv_segments copies P's head-major segments verbatim (a split <-> fused
     conversion up to 0.22), and D's blocks then hold exactly P's K and V -- blocks-first caches
-    included.  The operator's own flag on a same-backend pair works too."""
+    included, and 0.26-0.28's token-major packed caches (their memory-order view).  The
+    operator's own flag on a same-backend pair works too."""
     out = scenario(ver, "patched", name)
     ok_pull(out, [1, 2, 3])
     assert out["permute_flag"] is True
@@ -409,16 +413,13 @@ def test_head_order_left_alone_is_refused_by_name(ver: str) -> None:
     refused(out, "HeadOrderMismatch", "enable_permute_local_kv", "PDPATCH_LAYOUT_FORCE=1")
 
 
-SCRAMBLE_VERSIONS = [ver for ver in VERSIONS
-                     if v(ver) in vllm_sites.RECEIVE_PERMUTE_SCRAMBLES]
-
-
 @pytest.mark.parametrize("ver", SCRAMBLE_VERSIONS)
 def test_stock_reorder_scrambles_token_major_packed_caches(ver: str) -> None:
     """0.26-0.28: vLLM's own reorder reshapes the logical view of a token-major cache, whose
     logical shape is head-major there, instead of its memory order.  The pull completes
-    without an error and the blocks hold other bytes than P's K and V -- why pdpatch leaves
-    enable_permute_local_kv alone on these releases (vllm_sites.RECEIVE_PERMUTE_SCRAMBLES)."""
+    without an error and the blocks hold other bytes than P's K and V -- why the layout patch
+    hands that reorder the cache's memory-order view on these releases
+    (test_head_major_prefill_into_token_major_decode shows the same pull right with it)."""
     out = scenario(ver, "stock", "pair_reorder_same")
     assert out["crash"] is None and out["handshake_errors"] == [], out
     assert out["changed_blocks"] == [1, 2, 3]

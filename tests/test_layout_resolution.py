@@ -40,13 +40,9 @@ def kvcached_running(monkeypatch):
 
 @pytest.fixture
 def patched(fresh_pdpatch, monkeypatch):
-    from pdpatch.patches import layout
-
     monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
-    layout._reset_for_tests()
-    fresh_pdpatch.install()
+    fresh_pdpatch.install()              # a fresh state for every patch
     yield fresh_pdpatch
-    layout._reset_for_tests()
 
 
 def resolve(cfg, supported=CUDA_LIKE):
@@ -67,16 +63,12 @@ def test_kvcached_running_makes_it_token_major(patched, kvcached_running):
     c = cfg()
     assert resolve(c) == TOKEN_MAJOR
     assert c.cache_config.kv_cache_layout == TOKEN_MAJOR
-    from pdpatch.patches import layout
-
-    assert layout.status_line() == "layout=token-major(checked)"
+    assert patched.status()["patches"]["layout"]["runtime"] == "layout=token-major(checked)"
 
 
 def test_without_kvcached_vllms_choice_stands(patched):
     assert resolve(cfg()) == HEAD_MAJOR
-    from pdpatch.patches import layout
-
-    assert layout.status_line() == "layout=vllm"
+    assert patched.status()["patches"]["layout"]["runtime"] == "layout=vllm"
 
 
 def test_forced_by_extra_config(patched):
@@ -84,10 +76,7 @@ def test_forced_by_extra_config(patched):
 
 
 def test_forced_by_environment(fresh_pdpatch, monkeypatch):
-    from pdpatch.patches import layout
-
     monkeypatch.setenv("PDPATCH_LAYOUT_FORCE", "1")
-    layout._reset_for_tests()
     fresh_pdpatch.install()              # the settings accept the variable the patch declares
     assert resolve(cfg()) == TOKEN_MAJOR
     monkeypatch.setenv("PDPATCH_LAYOUT_FORCE", "0")

@@ -26,10 +26,7 @@ def version():
 
 @pytest.fixture
 def patched(fresh_pdpatch):
-    from pdpatch.patches import num_blocks
-
-    num_blocks._reset_for_tests()
-    fresh_pdpatch.install()
+    fresh_pdpatch.install()        # a fresh state for every patch
     yield fresh_pdpatch
 
 
@@ -59,8 +56,8 @@ def test_over_allocated_views_register_exactly_the_plan(patched, version, varian
     # every local desc id resolves to exactly its block's bytes
     h.check_descs_resolve(h.local_descs(reg), h.region_counts(w), alloc, PLANNED,
                           h.registered_bytes(reg.nixl))
-    assert "sliced to the planned 12" in num_blocks.last_reconciliation()
-    assert num_blocks.status_line() == "num_blocks=pdpatch"
+    assert "sliced to the planned 12" in patched.state_of(num_blocks.NAME).last
+    assert patched.status()["patches"]["num_blocks"]["runtime"] == "num_blocks=pdpatch"
 
 
 @pytest.mark.parametrize("variant", ["per-layer", "layer-interleaved"])
@@ -86,7 +83,7 @@ def test_exactly_sized_views_are_left_alone(patched, version):
         assert (t.data_ptr(), t.shape, t.stride()) == (orig.data_ptr(), orig.shape, orig.stride())
     assert h.registered_bytes(reg.nixl) == h.planned_bytes(alloc, PLANNED)
     assert h.decoded_metadata(reg.worker).num_blocks == PLANNED
-    assert "hold the planned 12 blocks" in num_blocks.last_reconciliation()
+    assert "hold the planned 12 blocks" in patched.state_of(num_blocks.NAME).last
 
 
 @pytest.mark.parametrize("variant", ["per-layer", "layer-interleaved"])
@@ -121,7 +118,7 @@ def test_kvcached_style_num_blocks_rewrite_is_undone(patched, version):
 
     reg = h.register(alloc, PLANNED, version, before_register=kvcached_rewrite)
     assert h.decoded_metadata(reg.worker).num_blocks == PLANNED
-    assert "kvcached's num_blocks rewrite undone" in num_blocks.last_reconciliation()
+    assert "kvcached's num_blocks rewrite undone" in patched.state_of(num_blocks.NAME).last
 
 
 def test_virtual_mode_advertises_and_registers_the_whole_tensors(patched, version):

@@ -8,6 +8,7 @@ import pytest
 import robust_matrix
 import torch
 
+from pdpatch import installer
 from pdpatch.patches import transport_check
 
 
@@ -17,7 +18,7 @@ class _Worker:
 
 def test_gpu_kv_with_default_ucx_settings_warns_about_cuda_ipc_reads(monkeypatch, caplog):
     monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
-    monkeypatch.setattr(transport_check, "_reported", False)
+    installer.reset_state()
     caches = {"layer0": torch.zeros(4)}
     with caplog.at_level(logging.WARNING, logger="pdpatch"):
         register = transport_check.check_after_register

@@ -20,8 +20,8 @@ the right blocks exactly when P lists ``h + k`` blocks, and otherwise reads the 
 The check needs ``h``.  0.29+ carry it to the worker (``ReqMeta.local_num_computed_blocks``,
 counted in ``update_state_after_alloc``); for 0.19-0.28 this patch counts it there with the same
 expression and attaches it to that request's ``ReqMeta`` in ``build_connector_meta``
-(:data:`CARRIED_HITS`, an attribute no vLLM code reads; it travels with the metadata to the
-worker processes, which receive it pickled).
+(:class:`LocalHits`, pdpatch's record on it, :mod:`pdpatch.attached`, which no vLLM code reads;
+it travels with the metadata to the worker processes, which receive it pickled).
 
 Judged only where the release's own pairing is the plain end trim of one full-attention group:
 one KV-cache group, no decode-context parallelism on either side, the same
@@ -36,23 +36,36 @@ scheduler recomputes or fails the request, no READ is posted, the engine serves 
 
 from __future__ import annotations
 
-import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 from packaging.version import Version
 
-from pdpatch import metrics, vllm_sites
+from pdpatch import attached, metrics, vllm_sites
+from pdpatch.installer import object_state, state_of
 from pdpatch.log import logger
 from pdpatch.patches.common import allowed, arg
 from pdpatch.registry import Patch, Target, Wrapper
+from pdpatch.state import State, counter
 
 NAME = "block_ids_bound"
-# The attribute of a 0.19-0.28 `ReqMeta` holding D's local hits per KV-cache group.
-CARRIED_HITS = "pdpatch_local_num_computed_blocks"
-# The scheduler half's hits for the receives queued in this step, until build_connector_meta.
-_PENDING = "_pdpatch_local_num_computed_blocks"
-_counter_lock = threading.Lock()
-loads_refused = 0
+
+
+@dataclass
+class BlockIdsBoundState(State):
+    loads_refused: int = counter("KV loads refused because remote_block_ids did not match "
+                                 "the decode engine's allocation")
+
+
+@dataclass
+class LocalHits:
+    """0.19-0.28, on vLLM objects (:mod:`pdpatch.attached`): D's prefix-cache hit blocks per
+    KV-cache group, counted as 0.29+ count them."""
+
+    # On the scheduler half: the receives queued this step, until build_connector_meta.
+    pending: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # On a request's `ReqMeta`, which carries it to the workers (pickled with it).
+    carried: tuple[int, ...] | None = None
 
 
 def _local_hits(meta: Any, version: Version) -> tuple[int, ...] | None:
@@ -62,7 +75,8 @@ def _local_hits(meta: Any, version: Version) -> tuple[int, ...] | None:
     if vllm_sites.release_of(version) >= vllm_sites.LOCAL_HITS_IN_METADATA_FROM:
         hits = getattr(meta, "local_num_computed_blocks", None)
     else:
-        hits = getattr(meta, CARRIED_HITS, None)
+        mine = attached.peek(meta, NAME)
+        hits = mine.carried if mine is not None else None
     return tuple(hits) if hits else None
 
 
@@ -121,7 +135,6 @@ def refusal(worker: Any, meta: Any, version: Version) -> str | None:
 
 def make_check(version: Version) -> Wrapper:
     def check_block_count(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        global loads_refused
         meta = arg(args, kwargs, 1, "meta", None)
         why = refusal(instance, meta, version) if allowed(NAME, instance) else None
         if why is None:
@@ -129,9 +142,7 @@ def make_check(version: Version) -> Wrapper:
         req_id = arg(args, kwargs, 0, "req_id")
         # Never HMA here (judged on one full-attention group), so every release can record it.
         vllm_sites.record_recv_failure(instance, req_id, version)
-        with _counter_lock:
-            loads_refused += 1
-            n = loads_refused
+        n = state_of(NAME).bump("loads_refused")
         metrics.count(instance, metrics.REFUSALS, NAME)
         logger.error("pdpatch: KV load of request %s refused: %s; the request fails (the "
                      "scheduler recomputes or fails it, per kv_load_failure_policy); check the "
@@ -154,20 +165,19 @@ def record_local_hits(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
             or not allowed(NAME, instance):
         return result
     groups = getattr(blocks, "blocks", None) or ()
-    pending = instance.__dict__.setdefault(_PENDING, {})
-    pending[req_id] = tuple(sum(b.block_hash is not None and not b.is_null for b in group)
-                            for group in groups)
+    object_state(NAME, instance).pending[req_id] = tuple(
+        sum(b.block_hash is not None and not b.is_null for b in group) for group in groups)
     return result
 
 
 def attach_local_hits(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """0.19-0.28: hand each receive's hit counts to the workers on its ``ReqMeta``."""
     meta = wrapped(*args, **kwargs)
-    pending = getattr(instance, "__dict__", {}).pop(_PENDING, None)
-    if pending:
+    mine = attached.pop(instance, NAME)
+    if mine is not None and mine.pending:
         for req_id, req_meta in (getattr(meta, "reqs_to_recv", None) or {}).items():
-            if req_id in pending:
-                setattr(req_meta, CARRIED_HITS, pending[req_id])
+            if req_id in mine.pending:
+                attached.put(req_meta, NAME, LocalHits(carried=mine.pending[req_id]))
     return meta
 
 
@@ -193,4 +203,6 @@ PATCH = Patch(
     versions=vllm_sites.SUPPORTED,
     why_version="the read path's end-trim pairing was checked in 0.19-0.33 only",
     targets=_targets,
+    state=BlockIdsBoundState,
+    object_state=LocalHits,
 )

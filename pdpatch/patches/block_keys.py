@@ -43,9 +43,11 @@ from typing import TYPE_CHECKING, Any
 
 from packaging.version import Version
 
-from pdpatch import config, metrics, vllm_sites
+from pdpatch import attached, config, metrics, vllm_sites
+from pdpatch.installer import state_of
 from pdpatch.log import logger
 from pdpatch.registry import Patch, Target
+from pdpatch.state import State, counter, counter_by
 
 # The hashing core is imported where it is first used (the first request), not here: this
 # module is imported by install() inside every `import vllm`, and the core costs ~8 ms.
@@ -57,7 +59,9 @@ PARAMS_KEY = "pdpatch_block_keys"
 """The entry P adds to ``kv_transfer_params`` (D's ``add_new_req_to_recv`` ignores extras)."""
 VERDICT_KEY = "_pdpatch_block_keys"
 """D-side memo in the request's own params: ``get_num_new_matched_tokens`` runs again for a
-request that could not be allocated this step; it is judged (and counted) once."""
+request that could not be allocated this step; it is judged (and counted) once.  Kept in the
+params dict, not on the request: the verdict is about those params and goes with them (never
+sent on: D's connector returns no params for a request it received)."""
 MAX_HEX_KEYS = 32
 """Keys sent verbatim (hex) for prompts of at most this many blocks; longer prompts send the
 digest only.  Bounds the params at ~2.7 KiB."""
@@ -84,24 +88,6 @@ NAMING_NOTE = ("P and D name blocks differently in their own prefix caches ({cau
 # ------------------------------------------------------------------ counters and rate limits
 
 
-@dataclass
-class Stats:
-    """Process-wide counters (the scheduler half lives in EngineCore: one per engine)."""
-
-    sent: int = 0              # P: params added to a finished request
-    matched: int = 0           # D: remote load allowed after a successful check
-    mismatched: int = 0        # D: computed locally (or only warned, policy "warn")
-    rejected: int = 0          # D: malformed params from the network
-    unchecked: int = 0         # D: P sent no block keys (stock P)
-    errors: int = 0            # either side: the check itself failed (vLLM left as is)
-    causes: dict[str, int] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"sent": self.sent, "matched": self.matched, "mismatched": self.mismatched,
-                "rejected": self.rejected, "unchecked": self.unchecked, "errors": self.errors,
-                "causes": dict(self.causes)}
-
-
 class RateLimiter:
     """At most one log line per key per ``interval`` seconds, reporting what it held back."""
 
@@ -125,40 +111,58 @@ class RateLimiter:
             return self._held.pop(key, 0)
 
 
-_lock = threading.Lock()
-_stats = Stats()
-_warn = RateLimiter()
-_once: set[tuple[str, str]] = set()
+@dataclass
+class BlockKeysState(State):
+    """Process-wide (the scheduler half lives in EngineCore: one per engine)."""
+
+    sent: int = counter("P: block keys added to a finished request's kv_transfer_params")
+    matched: int = counter("D: remote KV loaded after P's block keys matched D's")
+    mismatched: int = counter("D: requests whose block keys differed from P's (computed "
+                              "locally, or only warned under policy warn)")
+    rejected: int = counter("D: malformed block-key params from P, rejected unread")
+    unchecked: int = counter("D: remote loads from a P that sent no block keys")
+    errors: int = counter("either side: the block-key check itself failed (vLLM left as is)")
+    causes: dict[str, int] = counter_by(  # noqa: RUF009 (a dataclasses.field)
+        "cause", "D: block-key mismatches and rejections by cause")
+    warn: RateLimiter = field(default_factory=RateLimiter)
+    once: set[tuple[str, str]] = field(default_factory=set)    # (kind, peer) logged once
+
+    def as_dict(self) -> dict[str, Any]:
+        with self.lock:
+            return {"sent": self.sent, "matched": self.matched, "mismatched": self.mismatched,
+                    "rejected": self.rejected, "unchecked": self.unchecked,
+                    "errors": self.errors, "causes": dict(self.causes)}
+
+
+@dataclass
+class Fingerprint:
+    """On the object computing block keys (the connector's scheduler half, or vLLM's
+    Scheduler; :mod:`pdpatch.attached`): its engine's fingerprint, for the NONE_HASH it was
+    computed with."""
+
+    none_hash: Any = None
+    keys: EngineKeys | None = None
 
 
 def stats() -> dict[str, Any]:
-    """Counters since process start (or :func:`reset`)."""
-    with _lock:
-        return _stats.as_dict()
-
-
-def reset(clock: Callable[[], float] = time.monotonic) -> None:
-    """Forget counters, rate limits and once-only notes (tests)."""
-    global _stats, _warn
-    with _lock:
-        _stats = Stats()
-        _warn = RateLimiter(clock=clock)
-        _once.clear()
+    """Counters since process start (or ``pdpatch.installer.reset_state()``)."""
+    return state_of(NAME).as_dict()
 
 
 def _count(attr: str, causes: Sequence[str] = ()) -> None:
-    with _lock:
-        setattr(_stats, attr, getattr(_stats, attr) + 1)
-        for c in causes:
-            _stats.causes[c] = _stats.causes.get(c, 0) + 1
+    state = state_of(NAME)
+    state.bump(attr)
+    for c in causes:
+        state.bump("causes", label=c)
 
 
 def _first_time(kind: str, peer: str) -> bool:
-    with _lock:
-        if (kind, peer) in _once:
+    state = state_of(NAME)
+    with state.lock:
+        if (kind, peer) in state.once:
             return False
-        if len(_once) < MAX_REMEMBERED_PEERS:
-            _once.add((kind, peer))
+        if len(state.once) < MAX_REMEMBERED_PEERS:
+            state.once.add((kind, peer))
         return True
 
 
@@ -181,7 +185,7 @@ def _warn_causes(verdict: Verdict, peer: str, request_id: str, recompute: bool) 
     action = ("computing it locally instead of loading P's KV" if recompute
               else f"loading P's KV anyway ({ON_MISMATCH_ENV}=warn)")
     for cause in verdict.causes:
-        held = _warn.admit(cause)
+        held = state_of(NAME).warn.admit(cause)
         if held is None:
             continue
         more = f" [{held} more request(s) with this cause since the last warning]" if held else ""
@@ -219,9 +223,9 @@ def _engine_keys_for(holder: Any, version: Version) -> EngineKeys | None:
     none_hash = vllm_sites.live_none_hash()
     if none_hash is None:
         return None
-    cached = getattr(holder, "_pdpatch_engine_keys", None)
-    if cached is not None and cached[0] == none_hash:
-        return cached[1]
+    cached = attached.peek(holder, NAME)
+    if cached is not None and cached.none_hash == none_hash:
+        return cached.keys
     vcfg = holder.vllm_config
     hbs = vllm_sites.hash_block_size(vcfg, holder.kv_cache_config, version)
     lookahead = getattr(vcfg, "num_hash_lookahead_tokens", 0)
@@ -229,7 +233,7 @@ def _engine_keys_for(holder: Any, version: Version) -> EngineKeys | None:
                      vllm_version=str(version), none_hash=none_hash,
                      pythonhashseed=os.environ.get("PYTHONHASHSEED"),
                      lookahead=lookahead if isinstance(lookahead, int) else 0)
-    holder._pdpatch_engine_keys = (none_hash, ek)
+    attached.put(holder, NAME, Fingerprint(none_hash, ek))
     return ek
 
 
@@ -270,7 +274,7 @@ def make_p_hook(version: Version) -> Callable[..., Any]:
             _count("sent")
         except Exception as exc:  # never fail a finished request over its proof
             _count("errors")
-            if _warn.admit("p-error") is not None:
+            if state_of(NAME).warn.admit("p-error") is not None:
                 logger.warning("pdpatch: could not add block keys to a finished request "
                                "(%s: %s); D will not check it [block_keys]",
                                type(exc).__name__, exc)
@@ -311,7 +315,7 @@ def _check(sched: Any, request: Any, params: dict, version: Version) -> str:
         recompute = on_mismatch_policy() == "recompute"
     except config.ConfigError as exc:
         _count("errors")
-        if _warn.admit("config") is not None:
+        if state_of(NAME).warn.admit("config") is not None:
             logger.warning("pdpatch: block-key check off: %s [block_keys]", exc)
         return "load"
     peer = _peer_name(params)
@@ -338,7 +342,7 @@ def _check(sched: Any, request: Any, params: dict, version: Version) -> str:
         verdict = judge(_engine_keys_for(sched, version), _request_inputs(request), peer_keys)
     except Exception as exc:  # a bug here must not take the scheduler down
         _count("errors")
-        if _warn.admit("d-error") is not None:
+        if state_of(NAME).warn.admit("d-error") is not None:
             logger.warning("pdpatch: could not check the block keys of request %s (%s: %s); "
                            "loading unchecked [block_keys]", request_id, type(exc).__name__,
                            exc)
@@ -416,4 +420,6 @@ PATCH = Patch(
     versions=vllm_sites.SUPPORTED,
     why_version="the connector hooks and hashing rules were checked against 0.19-0.33 only",
     targets=_targets,
+    state=BlockKeysState,
+    object_state=Fingerprint,
 )

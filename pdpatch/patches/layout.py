@@ -38,7 +38,6 @@ kvcached (``PDPATCH_LAYOUT_FORCE=1`` does the same), ``{"layout_permute": false}
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,9 +45,12 @@ from typing import Any
 from packaging.version import Version
 
 from pdpatch import config, kvcached, vllm_sites
+from pdpatch.installer import state_of
 from pdpatch.log import logger
 from pdpatch.registry import Patch, Target
+from pdpatch.state import State
 
+NAME = "layout"
 FORCE_KEY = "layout_force"
 FORCE_ENV = config.LAYOUT_FORCE.var
 PERMUTE_KEY = "layout_permute"
@@ -61,15 +63,11 @@ class LayoutForcedError(RuntimeError):
 
 
 @dataclass
-class _Status:
+class LayoutState(State):
     decided: str = ""          # the last decision, for status_line()
     reason: str = ""
     hinted: bool = False       # the operator hint about the peer was logged
     checked: bool = False      # the layout in force was verified (<=0.28 per process)
-
-
-_status = _Status()
-_lock = threading.Lock()
 
 
 # ----------------------------------------------------------------------------------- decision
@@ -113,7 +111,7 @@ def decide(vllm_config: Any, state: kvcached.KvcachedState | None = None,
            env: Mapping[str, str] | None = None) -> tuple[bool, str]:
     """Whether this engine needs the token-major override, and why (for logs and status)."""
     extra = _extra_config(vllm_config)
-    if not config.extra_config_allows(PATCH_NAME, extra):
+    if not config.extra_config_allows(NAME, extra):
         return False, 'switched off by kv_connector_extra_config["pdpatch"]'
     model_config = getattr(vllm_config, "model_config", None)
     if model_config is None:
@@ -141,11 +139,12 @@ def required_layout(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     original = wrapped(*args, **kwargs)
     vllm_config = _vllm_config_arg(args, kwargs)
     active, reason = decide(vllm_config)
+    state = state_of(NAME)
     if not active:
-        _status.decided, _status.reason = "vllm", reason
+        state.decided, state.reason = "vllm", reason
         return original
     token_major, head_major = vllm_sites.layout_names(_version())
-    _status.decided, _status.reason = "token-major", reason
+    state.decided, state.reason = "token-major", reason
     if original != token_major:
         logger.info("pdpatch layout: %s asked for KV layout %s; answering %s (%s)",
                     getattr(instance, "__name__", instance), original, token_major, reason)
@@ -154,10 +153,11 @@ def required_layout(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
 
 
 def _hint_peer(vllm_config: Any, token_major: str, head_major: str) -> None:
-    with _lock:
-        if _status.hinted:
+    state = state_of(NAME)
+    with state.lock:
+        if state.hinted:
             return
-        _status.hinted = True
+        state.hinted = True
     ktc = getattr(vllm_config, "kv_transfer_config", None)
     role = getattr(ktc, "kv_role", None)
     version = _version()
@@ -171,9 +171,6 @@ def _hint_peer(vllm_config: Any, token_major: str, head_major: str) -> None:
         advice = (f"set kv_transfer_config.enable_permute_local_kv=true on this decode engine "
                   f"({why} keeps pdpatch from doing it), or run the prefill engine with "
                   f"pdpatch's layout override too")
-    elif role in DECODE_ROLES and version in vllm_sites.RECEIVE_PERMUTE_SCRAMBLES:
-        advice = (f"run the prefill engine with pdpatch's layout override too (vLLM "
-                  f"{version}'s enable_permute_local_kv reorders this layout's blocks wrongly)")
     elif role in DECODE_ROLES:
         if getattr(ktc, "enable_permute_local_kv", False):
             logger.info("pdpatch layout: this engine uses %s; a stock peer uses %s, and "
@@ -231,18 +228,29 @@ def let_decode_reorder(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
     return wrapped(*args, **kwargs)
 
 
-def reorder_blocks_first(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Wrapper of vLLM's ``kv_postprocess_layout_on_receive(cache, indices)`` (0.19-0.28): a
-    blocks-first cache ``[N, 2, bs, H, D]`` is reordered as its K and its V views, each the
-    4-D ``[N, bs, H, D]`` the release's function is written for.  Stock raises there, in
-    ``get_finished``, and the decode worker dies on the first block it receives."""
+def reorder_in_memory_order(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Wrapper of vLLM's ``kv_postprocess_layout_on_receive(cache, indices)`` (0.19-0.28),
+    which reads a cache's *logical* shape as ``[N, bs, H, D]`` and its bytes in that order.
+
+    * a blocks-first cache ``[N, 2, bs, H, D]`` (Triton/FlashInfer <= 0.25, FlashAttention
+      0.23-0.25) is reordered as its K and its V views; stock raises in ``get_finished`` and
+      the decode worker dies on the first block it receives;
+    * a token-major cache whose logical shape is head-major ``[N, H, bs, 2D]`` with its bytes in
+      ``[N, bs, H, 2D]`` order (0.26-0.28's packed K|V) is handed over as its memory-order
+      view; stock reinterprets the bytes in logical order and the received blocks come out
+      scrambled, with no error.
+    Any other cache is the release's own case."""
     cache = args[0] if args else kwargs["cache"]
-    if getattr(cache, "ndim", 4) != 5 or cache.shape[1] != 2:
-        return wrapped(*args, **kwargs)
     indices = args[1] if len(args) > 1 else kwargs["indices"]
-    for kv in (0, 1):
-        wrapped(cache[:, kv], indices)
-    return None
+    ndim = getattr(cache, "ndim", 4)
+    if ndim == 5 and cache.shape[1] == 2:
+        for kv in (0, 1):
+            wrapped(cache[:, kv], indices)
+        return None
+    if ndim == 4 and cache.stride(2) > cache.stride(1) and cache.shape[1] > 1 \
+            and cache.shape[2] > 1:
+        return wrapped(cache.permute(0, 2, 1, 3), indices)
+    return wrapped(*args, **kwargs)
 
 
 # -------------------------------------------------------------------------- layout in force
@@ -342,7 +350,7 @@ def resolve_checked(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     if name != token_major:
         raise _fail(vllm_config, name, token_major, reason,
                     _diagnose(vllm_config, token_major, supported, preset))
-    _status.checked = True
+    state_of(NAME).checked = True
     logger.info("pdpatch layout: %s in force (%s)", name, reason)
     return layout
 
@@ -353,7 +361,8 @@ def get_layout_checked(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
     The function is lru_cached and called on hot paths, so after the first call that has a
     vLLM config at hand this is a flag test.
     """
-    if _status.checked:
+    state = state_of(NAME)
+    if state.checked:
         return wrapped(*args, **kwargs)
     vllm_config = _current_vllm_config()
     active, reason = decide(vllm_config) if vllm_config is not None else (False, "")
@@ -373,7 +382,7 @@ def get_layout_checked(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
             raise _fail(vllm_config, str(layout), token_major, reason,
                         _diagnose(vllm_config, token_major, None, None))
         logger.info("pdpatch layout: %s in force (%s)", layout, reason)
-    _status.checked = True
+    state.checked = True
     return layout
 
 
@@ -421,8 +430,6 @@ def hetero_tp_guard(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
 
 # ----------------------------------------------------------------------------- registration
 
-PATCH_NAME = "layout"
-
 
 def _targets(version: Version) -> list[Target]:
     out: list[Target] = []
@@ -439,7 +446,7 @@ def _targets(version: Version) -> list[Target]:
         out.append(Target(site.module, site.qualname, let_decode_reorder))
     site = vllm_sites.lookup(vllm_sites.RECEIVE_PERMUTE, version)
     if site is not None:
-        out.append(Target(site.module, site.qualname, reorder_blocks_first))
+        out.append(Target(site.module, site.qualname, reorder_in_memory_order))
     if not vllm_sites.checks_hetero_tp_layout(version):
         site = vllm_sites.lookup(vllm_sites.VALIDATE_HANDSHAKE, version)
         if site is not None:
@@ -447,30 +454,22 @@ def _targets(version: Version) -> list[Target]:
     return out
 
 
-def status_line() -> str:
-    """Short, for the installer's summary: who decides the KV layout in this process."""
-    if not _status.decided:
+def status_line(state: LayoutState) -> str:
+    """Short, for ``pdpatch.status()``: who decides the KV layout in this process."""
+    if not state.decided:
         return "layout=not-consulted"
-    if _status.decided == "vllm":
+    if state.decided == "vllm":
         return "layout=vllm"
-    return "layout=token-major" + ("(checked)" if _status.checked else "")
-
-
-def layout_checked() -> bool:
-    return _status.checked
-
-
-def _reset_for_tests() -> None:
-    global _status
-    _status = _Status()
+    return "layout=token-major" + ("(checked)" if state.checked else "")
 
 
 PATCH = Patch(
-    name=PATCH_NAME,
+    name=NAME,
     summary="token-major KV layout for NixlConnector where kvcached allocates (or forced), "
             "verified after resolution; 0.19 hetero-TP head-split guard",
     versions=vllm_sites.SUPPORTED,
     why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
     targets=_targets,
+    state=LayoutState,
     runtime_status=status_line,
 )

@@ -35,7 +35,6 @@ private ``KVCacheConfig`` copy carrying it).  Toggle: ``PDPATCH_NUM_BLOCKS``.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -43,25 +42,23 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from packaging.version import Version
 
 from pdpatch import config, kvcached, vllm_sites
+from pdpatch.installer import state_of
 from pdpatch.log import logger
 from pdpatch.registry import Patch, Target
+from pdpatch.state import State
 
 if TYPE_CHECKING:          # the reconciliation core is imported when a worker registers its KV
     from pdpatch.block_counts import LayerBlocks
 
-PATCH_NAME = "num_blocks"
+NAME = "num_blocks"
 MODE_KEY = "num_blocks_mode"
 
 
 @dataclass
-class _Status:
+class NumBlocksState(State):
     in_charge: str = ""          # pdpatch | kvcached | stock
     kvcached_patch_seen: bool = False
     last: str = ""               # last reconciliation, human readable
-
-
-_status = _Status()
-_lock = threading.Lock()
 
 
 def _version() -> Version:
@@ -102,7 +99,7 @@ def reconcile_register(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
         kv_caches, rest = args[0], args[1:]
     extra = _extra(worker)
     kvc_patch = kvcached.register_patched(type(worker))
-    if not config.extra_config_allows(PATCH_NAME, extra):
+    if not config.extra_config_allows(NAME, extra):
         _note("kvcached" if kvc_patch else "stock", kvc_patch, "switched off by extra config")
         return wrapped(kv_caches, *rest, **kwargs)
     plan = _plan(worker, kv_caches)
@@ -176,8 +173,9 @@ def _needed(plan: _Plan, kvc_patch: bool) -> bool:
 
 
 def _note(in_charge: str, kvc_patch: bool, last: str) -> None:
-    with _lock:
-        _status.in_charge, _status.kvcached_patch_seen, _status.last = in_charge, kvc_patch, last
+    state = state_of(NAME)
+    with state.lock:
+        state.in_charge, state.kvcached_patch_seen, state.last = in_charge, kvc_patch, last
 
 
 def _layer_blocks(worker: Any, kv_caches: Mapping[str, Any]) -> list[LayerBlocks]:
@@ -389,14 +387,14 @@ def _targets(version: Version) -> list[Target]:
     return [] if site is None else [Target(site.module, site.qualname, reconcile_register)]
 
 
-def status_line() -> str:
-    """Short, for the installer's summary: which reconciliation is in charge in this process."""
-    with _lock:
-        if not _status.in_charge:
+def status_line(state: NumBlocksState) -> str:
+    """Short, for ``pdpatch.status()``: which reconciliation is in charge in this process."""
+    with state.lock:
+        if not state.in_charge:
             return "num_blocks=not-registered-yet"
         seen = "+kvcached-patch-neutralized" if (
-            _status.kvcached_patch_seen and _status.in_charge == "pdpatch") else ""
-        return f"num_blocks={_status.in_charge}{seen}"
+            state.kvcached_patch_seen and state.in_charge == "pdpatch") else ""
+        return f"num_blocks={state.in_charge}{seen}"
 
 
 def summary_note(active: bool) -> str:
@@ -408,22 +406,14 @@ def summary_note(active: bool) -> str:
     return f"{state.describe()}; block-count reconciliation by {charge}"
 
 
-def last_reconciliation() -> str:
-    return _status.last
-
-
-def _reset_for_tests() -> None:
-    global _status
-    _status = _Status()
-
-
 PATCH = Patch(
-    name=PATCH_NAME,
+    name=NAME,
     summary="NIXL registers/advertises exactly the planned KV blocks (over-allocated views "
             "sliced, under-allocation refused); kvcached's own rewrite neutralized",
     versions=vllm_sites.SUPPORTED,
     why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
     targets=_targets,
     summary_note=summary_note,
+    state=NumBlocksState,
     runtime_status=status_line,
 )

@@ -17,24 +17,29 @@ a crash into silently-used garbage KV would be worse than the crash.
 
 from __future__ import annotations
 
-import threading
+from dataclasses import dataclass
 from typing import Any
 
 from packaging.version import Version
 
 from pdpatch import metrics, vllm_sites
+from pdpatch.installer import state_of
 from pdpatch.log import logger
 from pdpatch.patches.common import allowed, arg
 from pdpatch.registry import Patch, Target, Wrapper
+from pdpatch.state import State, counter
 
 NAME = "read_guard"
-_counter_lock = threading.Lock()
-failures_contained = 0
+
+
+@dataclass
+class ReadGuardState(State):
+    failures_contained: int = counter("KV loads that raised on the read path and were failed "
+                                      "alone instead of killing the worker")
 
 
 def make_guard(version: Version) -> Wrapper:
     def guard_read(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        global failures_contained
         if not allowed(NAME, instance):
             return wrapped(*args, **kwargs)
         try:
@@ -50,9 +55,7 @@ def make_guard(version: Version) -> Wrapper:
                              "failed alone: %s [read_guard]", req_id, type(exc).__name__, exc,
                              why)
                 raise exc from None
-            with _counter_lock:
-                failures_contained += 1
-                n = failures_contained
+            n = state_of(NAME).bump("failures_contained")
             metrics.count(instance, metrics.FAILURES_CONTAINED, NAME)
             logger.error(
                 "pdpatch: KV load of request %s failed (%s: %s); failing this request instead "
@@ -76,4 +79,5 @@ PATCH = Patch(
     versions=vllm_sites.SUPPORTED,
     why_version="the unguarded read path was checked in 0.19-0.33 only",
     targets=_targets,
+    state=ReadGuardState,
 )

@@ -9,18 +9,26 @@ per worker, on the tensors just registered, and only logs (``pdpatch.transport``
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from packaging.version import Version
 
 from pdpatch import vllm_sites
+from pdpatch.installer import state_of
 from pdpatch.log import logger
 from pdpatch.registry import Patch, Target
+from pdpatch.state import State
 
 if TYPE_CHECKING:          # the rules are imported when a worker registers its KV, not earlier
     from pdpatch import transport
 
-_reported = False
+NAME = "transport_check"
+
+
+@dataclass
+class TransportCheckState(State):
+    checked: bool = False      # the check ran (once per process: the first registration)
 
 
 def findings_for(worker: Any, kv_caches: dict[str, Any]) -> list[transport.Finding]:
@@ -35,10 +43,10 @@ def findings_for(worker: Any, kv_caches: dict[str, Any]) -> list[transport.Findi
 
 
 def check_after_register(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    global _reported
     result = wrapped(*args, **kwargs)
-    if not _reported:
-        _reported = True
+    state = state_of(NAME)
+    if not state.checked:
+        state.checked = True
         kv_caches = kwargs.get("kv_caches", args[0] if args else {})
         try:
             found = findings_for(instance, kv_caches)
@@ -58,10 +66,11 @@ def _targets(version: Version) -> list[Target]:
 
 
 PATCH = Patch(
-    name="transport_check",
+    name=NAME,
     summary="warn when NIXL/UCX will move KV over a slow transport (VMM memory, cuda_ipc READ "
             "off) and say what to set",
     versions=vllm_sites.SUPPORTED,
     why_version="written against vLLM 0.19-0.33 sources",
     targets=_targets,
+    state=TransportCheckState,
 )

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from pdpatch.agent_layers import Layer
+from pdpatch.agent_proxy import AgentProxy
 from pdpatch.kv.staging.buffer import StagingBuffer
 from pdpatch.kv.staging.chunked import LANES, ChunkedRead, ChunkedReads, SerialAgent
 from pdpatch.kv.staging.lists import PreparedLists
@@ -50,9 +50,9 @@ from pdpatch.kv.staging.rows import RowTable, SortedTwin
 from pdpatch.log import logger
 
 
-class StagingAgent(Layer):
-    """A worker's NIXL agent with staged READs for converted peers (see the module doc): the
-    ``staging`` layer of :mod:`pdpatch.agent_layers`.
+class StagingAgent(AgentProxy):
+    """A worker's NIXL agent with staged READs for converted peers (see the module doc): a
+    proxy in front of it (:class:`pdpatch.agent_proxy.AgentProxy`) of kind ``staging``.
 
     ``memory`` gives, at the first READ to stage, the tensors whose memory the
     local descriptor lists point into (the KV caches, or vLLM's host buffers); the staging
@@ -65,6 +65,8 @@ class StagingAgent(Layer):
 
     ``capacity_setting`` / ``gap_setting``: what the operator sets to change ``capacity`` /
     ``gap``, named in the messages (the patch knows its settings; this core does not).
+
+    ``stats``: where to count (the patch passes its process state's; default: a fresh one).
     """
 
     kind = "staging"
@@ -72,12 +74,14 @@ class StagingAgent(Layer):
     def __init__(self, agent: Any, *, mem_type: str, capacity: int,
                  memory: Callable[[], Sequence[Any]], gap: int | None = None,
                  capacity_setting: str = "the staging capacity",
-                 gap_setting: str = "the gap budget") -> None:
-        Layer.__init__(self, agent)
+                 gap_setting: str = "the gap budget",
+                 stats: StagingStats | None = None) -> None:
+        AgentProxy.__init__(self, agent)
         # The calls this agent, its parts and the chunk driver thread make to the agent below
-        # take one lock (:class:`SerialAgent`); the calls it only passes on (Layer) reach the
-        # agent as they are, as before.  Its parts hold that view of ``agent`` itself: staging
-        # is the innermost layer (agent_layers.ORDER), so the agent below it never changes.
+        # take one lock (:class:`SerialAgent`); the calls it only passes on (AgentProxy) reach
+        # the agent as they are, as before.  Its parts hold that view of ``agent`` itself: a
+        # staging proxy stands right in front of the real agent (whoever stacks proxies keeps
+        # it innermost), so the agent below it never changes.
         self._nixl = SerialAgent(agent)
         self._capacity_setting = capacity_setting
         self._gap_setting = gap_setting
@@ -88,7 +92,7 @@ class StagingAgent(Layer):
         self._lock = threading.Lock()
         self._converted: dict[Any, SortedTwin] = {}      # remote dlist handle -> sorted twin
         self._reads: dict[Any, StagedRead] = {}         # xfer handle -> staged READ
-        self.stats = StagingStats()
+        self.stats = StagingStats() if stats is None else stats
         self._chunked = ChunkedReads(self._nixl, self._staging, self._lock, self.stats)
         self._planner = ReadPlanner(self._nixl, mem_type=mem_type, staging=self._staging,
                                     lists=self._lists, lock=self._lock, stats=self.stats,

@@ -26,8 +26,8 @@ The pipeline, one module each:
   metadata and its remote descriptor list is swapped for pdpatch's;
 * :mod:`.staged_reads` -- a converted peer's READs go through
   :class:`pdpatch.kv.staging.StagingAgent` (``PDPATCH_KV_STAGING_MIB``, ``PDPATCH_KV_GAP_KIB``);
-* :mod:`.state` -- what one worker's wrappers share; :mod:`.settings` -- names, settings,
-  counters.
+* :mod:`.state` -- the patch's state: counters and hash alternates per process, geometry
+  and conversions in flight per worker; :mod:`.settings` -- names and settings.
 
 D (the reading side) must run pdpatch; P needs it only to advertise its geometry (without it
 D derives P's geometry from vLLM's own metadata fields).  Toggle: ``PDPATCH_KV_SEGMENTS``,
@@ -54,7 +54,6 @@ from pdpatch.patches.kv_segments.handshake import (
     hash_wrapper,
     make_handshake_wrapper,
     payload_class,
-    reset_alternates,
     scoped_payload,
 )
 from pdpatch.patches.kv_segments.planning import (
@@ -74,20 +73,14 @@ from pdpatch.patches.kv_segments.settings import (
     STAGING_ENV,
     gap_kib,
     interchangeable,
-    reset_stats,
     staging_mib,
-    stats,
 )
+from pdpatch.patches.kv_segments.state import KvSegmentsState, WorkerState
 from pdpatch.patches.kv_segments.substitution import (
     build_fa_remote_wrapper,
     make_add_remote_wrapper,
 )
 from pdpatch.registry import Patch, Target, Wrapper
-
-
-def _reset_for_tests() -> None:
-    reset_stats()
-    reset_alternates()
 
 
 def _targets(version: Version) -> list[Target]:
@@ -122,10 +115,12 @@ PATCH = Patch(
     versions=vllm_sites.SUPPORTED,
     why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
     targets=_targets,
+    state=KvSegmentsState,
+    object_state=WorkerState,
 )
 
 __all__ = ["FIELD", "GAP_ENV", "INTERCHANGEABLE", "NAME", "PATCH", "STAGING_DEFAULT_MIB",
-           "STAGING_ENV", "Conversion", "Handshake", "ScopedPayloadClass",
-           "advertised_geometry", "alternates_for", "gap_kib", "handshake_scope",
+           "STAGING_ENV", "Conversion", "Handshake", "KvSegmentsState", "ScopedPayloadClass",
+           "WorkerState", "advertised_geometry", "alternates_for", "gap_kib", "handshake_scope",
            "head_major_of", "interchangeable", "local_geometry", "local_view", "payload_class",
-           "plan_peer", "remote_geometry", "scoped_payload", "shadow", "staging_mib", "stats"]
+           "plan_peer", "remote_geometry", "scoped_payload", "shadow", "staging_mib"]

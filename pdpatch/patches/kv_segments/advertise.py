@@ -10,9 +10,9 @@ from packaging.version import Version
 
 from pdpatch import vllm_sites
 from pdpatch.log import logger
-from pdpatch.patches.kv_segments.settings import FIELD, allowed, count
+from pdpatch.patches.kv_segments.settings import FIELD, allowed
 from pdpatch.patches.kv_segments.staged_reads import install_staging
-from pdpatch.patches.kv_segments.state import existing_state, state_of
+from pdpatch.patches.kv_segments.state import count, existing_worker_state, worker_state
 from pdpatch.registry import Wrapper
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ def _advertise(instance: Any, kv_caches: Any) -> None:
         logger.warning("pdpatch kv_segments: local KV geometry not advertised (%s: %s)",
                        type(exc).__name__, exc)
         geometry = None
-    state_of(instance).geometry = geometry
+    worker_state(instance).geometry = geometry
     if geometry is not None:
         count("advertised")
         logger.debug("pdpatch kv_segments: advertising %s", geometry.describe())
@@ -118,7 +118,7 @@ def make_register_wrapper(version: Version) -> Wrapper:
 def restore_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """0.33 re-encodes the metadata through the stock class on wake-up: advertise again."""
     result = wrapped(*args, **kwargs)
-    state = existing_state(instance)
+    state = existing_worker_state(instance)
     geometry = state.geometry if state is not None else None
     if geometry is not None and allowed(instance):
         _set_advertised(instance, geometry)

@@ -3,10 +3,21 @@ geometry a pdpatch peer advertises, both seen while vLLM decodes the peer's payl
 
 ``_nixl_handshake`` decodes the peer's ``NixlHandshakePayload`` and compares its compatibility
 hash inline, with no seam between the two, and neither the hash function nor msgspec's
-``__post_init__`` receives the worker.  So two values cross here through the only channels
-there are, both kept in this module: :data:`_ALTERNATES` (hash call -> payload decode, keyed by
-the local hash) and the current thread's :class:`Handshake` (handshake wrapper -> payload
-decode -> ``add_remote_agent``, all on the handshake's thread)."""
+``__post_init__`` receives the worker.  So the decision about one peer crosses vLLM's code
+through the only channels there are, each with one owner:
+
+* the hash's alternates, recorded when vLLM computes the local hash (worker start), read at the
+  payload decode: the process's :class:`~.state.KvSegmentsState` (``alternates``);
+* what one handshake learns (hashes accepted, the geometry each peer rank advertised): its
+  :class:`Handshake`, created only by :func:`handshake_scope` -- which also scopes the worker
+  module's payload class to pdpatch's (:class:`ScopedPayloadClass`) -- and found only with
+  :func:`current_handshake`, on the handshake's thread (payload decode, then
+  ``add_remote_agent``);
+* the worker's own geometry and the conversions its ``add_remote_agent`` calls have in flight
+  (``add_remote_agent`` also runs outside a handshake, e.g. in vLLM's own tests): its
+  :class:`~.state.WorkerState`;
+* the proxies in front of the worker's NIXL agent (0.19/0.20 substitution, staging):
+  :mod:`pdpatch.agent_layers`."""
 
 from __future__ import annotations
 
@@ -19,14 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdpatch import config
+from pdpatch.installer import state_of
 from pdpatch.log import logger
-from pdpatch.patches.kv_segments.settings import FIELD, allowed, count, interchangeable
+from pdpatch.patches.kv_segments.settings import FIELD, NAME, allowed, interchangeable
+from pdpatch.patches.kv_segments.state import count
 from pdpatch.registry import Wrapper
 
 # ------------------------------------------------------------- hash: record the alternates
-
-_ALTERNATES: dict[str, dict[str, str]] = {}   # local hash -> {alternate hash: backend name}
-_alt_lock = threading.Lock()
 
 
 def hash_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -47,8 +57,9 @@ def hash_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
             else:
                 alt = wrapped(*args, **{**kwargs, "attn_backend_name": other})
             alternates[alt] = other
-        with _alt_lock:
-            _ALTERNATES[result] = alternates
+        state = state_of(NAME)
+        with state.lock:
+            state.alternates[result] = alternates
     except config.ConfigError:
         raise
     except Exception as exc:  # never let the bookkeeping break vLLM's own hash
@@ -57,13 +68,9 @@ def hash_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def alternates_for(local_hash: str) -> dict[str, str]:
-    with _alt_lock:
-        return dict(_ALTERNATES.get(local_hash, {}))
-
-
-def reset_alternates() -> None:
-    with _alt_lock:
-        _ALTERNATES.clear()
+    state = state_of(NAME)
+    with state.lock:
+        return dict(state.alternates.get(local_hash, {}))
 
 
 # ------------------------------------------------------------ the handshake this thread runs
@@ -88,12 +95,18 @@ _current = threading.local()
 
 
 @contextmanager
-def handshake_scope(worker: Any) -> Iterator[Handshake]:
-    """Make a :class:`Handshake` for ``worker`` the current thread's while the body runs."""
+def handshake_scope(worker: Any, module: Any = None) -> Iterator[Handshake]:
+    """The one place a :class:`Handshake` is made: for ``worker``, the current thread's while
+    the body runs, with ``module``'s payload class scoped to pdpatch's (None: a caller that
+    decodes with :func:`payload_class` itself)."""
     prev = getattr(_current, "handshake", None)
     _current.handshake = Handshake(worker)
     try:
-        yield _current.handshake
+        if module is None:
+            yield _current.handshake
+        else:
+            with scoped_payload.active(module):
+                yield _current.handshake
     finally:
         _current.handshake = prev
 
@@ -228,8 +241,7 @@ def make_handshake_wrapper(module_name: str) -> Wrapper:
     def handshake(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         if not allowed(instance):
             return wrapped(*args, **kwargs)
-        module = sys.modules[module_name]
-        with handshake_scope(instance), scoped_payload.active(module):
+        with handshake_scope(instance, sys.modules[module_name]):
             return wrapped(*args, **kwargs)
 
     return handshake

@@ -15,7 +15,8 @@ from packaging.version import Version
 
 from pdpatch import metrics, vllm_sites
 from pdpatch.log import logger
-from pdpatch.patches.kv_segments.settings import NAME, count
+from pdpatch.patches.kv_segments.settings import NAME
+from pdpatch.patches.kv_segments.state import count
 
 # The descriptor-planning core (pdpatch.kv, ~6 ms) is imported by the functions that use it,
 # when vLLM first registers or pairs KV caches, not by install() inside every `import vllm`.

@@ -1,11 +1,8 @@
-"""The ``kv_segments`` patch's names, operator settings and counters."""
+"""The ``kv_segments`` patch's names and operator settings (its counters: :mod:`.state`)."""
 
 from __future__ import annotations
 
-import dataclasses
-import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from pdpatch import config
@@ -53,34 +50,3 @@ def gap_kib(env: Mapping[str, str] | None = None) -> int | None:
     """``PDPATCH_KV_GAP_KIB``: KiB a staged READ may read between requested blocks; None
     (unset or ``auto``) measures it per peer."""
     return config.KV_GAP_KIB.read(env)
-
-
-@dataclass
-class Stats:
-    """What this process's patch did (for tests and ``pdpatch doctor``)."""
-
-    advertised: int = 0
-    hash_alternates_accepted: int = 0
-    conversions: int = 0
-    mixed_accepted: int = 0
-    rejected: int = 0
-    last_error: str = ""
-
-
-# One object for the process, reset in place, so every module that imported it sees the same.
-stats = Stats()
-_stats_lock = threading.Lock()
-
-
-def count(attr: str, error: str = "") -> None:
-    """Add one to a :class:`Stats` counter (handshakes of several peers run concurrently)."""
-    with _stats_lock:
-        setattr(stats, attr, getattr(stats, attr) + 1)
-        if error:
-            stats.last_error = error
-
-
-def reset_stats() -> None:
-    with _stats_lock:
-        for f in dataclasses.fields(Stats):
-            setattr(stats, f.name, f.default)

@@ -8,7 +8,14 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from pdpatch import agent_layers, metrics
-from pdpatch.patches.kv_segments.settings import GAP_ENV, STAGING_ENV, gap_kib, staging_mib
+from pdpatch.installer import state_of
+from pdpatch.patches.kv_segments.settings import (
+    GAP_ENV,
+    NAME,
+    STAGING_ENV,
+    gap_kib,
+    staging_mib,
+)
 
 if TYPE_CHECKING:
     from pdpatch.kv import KVGeometry
@@ -36,7 +43,7 @@ def install_staging(worker: Any, kv_caches: Any) -> None:
         worker, StagingAgent, mem_type=getattr(worker, "nixl_memory_type", "VRAM"),
         capacity=mib << 20, memory=lambda: _kv_memory(worker, kv_caches),
         gap=None if gap is None else gap << 10, capacity_setting=STAGING_ENV,
-        gap_setting=GAP_ENV)
+        gap_setting=GAP_ENV, stats=state_of(NAME).staging_stats())
     metrics.attribute(agent, worker)      # its staged READs reach /metrics as the worker's
 
 

@@ -20,9 +20,9 @@ from pdpatch.log import logger
 from pdpatch.patches.common import arg
 from pdpatch.patches.kv_segments.handshake import current_handshake
 from pdpatch.patches.kv_segments.planning import Conversion, plan_peer
-from pdpatch.patches.kv_segments.settings import allowed, count
+from pdpatch.patches.kv_segments.settings import allowed
 from pdpatch.patches.kv_segments.staged_reads import stage_peer
-from pdpatch.patches.kv_segments.state import existing_state, state_of
+from pdpatch.patches.kv_segments.state import count, existing_worker_state, worker_state
 from pdpatch.registry import Wrapper
 
 
@@ -77,7 +77,7 @@ class _SubstitutingAgent(Layer):
 def _plan(worker: Any, meta: Any, tp_size: int, version: Version) -> Conversion | None:
     """:func:`plan_peer` with what this worker and this thread's handshake know of the peer."""
     ctx = current_handshake()
-    state = existing_state(worker)
+    state = existing_worker_state(worker)
     try:
         return plan_peer(worker, meta, tp_size, version,
                          local_true=state.geometry if state is not None else None,
@@ -115,7 +115,7 @@ def make_add_remote_wrapper(version: Version) -> Wrapper:
             kwargs = {**kwargs, "nixl_agent_meta": conversion.shadow}
         else:
             args = (conversion.shadow, *args[1:])
-        state = state_of(instance)
+        state = worker_state(instance)
         state.begin(conversion)
         try:
             if closure_builder:
@@ -150,7 +150,7 @@ def build_fa_remote_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: di
     """``_build_fa_remote`` (0.21-0.25): vLLM's list for a converted peer's shadow, checked,
     then replaced by pdpatch's."""
     meta = arg(args, kwargs, 1, "nixl_agent_meta", None)
-    state = existing_state(instance)
+    state = existing_worker_state(instance)
     conversion = state.converting(meta) if state is not None and meta is not None else None
     if conversion is None:
         return wrapped(*args, **kwargs)
