@@ -23,9 +23,12 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from pdpatch import attached
 from pdpatch.log import logger
+from pdpatch.state import State
 
 #: The key pdpatch's records travel under in the NIXL connector stats' dict.
 RECORDS_KEY = "pdpatch"
@@ -81,18 +84,30 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
            "by patch."),
 )}
 
+NAME = "metrics"        # the patch that carries these counts: pdpatch.patches.metrics
+
 _lock = threading.Lock()
-# Counts not handed over yet, per vLLM object they were made for (a NIXL worker, a scheduler
-# or its connector): each goes out with that object's own statistics, never another's (two
-# engines in one process, vLLM's tests, keep their counts apart); gone with the object.
-_pending: weakref.WeakKeyDictionary[Any, dict[tuple[str, tuple[str, ...]], int]] = \
-    weakref.WeakKeyDictionary()
-# Objects whose counts belong to another's (a worker's staging agent's stats -> the worker).
-_attributed: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()
-# The exporters of this process by the vLLM object that built them (none outside a /metrics
-# server); the newest takes the counts made in this process at once.
-_exporters: weakref.WeakKeyDictionary[Any, Exporter] = weakref.WeakKeyDictionary()
-_local: list[Exporter] = []
+
+
+@dataclass
+class MetricsState(State):
+    """The ``metrics`` patch's per-process state: this process's exporters, by the
+    ``NixlPromMetrics`` that built each (none outside a ``/metrics`` server); the newest takes
+    the counts made in this process at once."""
+
+    exporters: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    local: Exporter | None = None
+
+
+@dataclass
+class Pending:
+    """What the ``metrics`` patch keeps on one object (:mod:`pdpatch.attached`): the counts made
+    for it and not handed over yet -- each goes out with that object's own statistics, never
+    another's (two engines in one process, vLLM's own tests, keep their counts apart) -- or the
+    object whose counts they are (a worker's staging agent: the worker)."""
+
+    counts: dict[tuple[str, tuple[str, ...]], int] = field(default_factory=dict)
+    owner: weakref.ref | None = None
 
 
 def count(owner: Any, metric: str, *labels: str, amount: int = 1) -> None:
@@ -100,10 +115,12 @@ def count(owner: Any, metric: str, *labels: str, amount: int = 1) -> None:
     to the API server (``None``: made in the API server itself).  Where this process serves
     ``/metrics`` the count is exported at once; a count for no owner elsewhere is dropped.
     An unknown metric or a wrong number of labels is a bug of the caller and raises."""
+    from pdpatch.installer import object_state, state_of
+
     spec = METRICS[metric]
     if len(labels) != len(spec.labels):
         raise ValueError(f"{metric} takes labels {spec.labels}, got {labels}")
-    exporter = _local[-1] if _local else None
+    exporter = state_of(NAME).local
     if exporter is not None:
         exporter.export([[metric, list(labels), amount]], None)
         return
@@ -111,22 +128,23 @@ def count(owner: Any, metric: str, *labels: str, amount: int = 1) -> None:
         return
     with _lock:
         try:
-            parent = _attributed.get(owner)
-            owner = parent() if parent is not None else owner
-            if owner is not None:
-                counts = _pending.setdefault(owner, {})
-                counts[(metric, labels)] = counts.get((metric, labels), 0) + amount
-        except TypeError:           # an owner that cannot be weakly keyed: not counted
+            mine = object_state(NAME, owner)
+            if mine.owner is not None:
+                parent = mine.owner()
+                if parent is None:
+                    return
+                mine = object_state(NAME, parent)
+            mine.counts[(metric, labels)] = mine.counts.get((metric, labels), 0) + amount
+        except (AttributeError, TypeError):    # an object pdpatch cannot keep data on
             logger.debug("pdpatch: %s not counted for a %s [metrics]", metric, type(owner))
 
 
 def attribute(obj: Any, owner: Any) -> None:
     """Counts made for ``obj`` from now on are ``owner``'s."""
+    from pdpatch.installer import object_state
+
     with _lock:
-        try:
-            _attributed[obj] = weakref.ref(owner)
-        except TypeError:           # counted for ``obj`` then, which count() drops
-            logger.debug("pdpatch: counts of a %s not attributed [metrics]", type(obj))
+        object_state(NAME, obj).owner = weakref.ref(owner)
 
 
 def drain(*owners: Any) -> list[Record]:
@@ -134,19 +152,11 @@ def drain(*owners: Any) -> list[Record]:
     records: list[Record] = []
     with _lock:
         for owner in owners:
-            if owner is not None:
-                taken = _pending.pop(owner, None) or {}
+            mine = attached.peek(owner, NAME) if owner is not None else None
+            if mine is not None and mine.counts:
+                taken, mine.counts = mine.counts, {}
                 records += [[m, list(labels), n] for (m, labels), n in taken.items()]
     return records
-
-
-def reset() -> None:
-    """Forget pending counts and exporters (tests)."""
-    with _lock:
-        _pending.clear()
-        _attributed.clear()
-    _exporters.clear()
-    _local.clear()
 
 
 class Exporter:
@@ -201,9 +211,14 @@ def unregister_collectors() -> None:
 
 def add_exporter(owner: Any, exporter: Exporter) -> None:
     """``exporter`` serves ``owner`` (a ``NixlPromMetrics``) and this process's own counts."""
-    _exporters[owner] = exporter
-    _local[:] = [exporter]
+    from pdpatch.installer import state_of
+
+    state = state_of(NAME)
+    state.exporters[owner] = exporter
+    state.local = exporter
 
 
 def exporter_for(owner: Any) -> Exporter | None:
-    return _exporters.get(owner)
+    from pdpatch.installer import state_of
+
+    return state_of(NAME).exporters.get(owner)

@@ -25,7 +25,7 @@ from typing import Any
 import block_keys_scenarios as bks
 import robust_worker as rw
 
-from pdpatch import metrics, vllm_sites
+from pdpatch import installer, metrics, vllm_sites
 
 
 def _facade(connector_cls: type, worker: Any) -> Any:
@@ -82,8 +82,6 @@ def api_server_alone() -> None:
     (its payload, as EngineCore sends it), recorded by a patched API server."""
     from vllm.v1.metrics.stats import SchedulerStats
 
-    from pdpatch import installer
-
     installer.install()
     site = vllm_sites.lookup(vllm_sites.NIXL_STATS_HOME, rw.version_of())
     payload = {k: list(v) for k, v in
@@ -98,7 +96,7 @@ def api_server_alone() -> None:
 def scenario_metrics() -> dict[str, Any]:
     from vllm.v1.request import RequestStatus
 
-    metrics.reset()
+    installer.reset_state()
     saved_seed = os.environ.get("PYTHONHASHSEED")
     try:
         params, _ = bks.prefill(bks.BASE)
@@ -146,7 +144,7 @@ def scenario_metrics() -> dict[str, Any]:
     payload = stats.kv_connector_stats or {}
 
     exported, lines = api_server(sched.vllm_config, stats)
-    metrics.reset()
+    installer.reset_state()
     return {"waiting": waiting, "promoted": promoted, "staging_agent": agent is not None,
             "worker_records": worker_records,
             "payload_keys": sorted(payload), "records": payload.get(metrics.RECORDS_KEY),

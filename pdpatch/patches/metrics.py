@@ -30,7 +30,7 @@ from pdpatch.log import logger
 from pdpatch.patches.common import allowed, arg
 from pdpatch.registry import Patch, Target, Wrapper
 
-NAME = "metrics"
+NAME = metrics.NAME
 
 
 def _attach(stats: Any, build: Any, *owners: Any) -> Any:
@@ -156,4 +156,6 @@ PATCH = Patch(
     versions=vllm_sites.SUPPORTED,
     why_version="vLLM's NIXL statistics channel was checked in 0.19-0.33 only",
     targets=_targets,
+    state=metrics.MetricsState,
+    object_state=metrics.Pending,
 )
