@@ -646,3 +646,35 @@ def readback_receive_queued(scheduler: Any, params: Any) -> bool:
         return False
     return bool(getattr(scheduler, "is_bidirectional_kv_xfer_enabled", False)) and \
         not params.get("_remote_blocks_processed")
+
+
+# NIXL statistics on their way to `/metrics`, the same in 0.19-0.33: the worker half's
+# `get_kv_connector_stats()` (on the connector facade; the scheduler half has no worker and
+# returns None) fills `KVConnectorOutput.kv_connector_stats`; `KVOutputAggregator` folds the
+# workers' into one with `NixlKVConnectorStats.aggregate`; `Scheduler.make_stats(spec, kv_stats,
+# ...)` puts its plain dict (`to_dict()`) in `SchedulerStats.kv_connector_stats`; the API
+# server's `PrometheusStatLogger` hands that dict to `NixlPromMetrics.observe(data, engine_idx)`.
+# `_update_waiting_for_remote_kv(request)` runs once per request whose async KV load ended,
+# with the request in `failed_recving_kv_req_ids` when it failed.
+CONNECTOR_STATS = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnector.get_kv_connector_stats"),
+    _site(">=0.20,<0.24", f"{NIXL_PKG}.connector", "NixlConnector.get_kv_connector_stats"),
+    _site(">=0.24", f"{NIXL_PKG}.connector", "NixlBaseConnector.get_kv_connector_stats"),
+)
+NIXL_STATS_HOME = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlKVConnectorStats"),
+    _site(">=0.20", f"{NIXL_PKG}.stats", "NixlKVConnectorStats"),
+)
+NIXL_PROM_HOME = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlPromMetrics"),
+    _site(">=0.20", f"{NIXL_PKG}.stats", "NixlPromMetrics"),
+)
+SCHEDULER_HOME = (
+    _site(">=0.19", "vllm.v1.core.sched.scheduler", "Scheduler"),
+)
+
+
+def loaded_class(site: Site) -> type | None:
+    """The class a site's qualname starts with, if its module is imported in this process
+    (a connector of that class can exist only then): no import is triggered."""
+    return getattr(sys.modules.get(site.module), site.qualname.split(".")[0], None)

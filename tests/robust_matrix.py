@@ -30,7 +30,7 @@ def scenarios_for(version: str) -> list[str]:
     names = ["read_assert", "read_assert_hma", "division", "dead_peer", "dead_peer_hma",
              "full_hit_dead_peer", "full_hit_dead_peer_hma", "stand_in", "metadata",
              "metadata_padded", "hetero_tp", "transport", "side_channel", "rejected",
-             "readback", "block_ids"]
+             "readback", "block_ids", "metrics"]
     if v not in BLOCK_RATIO_RIG_UNSUPPORTED:
         names.append("block_ids_ratio")
     if v < Version("0.22"):

@@ -1157,10 +1157,11 @@ def release_report(names: list[str]) -> dict[str, Any]:
     import traceback
 
     import harmless_scenarios
+    import metrics_scenarios
 
     from pdpatch import installer
 
-    scenarios = {**SCENARIOS, **harmless_scenarios.SCENARIOS}
+    scenarios = {**SCENARIOS, **harmless_scenarios.SCENARIOS, **metrics_scenarios.SCENARIOS}
 
     def run_all() -> dict[str, Any]:
         out = {}

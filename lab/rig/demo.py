@@ -136,6 +136,17 @@ def use_release(release: str) -> None:
     os.environ[engine_env.RELEASE_TREE_VAR] = str(tree)
 
 
+def print_counters(d: Engine) -> None:
+    """pdpatch's counters as D's ``/metrics`` shows them (README "Verify: /metrics")."""
+    counters = d.pdpatch_metrics()
+    moved = {k: v for k, v in counters.items() if v}
+    print(f"\npdpatch counters on D's /metrics ({d.url}/metrics, summed over engines):")
+    for name, value in sorted(moved.items()):
+        print(f"  {name:<66} {value:g}")
+    print(f"  ({len(counters) - len(moved)} other pdpatch:* series at 0)" if counters else
+          "  none: the metrics patch is off (PDPATCH_METRICS=0) or vLLM's stats are disabled")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description="P/D over real NIXL between two real vLLM engines, checked against a "
@@ -207,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"pdpatch lines in {eng.spec.name}'s log ({eng.log_path}):")
                 shown = [ln[ln.index("pdpatch:") :].strip() for ln in lines]
                 print("\n".join(f"  {ln}" for ln in shown) if shown else "  none found")
+            if pd_patch:
+                print_counters(d)
             if args.show_logs:
                 for eng in g:
                     print(f"\n===== {eng.spec.name} log =====\n{eng.log_text()}")

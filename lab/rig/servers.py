@@ -127,6 +127,20 @@ def prometheus_counters(text: str) -> dict[str, float]:
     return out
 
 
+def pdpatch_counters(text: str) -> dict[str, float]:
+    """A Prometheus text page's ``pdpatch:*_total`` samples, summed over engines, by metric
+    and pdpatch's own labels: ``'pdpatch:kv_requests_total{cause="",outcome="pulled"}'``."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"(pdpatch:\w+_total)(?:\{([^}]*)\})?\s+(\S+)", line)
+        if m:
+            labels = sorted(lv for lv in re.findall(r'\w+="[^"]*"', m.group(2) or "")
+                            if not lv.startswith(("model_name=", "engine=")))
+            key = f"{m.group(1)}{{{','.join(labels)}}}" if labels else m.group(1)
+            out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """What one engine server runs.
@@ -263,6 +277,10 @@ class Engine:
     def metrics(self) -> dict[str, float]:
         """Prometheus counters from ``/metrics``, summed over label sets, by metric name."""
         return prometheus_counters(self.metrics_text())
+
+    def pdpatch_metrics(self) -> dict[str, float]:
+        """pdpatch's counters on ``/metrics`` (:func:`pdpatch_counters`)."""
+        return pdpatch_counters(self.metrics_text())
 
     def _signal_group(self, sig: int) -> None:
         # Never signal a group we already reaped: its id could belong to someone else by now.

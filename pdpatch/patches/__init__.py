@@ -17,6 +17,7 @@ def all_patches() -> list[Patch]:
         handshake_failure_guard,
         kv_segments,
         layout,
+        metrics,
         mla_notif,
         num_blocks,
         params_check,
@@ -34,7 +35,7 @@ def all_patches() -> list[Patch]:
             mla_notif.PATCH, division_checks.PATCH, spec_classify.PATCH,
             handshake_failure_guard.PATCH, kv_segments.PATCH, block_keys.PATCH, params_check.PATCH,
             transport_check.PATCH, peer_check.PATCH, side_channel_listen.PATCH, params_guard.PATCH,
-            readback_guard.PATCH]
+            readback_guard.PATCH, metrics.PATCH]
 
 
 def patch_names() -> list[str]:

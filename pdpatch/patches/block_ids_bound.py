@@ -41,7 +41,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from pdpatch import attached, vllm_sites
+from pdpatch import attached, metrics, vllm_sites
 from pdpatch.installer import object_state, state_of
 from pdpatch.log import logger
 from pdpatch.patches.common import allowed, arg
@@ -143,6 +143,7 @@ def make_check(version: Version) -> Wrapper:
         # Never HMA here (judged on one full-attention group), so every release can record it.
         vllm_sites.record_recv_failure(instance, req_id, version)
         n = state_of(NAME).bump("loads_refused")
+        metrics.count(instance, metrics.REFUSALS, NAME)
         logger.error("pdpatch: KV load of request %s refused: %s; the request fails (the "
                      "scheduler recomputes or fails it, per kv_load_failure_policy); check the "
                      "proxy forwards P's kv_transfer_params unchanged and sends D the prompt P "

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from packaging.version import Version
 
-from pdpatch import attached, config, vllm_sites
+from pdpatch import attached, config, metrics, vllm_sites
 from pdpatch.installer import state_of
 from pdpatch.log import logger
 from pdpatch.registry import Patch, Target
@@ -337,7 +337,7 @@ def _check(sched: Any, request: Any, params: dict, version: Version) -> str:
         verdict = Verdict("rejected", ("malformed",), str(exc))
         _count("rejected", verdict.causes)
         _warn_causes(verdict, peer, request_id, recompute)
-        return "recompute" if recompute else "load"
+        return _refused(sched, metrics.REFUSED_PARAMS) if recompute else "load"
     try:
         verdict = judge(_engine_keys_for(sched, version), _request_inputs(request), peer_keys)
     except Exception as exc:  # a bug here must not take the scheduler down
@@ -358,7 +358,17 @@ def _check(sched: Any, request: Any, params: dict, version: Version) -> str:
         return "load"
     _count("rejected" if verdict.status == "rejected" else "mismatched", verdict.causes)
     _warn_causes(verdict, peer, request_id, recompute)
-    return "recompute" if recompute else "load"
+    if not recompute:
+        return "load"
+    return _refused(sched, metrics.KEY_MISMATCH if verdict.status == "mismatch" else
+                    metrics.REFUSED_PARAMS)
+
+
+def _refused(sched: Any, outcome: tuple[str, str]) -> str:
+    """Count a request whose remote KV the check refused; it is computed locally."""
+    metrics.count(sched, metrics.REFUSALS, NAME)
+    metrics.count(sched, metrics.KV_REQUESTS, *outcome)
+    return "recompute"
 
 
 def make_engine_hook(version: Version) -> Callable[..., Any]:

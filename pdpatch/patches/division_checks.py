@@ -32,7 +32,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from pdpatch import vllm_sites
+from pdpatch import metrics, vllm_sites
 from pdpatch.patches.common import allowed, arg
 from pdpatch.registry import Patch, Target, Wrapper
 
@@ -113,6 +113,7 @@ def make_check(version: Version) -> Wrapper:
             remote_tp = arg(args, kwargs, 1, "remote_tp_size")
             found = problems(instance, meta, remote_tp, version)
             if found:
+                metrics.count(instance, metrics.REFUSALS, NAME)
                 raise GeometryNotDivisible(
                     "pdpatch: NIXL handshake rejected, the descriptor maths would truncate: "
                     + "; ".join(found) + " [division_checks]")

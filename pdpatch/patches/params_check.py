@@ -32,7 +32,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from pdpatch import config, vllm_sites
+from pdpatch import config, metrics, vllm_sites
 from pdpatch.registry import Patch, Target
 
 NAME = "params_check"
@@ -128,6 +128,7 @@ def check_kv_transfer_params(wrapped: Any, instance: Any, args: tuple, kwargs: d
         return result
     found = problems(extra_args["kv_transfer_params"], *_limits(instance))
     if found:
+        metrics.count(None, metrics.REFUSALS, NAME)         # the API server's own
         msg = "invalid kv_transfer_params: " + "; ".join(found) + " [pdpatch params_check]"
         try:
             from vllm.exceptions import VLLMValidationError

@@ -39,7 +39,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from pdpatch import vllm_sites
+from pdpatch import metrics, vllm_sites
 from pdpatch.log import logger
 from pdpatch.patches.common import allowed, arg
 from pdpatch.registry import Patch, Target, Wrapper
@@ -73,6 +73,8 @@ def make_guard(version: Version, receive: bool) -> Wrapper:
             found = problems(params, seeded)
             if found:
                 params["do_remote_prefill"] = False
+                metrics.count(instance, metrics.REFUSALS, NAME)
+                metrics.count(instance, metrics.KV_REQUESTS, *metrics.REFUSED_PARAMS)
                 logger.warning(
                     "pdpatch: request %s: kv_transfer_params unusable by vLLM %s's NIXL "
                     "connector (%s): no KV is loaded for it and no prefill engine is told "

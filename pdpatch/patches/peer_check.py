@@ -27,7 +27,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from pdpatch import vllm_sites
+from pdpatch import metrics, vllm_sites
 from pdpatch.patches.common import allowed, arg
 from pdpatch.registry import Patch, Target
 
@@ -110,6 +110,7 @@ def check_peer(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     if allowed(NAME, instance) and all(hasattr(meta, f) for f in REQUIRED_FIELDS):
         found = problems(meta)
         if found:
+            metrics.count(instance, metrics.REFUSALS, NAME)
             raise PeerMetadataInvalid(
                 f"pdpatch: NIXL handshake rejected, peer {getattr(meta, 'engine_id', '?')} "
                 "advertised impossible metadata: " + "; ".join(found) + " [peer_check]")

@@ -22,7 +22,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from pdpatch import vllm_sites
+from pdpatch import metrics, vllm_sites
 from pdpatch.installer import state_of
 from pdpatch.log import logger
 from pdpatch.patches.common import allowed, arg
@@ -56,6 +56,7 @@ def make_guard(version: Version) -> Wrapper:
                              why)
                 raise exc from None
             n = state_of(NAME).bump("failures_contained")
+            metrics.count(instance, metrics.FAILURES_CONTAINED, NAME)
             logger.error(
                 "pdpatch: KV load of request %s failed (%s: %s); failing this request instead "
                 "of the worker [read_guard, %d so far]", req_id, type(exc).__name__, exc, n,

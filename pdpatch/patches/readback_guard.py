@@ -30,7 +30,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from pdpatch import vllm_sites
+from pdpatch import metrics, vllm_sites
 from pdpatch.log import logger
 from pdpatch.patches.common import allowed, arg
 from pdpatch.registry import Patch, Target
@@ -58,6 +58,7 @@ def guard_readback(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     count, load_async = result
     if not (load_async and count) or vllm_sites.readback_receive_queued(instance, params):
         return result
+    metrics.count(instance, metrics.REFUSALS, NAME)
     kv_role = getattr(getattr(getattr(instance, "vllm_config", None), "kv_transfer_config",
                               None), "kv_role", None)
     logger.warning(

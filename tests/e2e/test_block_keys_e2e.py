@@ -12,6 +12,9 @@ depend on the engines' seeds.  pdpatch is active on both.
   D refuses P's KV (no external prefix-cache hit), warns with the cause ``cache_salt``,
   computes the prompt itself, and its output still equals the local computation.
 
+D's ``/metrics`` counts each (pdpatch's ``metrics`` patch): the first as pulled, the second as
+recomputed for a key mismatch, with a ``block_keys`` refusal.
+
 The reference output comes from P computing the prompt locally (no ``kv_transfer_params``).
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 
 from lab.rig import proxy
 from lab.rig.model import tiny_config
@@ -34,12 +38,27 @@ RIG_SPECS = [
 ]
 RIG_WARMUP = [("P", "D")]
 
+PULLED = 'pdpatch:kv_requests_total{cause="",outcome="pulled"}'
+MISMATCH = 'pdpatch:kv_requests_total{cause="key_mismatch",outcome="recomputed"}'
+REFUSED = 'pdpatch:refusals_total{patch="block_keys"}'
 FINGERPRINT = re.compile(r"block-key fingerprint of this engine \(kv_role=(\w+)\): (.*?) \[")
 
 
 def prompt(seed: int, n: int = 300) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, tiny_config()["vocab_size"]) for _ in range(n)]
+
+
+def counted(engine, before: dict[str, float], wait_s: float = 10.0) -> dict[str, float]:
+    """What pdpatch's counters on ``engine``'s ``/metrics`` moved by since ``before`` (they
+    arrive with the engine's next scheduler stats: polled until they moved)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        after = engine.pdpatch_metrics()
+        delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+        if delta or time.monotonic() > deadline:
+            return delta
+        time.sleep(0.2)
 
 
 def fingerprint(engine) -> str:
@@ -59,6 +78,8 @@ def test_same_request_loads_remote_kv_whatever_the_seeds(rig: EngineGroup) -> No
     p, d = rig["P"], rig["D"]
     ids = prompt(1)
     want = proxy.stream(p, ids, MAX_TOKENS)            # local computation
+    before = d.pdpatch_metrics()
+    assert MISMATCH in before and REFUSED in before, before     # on /metrics from the start
     res = proxy.pd_request(p, d, ids, MAX_TOKENS)
     assert res.decode.error is None
     assert res.decode.token_ids == want.token_ids
@@ -68,11 +89,13 @@ def test_same_request_loads_remote_kv_whatever_the_seeds(rig: EngineGroup) -> No
     assert "block keys of P engine" in log and "match D's" in log
     assert "name blocks differently in their own prefix caches (seed)" in log
     assert "do not match" not in log
+    assert counted(d, before) == {PULLED: 1.0}
 
 
 def test_different_cache_salt_computes_locally_and_warns(rig: EngineGroup) -> None:
     p, d = rig["P"], rig["D"]
     ids = prompt(2)
+    before = d.pdpatch_metrics()
     res = proxy.pd_request(p, d, ids, MAX_TOKENS, decode_body={"cache_salt": "tenant-b"})
     want = proxy.stream(p, ids, MAX_TOKENS)            # local computation on P
     assert res.decode.error is None
@@ -82,3 +105,4 @@ def test_different_cache_salt_computes_locally_and_warns(rig: EngineGroup) -> No
     log = d.log_text()
     assert "do not match D's: cache_salt" in log
     assert "computing it locally instead of loading P's KV" in log
+    assert counted(d, before) == {MISMATCH: 1.0, REFUSED: 1.0}

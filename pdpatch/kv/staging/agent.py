@@ -227,7 +227,7 @@ class StagingAgent(AgentProxy):
             raise
         with self._lock:
             self._reads[handle] = read
-            first = self.stats.posted(read)
+            first = self.stats.posted(read, self)
         (logger.info if first else logger.debug)(
             "pdpatch kv_segments: staged READ from %s: %d KiB in %d descriptors instead of "
             "%d%s (planned in %.1f ms)", read.peer, read.requested >> 10, read.staged,
@@ -249,7 +249,7 @@ class StagingAgent(AgentProxy):
         read.xfer_kwargs = {k: v for k, v in kwargs.items() if k != "skip_desc_merge"}
         handle = self._chunked.make(read)
         with self._lock:
-            first = self.stats.posted(read)
+            first = self.stats.posted(read, self)
         (logger.info if first else logger.debug)(
             "pdpatch kv_segments: staged READ from %s in %d chunks of up to %d KiB, %d in "
             "flight: %d KiB in %d descriptors instead of %d (planned in %.1f ms)", read.peer,

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from packaging.version import Version
 
-from pdpatch import vllm_sites
+from pdpatch import metrics, vllm_sites
 from pdpatch.log import logger
+from pdpatch.patches.kv_segments.settings import NAME
 from pdpatch.patches.kv_segments.state import count
 
 # The descriptor-planning core (pdpatch.kv, ~6 ms) is imported by the functions that use it,
@@ -304,6 +305,7 @@ def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version, *,
         if isinstance(err, HeadOrderMismatch):
             err = HeadOrderMismatch(f"{err.reason}. {HEAD_ORDER_ADVICE}", err.local, err.remote)
         count("rejected", str(err))
+        metrics.count(worker, metrics.REFUSALS, NAME)
         logger.error("pdpatch kv_segments: refusing peer %s (backend %s; local %s): %s",
                      getattr(meta, "engine_id", "?"), remote_name or "?", local_name, err)
         raise err from None

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from pdpatch import agent_layers
+from pdpatch import agent_layers, metrics
 from pdpatch.installer import state_of
 from pdpatch.patches.kv_segments.settings import (
     GAP_ENV,
@@ -39,11 +39,12 @@ def install_staging(worker: Any, kv_caches: Any) -> None:
             agent_layers.find(worker, StagingAgent) is not None or \
             getattr(worker, "use_mla", False):
         return
-    agent_layers.push(
+    agent = agent_layers.push(
         worker, StagingAgent, mem_type=getattr(worker, "nixl_memory_type", "VRAM"),
         capacity=mib << 20, memory=lambda: _kv_memory(worker, kv_caches),
         gap=None if gap is None else gap << 10, capacity_setting=STAGING_ENV,
         gap_setting=GAP_ENV, stats=state_of(NAME).staging_stats())
+    metrics.attribute(agent, worker)      # its staged READs reach /metrics as the worker's
 
 
 def stage_peer(worker: Any, engine_id: str, rank: int, remote: KVGeometry) -> bool:

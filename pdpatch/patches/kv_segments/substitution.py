@@ -14,7 +14,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from pdpatch import vllm_sites
+from pdpatch import metrics, vllm_sites
 from pdpatch.agent_layers import Layer, layered
 from pdpatch.log import logger
 from pdpatch.patches.common import arg
@@ -132,6 +132,7 @@ def make_add_remote_wrapper(version: Version) -> Wrapper:
                 "vLLM built no remote descriptor list pdpatch could replace",
                 conversion.plan.local, conversion.plan.remote)
         count("conversions")
+        metrics.count(instance, metrics.PEERS_CONVERTED)
         t2 = time.perf_counter()
         staged = stage_peer(instance, meta.engine_id, rank, conversion.plan.remote)
         t3 = time.perf_counter()

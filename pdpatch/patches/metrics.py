@@ -1,0 +1,161 @@
+"""Patch ``metrics``: pdpatch's counters on vLLM's own ``/metrics`` (``pdpatch:*``).
+
+The counts ride vLLM's NIXL statistics channel (:mod:`pdpatch.metrics` says how); the wrappers:
+
+* the connector facade's ``get_kv_connector_stats`` (worker half only): the records counted for
+  its worker join the stats it returns -- a fresh ``NixlKVConnectorStats`` when stock has none;
+* ``Scheduler.make_stats``: the records counted for the scheduler, its connector and the
+  connector's scheduler half join the step's connector stats (only with a NIXL connector and
+  vLLM's stats on, where ``/metrics`` gets connector stats);
+* ``Scheduler._update_waiting_for_remote_kv``: one ``kv_requests`` count per request whose KV
+  load ended: ``pulled``, or ``recomputed``/``failure`` when the release marked it failed;
+* ``NixlKVConnectorStats.aggregate``: stock extends every key of the other stats into its own
+  (a ``KeyError`` on a key it lacks) and skips stats it calls empty -- records alone are
+  "empty" -- so the records are set aside during the stock call and merged after it;
+* ``NixlPromMetrics.__init__`` / ``observe`` (API server): build the ``pdpatch:*`` counters
+  with vLLM's counter class and labels; after stock's observe, add the records.
+
+Stock code sees only its own keys: ``reduce`` (the CLI log line), ``is_empty`` and
+``observe`` read named keys and ignore the extra one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from packaging.version import Version
+
+from pdpatch import metrics, vllm_sites
+from pdpatch.log import logger
+from pdpatch.patches.common import allowed, arg
+from pdpatch.registry import Patch, Target, Wrapper
+
+NAME = metrics.NAME
+
+
+def _attach(stats: Any, build: Any, *owners: Any) -> Any:
+    """``stats`` (or a fresh one from ``build()``) carrying the pending records of ``owners``."""
+    if stats is not None and not isinstance(getattr(stats, "data", None), dict):
+        return stats
+    records = metrics.drain(*owners)
+    if not records:
+        return stats
+    if stats is None:
+        stats = build()
+    stats.data.setdefault(metrics.RECORDS_KEY, []).extend(records)
+    return stats
+
+
+def worker_stats(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    stats = wrapped(*args, **kwargs)
+    if getattr(instance, "connector_worker", None) is None or not allowed(NAME, instance):
+        return stats
+    return _attach(stats, instance.build_kv_connector_stats, instance.connector_worker)
+
+
+def _nixl_connector(scheduler: Any, version: Version) -> Any:
+    """The scheduler's connector if it is a NIXL one (pull or push), else None."""
+    connector = getattr(scheduler, "connector", None)
+    site = vllm_sites.lookup(vllm_sites.CONNECTOR_STATS, version)
+    cls = vllm_sites.loaded_class(site) if site is not None else None
+    return connector if cls is not None and isinstance(connector, cls) else None
+
+
+def make_scheduler_stats(version: Version) -> Wrapper:
+    def scheduler_stats(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        connector = _nixl_connector(instance, version)
+        if connector is None or not getattr(instance, "log_stats", False) or \
+                not allowed(NAME, instance):
+            return wrapped(*args, **kwargs)
+        stats = arg(args, kwargs, 1, "kv_connector_stats", None)
+        new = _attach(stats, type(connector).build_kv_connector_stats, instance, connector,
+                      getattr(connector, "connector_scheduler", None))
+        if new is not stats:
+            if len(args) > 1:
+                args = (args[0], new, *args[2:])
+            else:
+                kwargs = {**kwargs, "kv_connector_stats": new}
+        return wrapped(*args, **kwargs)
+
+    return scheduler_stats
+
+
+def make_load_outcome(version: Version) -> Wrapper:
+    def load_outcome(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        request = arg(args, kwargs, 0, "request", None)
+        failed = getattr(request, "request_id", None) in \
+            getattr(instance, "failed_recving_kv_req_ids", ())
+        result = wrapped(*args, **kwargs)
+        if _nixl_connector(instance, version) is not None and allowed(NAME, instance):
+            metrics.count(instance, metrics.KV_REQUESTS,
+                          *(metrics.LOAD_FAILED if failed else metrics.PULLED))
+        return result
+
+    return load_outcome
+
+
+def merge_records(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    other = arg(args, kwargs, 0, "other", None)
+    theirs = getattr(other, "data", None)
+    records = theirs.pop(metrics.RECORDS_KEY, None) if isinstance(theirs, dict) else None
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        if records is not None:
+            theirs[metrics.RECORDS_KEY] = records
+    if records and isinstance(getattr(result, "data", None), dict):
+        result.data.setdefault(metrics.RECORDS_KEY, []).extend(records)
+    return result
+
+
+def build_exporter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    result = wrapped(*args, **kwargs)
+    if not allowed(NAME, arg(args, kwargs, 0, "vllm_config", None)):
+        return result
+    try:
+        if instance._counter_cls.__module__.startswith("prometheus_client"):
+            metrics.unregister_collectors()
+        metrics.add_exporter(instance, metrics.Exporter(
+            instance._counter_cls, instance._labelnames, instance.per_engine_labelvalues))
+    except Exception as exc:  # vLLM's own metrics must come up whatever happens here
+        logger.warning("pdpatch: pdpatch:* metrics not exported (%s: %s) [metrics]",
+                       type(exc).__name__, exc)
+    return result
+
+
+def export_records(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    result = wrapped(*args, **kwargs)
+    data = arg(args, kwargs, 0, "transfer_stats_data", None)
+    exporter = metrics.exporter_for(instance)
+    if exporter is not None and isinstance(data, dict) and data.get(metrics.RECORDS_KEY):
+        exporter.export(data[metrics.RECORDS_KEY], arg(args, kwargs, 1, "engine_idx", 0))
+    return result
+
+
+def _targets(version: Version) -> list[Target]:
+    stats = vllm_sites.lookup(vllm_sites.NIXL_STATS_HOME, version)
+    prom = vllm_sites.lookup(vllm_sites.NIXL_PROM_HOME, version)
+    sched = vllm_sites.lookup(vllm_sites.SCHEDULER_HOME, version)
+    facade = vllm_sites.lookup(vllm_sites.CONNECTOR_STATS, version)
+    if None in (stats, prom, sched, facade):
+        return []
+    return [
+        Target(facade.module, facade.qualname, worker_stats),
+        Target(stats.module, f"{stats.qualname}.aggregate", merge_records),
+        Target(sched.module, f"{sched.qualname}.make_stats", make_scheduler_stats(version)),
+        Target(sched.module, f"{sched.qualname}._update_waiting_for_remote_kv",
+               make_load_outcome(version)),
+        Target(prom.module, f"{prom.qualname}.__init__", build_exporter),
+        Target(prom.module, f"{prom.qualname}.observe", export_records),
+    ]
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="pdpatch's counters on vLLM's /metrics (pdpatch:*), through vLLM's NIXL stats",
+    versions=vllm_sites.SUPPORTED,
+    why_version="vLLM's NIXL statistics channel was checked in 0.19-0.33 only",
+    targets=_targets,
+    state=metrics.MetricsState,
+    object_state=metrics.Pending,
+)
