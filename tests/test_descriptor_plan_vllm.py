@@ -23,26 +23,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa
     NixlAgentMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import TPMapping  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+
+from lab.bench.descriptors import seeded_worker  # noqa: E402
 
 Worker = base_worker.NixlBaseConnectorWorker
-
-
-def _seeded_worker(block_lens: list[int], num_regions: int):
-    w = object.__new__(Worker)
-    w.transfer_topo = object()  # only checked for None by the builders
-    w._group_spec_types = (FullAttentionSpec,)
-    w._transfer_layer_region_indices = []
-    w._transfer_layer_group_ids = []
-    w._region_is_mla = []
-    w._head_sharded_draft_regions = set()
-    w.draft_tp_mappings = {}
-    w.block_len_per_layer = block_lens
-    w._has_mamba = False
-    w.num_regions = num_regions
-    w.region_group_ids = [0] * num_regions
-    w._uses_region_group_mapping = False
-    return w
 
 
 def _packed(num_layers, num_blocks, bs, heads, head_dim, es, pad=0, cross=False, base=0):
@@ -80,7 +64,7 @@ def test_remote_rows_equal_vllm_build_fa_remote(tp_ratio, factor, num_reads, rat
     pair = PairPlan(local, remote, remote_slice=HeadSlice(tp_ratio, factor),
                     local_slice=HeadSlice(num_reads, 0), block_size_ratio=ratio)
 
-    w = _seeded_worker([la.segments[0].length for la in local.layers], L)
+    w = seeded_worker([la.segments[0].length for la in local.layers], L)
     plan = TPMapping(
         source_ranks_per_group=(tuple(range(num_reads)),),
         all_source_ranks=tuple(range(num_reads)),
@@ -107,7 +91,7 @@ def test_desc_ids_equal_vllm_compute_desc_ids(ratio) -> None:
     pair = PairPlan(local, remote, block_size_ratio=ratio)
     lids = [7, 2, 5]
     rids = [19, 0, 3, 4, 11, 12][: len(lids) * ratio]
-    w = _seeded_worker([la.segments[0].length for la in local.layers], L)
+    w = seeded_worker([la.segments[0].length for la in local.layers], L)
     mapped_local = (np.asarray(lids)[:, None] * ratio + np.arange(ratio)).ravel()[: len(rids)]
     stock_remote = w._compute_desc_ids([rids], n_remote, None, 1)
     stock_local = w._compute_desc_ids([mapped_local.tolist()], n_local, ratio, 1)

@@ -82,31 +82,39 @@ def _best_interleaved(fns: dict[str, Callable[[], object]], inner: int, rounds: 
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def bench_planning(quick: bool) -> None:
+def seeded_worker(block_lens: list[int], num_regions: int):
+    """A real vLLM 0.33 ``NixlBaseConnectorWorker`` seeded with just the attributes its
+    descriptor builders read, as vLLM's unit tests seed ``FakeNixlConnectorWorker``."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
         NixlBaseConnectorWorker,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import TPMapping
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    layers, blocks, bs, heads, dim = 32, 8192, 16, 8, 128
-    local = _geo("packed", layers, blocks, bs, heads, dim, 1 << 32)
-    remote = _geo("packed", layers, blocks, bs, heads, dim, 1 << 40)
-
     w = object.__new__(NixlBaseConnectorWorker)
-    w.transfer_topo = object()
+    w.transfer_topo = object()  # only checked for None by the builders
     w._group_spec_types = (FullAttentionSpec,)
     w._transfer_layer_region_indices = []
     w._transfer_layer_group_ids = []
     w._region_is_mla = []
     w._head_sharded_draft_regions = set()
     w.draft_tp_mappings = {}
-    w.block_len_per_layer = [la.segments[0].length for la in local.layers]
+    w.block_len_per_layer = block_lens
     w._has_mamba = False
-    w.num_regions = layers
-    w.region_group_ids = [0] * layers
+    w.num_regions = num_regions
+    w.region_group_ids = [0] * num_regions
     w._uses_region_group_mapping = False
+    return w
+
+
+def bench_planning(quick: bool) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import TPMapping
+
+    layers, blocks, bs, heads, dim = 32, 8192, 16, 8, 128
+    local = _geo("packed", layers, blocks, bs, heads, dim, 1 << 32)
+    remote = _geo("packed", layers, blocks, bs, heads, dim, 1 << 40)
+
+    w = seeded_worker([la.segments[0].length for la in local.layers], layers)
     tp_plan = TPMapping(((0,),), (0,), {0: 0}, 0)
     meta = NixlAgentMetadata(
         engine_id="remote", agent_metadata=b"", device_id=0, num_blocks=blocks,
