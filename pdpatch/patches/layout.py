@@ -242,7 +242,7 @@ def reorder_in_memory_order(wrapped: Any, instance: Any, args: tuple, kwargs: di
     Any other cache is the release's own case."""
     cache = args[0] if args else kwargs["cache"]
     indices = args[1] if len(args) > 1 else kwargs["indices"]
-    ndim = getattr(cache, "ndim", 4)
+    ndim = getattr(cache, "ndim", None)     # None: not a tensor, the release's own error
     if ndim == 5 and cache.shape[1] == 2:
         for kv in (0, 1):
             wrapped(cache[:, kv], indices)
