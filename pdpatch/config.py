@@ -272,15 +272,21 @@ BLOCK_KEYS_ON_MISMATCH = Setting(
     choices=("recompute", "warn"), patch="block_keys")
 KV_STAGING_MIB = Setting(
     "PDPATCH_KV_STAGING_MIB", "int", "128",
-    "staging memory per decode worker for a converted peer's READs (0.19-0.25); 0 turns "
-    "staging off", unit="MiB", minimum=0, maximum=65536, patch="kv_segments")
+    "staging memory per decode worker for a converted peer's READs (0.19-0.25) and, with "
+    "`PDPATCH_KV_COALESCE`, a same-layout peer's; 0 turns staging off", unit="MiB",
+    minimum=0, maximum=65536, patch="kv_segments")
 KV_GAP_KIB = Setting(
     "PDPATCH_KV_GAP_KIB", "int", "auto",
     "bytes a staged READ may read between requested blocks to merge descriptors; 0 turns gap "
     "reads off, `auto` measures the transport per peer", unit="KiB", minimum=0,
     maximum=1048576, auto="auto", patch="kv_segments")
+KV_COALESCE = Setting(
+    "PDPATCH_KV_COALESCE", "switch", "0",
+    "stage the READs of same-layout peers too (0.19-0.33): runs of adjacent blocks move in one "
+    "descriptor instead of one per block and layer, then one local copy; off: vLLM's own READs",
+    patch="kv_segments")
 
 GLOBAL_SETTINGS: tuple[Setting, ...] = (ENABLE, DISABLE, TOGGLE, STRICT, ALLOW_UNTESTED,
                                         LOG_LEVEL)
 PATCH_OPTIONS: tuple[Setting, ...] = (LAYOUT_FORCE, LAYOUT_PERMUTE, BLOCK_KEYS_ON_MISMATCH,
-                                      KV_STAGING_MIB, KV_GAP_KIB)
+                                      KV_STAGING_MIB, KV_GAP_KIB, KV_COALESCE)

@@ -410,7 +410,7 @@ def _stats() -> dict[str, Any]:
     state = installer.state_of(kv_segments.NAME)
     return {name: getattr(state, name) for name in (
         "advertised", "hash_alternates_accepted", "conversions", "mixed_accepted", "rejected",
-        "last_error")}
+        "coalesced", "last_error")}
 
 
 def _remote_lists(d: Side, engine: str) -> list[list[tuple[int, int]]]:
@@ -420,14 +420,15 @@ def _remote_lists(d: Side, engine: str) -> list[list[tuple[int, int]]]:
 
 def scenario_pair(p_backend: str = P_BACKEND, d_backend: str = D_BACKEND,
                   d_extra: dict | None = None, block_size: int = 16,
-                  p_blocks: tuple[int, ...] = (4, 5, 6)) -> dict[str, Any]:
-    """P (``p_backend``) -> D (``d_backend``): blocks ``p_blocks`` of P into 1, 2, 3 of D."""
+                  p_blocks: tuple[int, ...] = (4, 5, 6),
+                  d_blocks: tuple[int, ...] = (1, 2, 3)) -> dict[str, Any]:
+    """P (``p_backend``) -> D (``d_backend``): blocks ``p_blocks`` of P into ``d_blocks``."""
     _reset()
     p = build("prefill", "kv_producer", p_backend, num_blocks=12, seed=1, block_size=block_size)
     d = build("decode", "kv_consumer", d_backend, num_blocks=10, seed=2, extra=d_extra,
               block_size=block_size)
-    out = pull(d, {0: p}, [1, 2, 3], list(p_blocks))
-    out["mismatches"] = compare(d, p, list(zip((1, 2, 3), p_blocks, strict=True)))
+    out = pull(d, {0: p}, list(d_blocks), list(p_blocks))
+    out["mismatches"] = compare(d, p, list(zip(d_blocks, p_blocks, strict=True)))
     out["p_regions"] = len(msgspec.msgpack.decode(
         p.worker.xfer_handshake_metadata.agent_metadata_bytes)["kv_caches_base_addr"])
     out["d_regions"] = len(msgspec.msgpack.decode(
@@ -468,6 +469,18 @@ def scenario_pair_gap() -> dict[str, Any]:
         return scenario_pair(p_blocks=(3, 5, 8))
 
 
+COALESCE = {"PDPATCH_KV_COALESCE": "1"}
+
+
+def coalesced(scenario: Any, env: dict[str, str] | None = None) -> Any:
+    """``scenario`` with ``PDPATCH_KV_COALESCE=1`` (and ``env``) in both engines: same-layout
+    peers' READs staged."""
+    def run() -> dict[str, Any]:
+        with patch.dict(os.environ, {**COALESCE, **(env or {})}):
+            return scenario()
+    return run
+
+
 def scenario_pair_chunked() -> dict[str, Any]:
     """``pair`` with 512-token blocks (128 KiB segments: 1.5 MiB for the request) and 1 MiB
     of staging (``PDPATCH_KV_STAGING_MIB=1``, no gap reads): a READ larger than the staging,
@@ -477,13 +490,13 @@ def scenario_pair_chunked() -> dict[str, Any]:
     return out
 
 
-def scenario_tp_up() -> dict[str, Any]:
+def scenario_tp_up(d_backend: str = D_BACKEND) -> dict[str, Any]:
     """P TP 1 (2 KV heads) -> D TP 2: each D rank pulls its head from P's one rank."""
     _reset()
     p = build("prefill", "kv_producer", P_BACKEND, num_blocks=12, seed=1)
     out: dict[str, Any] = {}
     for rank in (0, 1):
-        d = build(f"decode-r{rank}", "kv_consumer", D_BACKEND, num_blocks=10, seed=2 + rank,
+        d = build(f"decode-r{rank}", "kv_consumer", d_backend, num_blocks=10, seed=2 + rank,
                   tp_rank=rank, tp_size=2)
         res = pull(d, {0: p}, [1, 2], [7, 8], req=f"req-r{rank}")
         res["mismatches"] = compare(d, p, [(1, 7), (2, 8)])
@@ -492,12 +505,12 @@ def scenario_tp_up() -> dict[str, Any]:
     return out
 
 
-def scenario_tp_down() -> dict[str, Any]:
+def scenario_tp_down(d_backend: str = D_BACKEND) -> dict[str, Any]:
     """P TP 2 (1 head per rank) -> D TP 1: D pulls half of each block from each P rank."""
     _reset()
     ps = {r: build("prefill", "kv_producer", P_BACKEND, num_blocks=12, seed=1 + r,
                    tp_rank=r, tp_size=2) for r in (0, 1)}
-    d = build("decode", "kv_consumer", D_BACKEND, num_blocks=10, seed=5)
+    d = build("decode", "kv_consumer", d_backend, num_blocks=10, seed=5)
     out = pull(d, ps, [1, 2], [7, 8])
     bad = []
     for r, p in ps.items():
@@ -635,6 +648,16 @@ SCENARIOS = {
     "pair_reverse": lambda: scenario_pair(D_BACKEND, P_BACKEND),
     "pair_same": lambda: scenario_pair(P_BACKEND, P_BACKEND),
     "pair_unstaged": scenario_pair_unstaged,
+    # same-layout peers with PDPATCH_KV_COALESCE (opt-in): P's adjacent blocks into D's
+    # blocks apart (what NIXL cannot merge), TP both ways, a READ larger than 1 MiB of staging
+    "pair_coalesced": coalesced(
+        lambda: scenario_pair(P_BACKEND, P_BACKEND, d_blocks=(1, 3, 5))),
+    "tp_up_coalesced": coalesced(lambda: scenario_tp_up(P_BACKEND)),
+    "tp_down_coalesced": coalesced(lambda: scenario_tp_down(P_BACKEND)),
+    "pair_coalesced_chunked": coalesced(
+        lambda: scenario_pair(P_BACKEND, P_BACKEND, block_size=256, p_blocks=(2, 3, 4, 5, 6, 7),
+                              d_blocks=(0, 2, 4, 6, 8, 1)),
+        {"PDPATCH_KV_STAGING_MIB": "1", "PDPATCH_KV_GAP_KIB": "0"}),
     "pair_gap": scenario_pair_gap,
     "pair_chunked": scenario_pair_chunked,
     "pair_no_enforce": lambda: scenario_pair(

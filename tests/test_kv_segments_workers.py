@@ -48,16 +48,20 @@ def stock_scenarios(version: Version) -> list[str]:
     return [*STOCK, "pair_reorder_same"] if reorder else STOCK
 
 
+# Same-layout peers with PDPATCH_KV_COALESCE (opt-in), FlashAttention on both sides.
+COALESCED = ["pair_coalesced", "pair_coalesced_chunked", "tp_up_coalesced", "tp_down_coalesced"]
+
+
 def patched_scenarios(version: Version) -> list[str]:
     if version < TRITON_HND:
         # Run token-major (NHD), the order 0.19's Triton really uses; head splits (TP) and the
         # block-size receive post-processing need HND there, so those run from 0.20.
         names = ["pair", "pair_reverse", "pair_same", "pair_unstaged", "pair_gap",
                  "pair_chunked", "span_advertised",
-                 "span_stock_fields", "advert_ignored", *REORDER]
+                 "span_stock_fields", "advert_ignored", *REORDER, *COALESCED[:2]]
         return [*names, "globals"]
     names = ["pair", "pair_reverse", "pair_same", "tp_up", "tp_down", "span_advertised",
-             "span_stock_fields", "advert_ignored"]
+             "span_stock_fields", "advert_ignored", *COALESCED]
     if not PACKED_ERA <= version < Version("0.33"):
         # 0.28: the stock same-backend pair with 16- vs 32-token blocks already does not
         # reproduce P's tokens after vLLM's receive post-processing on CPU; nothing to compare.
@@ -275,7 +279,57 @@ def test_equal_layouts_stay_a_pass_through(ver: str) -> None:
     stats = out["stats"]
     assert stats["advertised"] == 2
     assert (stats["conversions"], stats["mixed_accepted"], stats["hash_alternates_accepted"],
-            stats["rejected"]) == (0, 0, 0, 0)
+            stats["rejected"], stats["coalesced"]) == (0, 0, 0, 0, 0)
+    # vLLM's own READ: no staging agent from 0.26 (nothing converts), none of its READs staged
+    assert out["staging"] is None or out["staging"]["staged_reads"] == 0
+
+
+@pytest.mark.parametrize("ver", VERSIONS)
+def test_coalesce_stages_same_layout_reads(ver: str) -> None:
+    """``PDPATCH_KV_COALESCE=1``, FlashAttention on both sides: vLLM's own descriptor pairs (no
+    conversion), read in P's address order: P's adjacent blocks 4, 5, 6 move in fewer
+    descriptors than vLLM posts into D's blocks 1, 3, 5 (apart: NIXL cannot merge them), the
+    right bytes land there and nowhere else, vLLM's notification goes to P once."""
+    out = scenario(ver, "patched", "pair_coalesced")
+    ok_pull(out, [1, 3, 5])
+    staging = out["staging"]
+    assert staging["staged_reads"] == 1 and staging["not_staged"] == {}, staging
+    assert staging["descriptors_staged"] < staging["descriptors_stock"], staging
+    assert staging["free"] == staging["allocated"]
+    assert out["stats"]["coalesced"] == 1
+    assert (out["stats"]["conversions"], out["stats"]["rejected"]) == (0, 0)
+    assert len(out["notifs_sent"]) + len([n for n in out["read_notifs"] if n]) == 1
+
+
+@pytest.mark.parametrize("ver", VERSIONS)
+def test_coalesce_reads_larger_than_staging_in_chunks(ver: str) -> None:
+    """Coalesced, six 256-token blocks (1.5 MiB) through 1 MiB of staging: the READ is read
+    in chunks behind one handle, the bytes land in D's six blocks and nowhere else."""
+    out = scenario(ver, "patched", "pair_coalesced_chunked")
+    ok_pull(out, [0, 1, 2, 4, 6, 8])
+    staging = out["staging"]
+    assert staging["chunked_reads"] == 1 and staging["chunks"] > 1, staging
+    assert staging["chunk_failures"] == 0 and staging["free"] == staging["allocated"]
+    assert len(out["notifs_sent"]) == 1 and out["notifs_sent"][0].startswith("req-1")
+
+
+@pytest.mark.parametrize("ver", VERSIONS)
+def test_coalesce_with_heterogeneous_tp(ver: str) -> None:
+    """P TP 2 -> D TP 1: whole blocks of each P rank into head slices of D's, staged and
+    byte-exact.  P TP 1 -> D TP 2: head slices of P's blocks, which staging cannot merge:
+    posted as vLLM built them (the reason counted), byte-exact."""
+    down = scenario(ver, "patched", "tp_down_coalesced")
+    ok_pull(down, [1, 2])
+    assert down["staging"]["staged_reads"] == 2, down["staging"]
+    assert down["staging"]["descriptors_staged"] < down["staging"]["descriptors_stock"]
+    up = scenario(ver, "patched", "tp_up_coalesced")
+    for rank in ("rank0", "rank1"):
+        ok_pull(up[rank], [1, 2])
+        assert up[rank]["staging"]["staged_reads"] == 0, up[rank]["staging"]
+        assert list(up[rank]["staging"]["not_staged"]) == [
+            "staging saves under a quarter of the descriptors (blocks far apart, or head "
+            "slices of K and V)"]
+    assert up["stats"]["coalesced"] == down["stats"]["coalesced"] == 2
 
 
 @pytest.mark.parametrize("ver", VERSIONS)

@@ -101,10 +101,25 @@ def _divisors(n: int) -> list[int]:
     return sorted({*small, *(n // d for d in small)})
 
 
+STRIDED_COLUMNS = 5
+"""vLLM 0.33 prepares lists of strided rows ``(addr, len, dev, stride, count)``: ``count``
+descriptors ``addr + i * stride``, one id each (``_build_fa_local`` / ``_build_fa_remote``)."""
+
+
 def as_rows(rows: Any) -> np.ndarray:
-    """vLLM's list of ``(addr, len, dev)`` tuples, or an Nx3 array, as an Nx3+ int64 array."""
+    """vLLM's list of ``(addr, len, dev)`` tuples, an Nx3 array, or 0.33's Nx5 strided rows
+    (expanded: row ``i`` is descriptor id ``i``), as an Nx3+ int64 array."""
     arr = np.asarray(rows if isinstance(rows, np.ndarray) else list(rows), dtype=np.int64)
-    return arr.reshape(-1, arr.shape[-1]) if arr.size else np.zeros((0, 3), np.int64)
+    if not arr.size:
+        return np.zeros((0, 3), np.int64)
+    arr = arr.reshape(-1, arr.shape[-1])
+    if arr.shape[1] != STRIDED_COLUMNS:
+        return arr
+    counts = arr[:, 4]
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    index = np.arange(int(counts.sum()), dtype=np.int64) - first
+    addr = np.repeat(arr[:, 0], counts) + index * np.repeat(arr[:, 3], counts)
+    return np.column_stack([addr, np.repeat(arr[:, 1], counts), np.repeat(arr[:, 2], counts)])
 
 
 def longest_run(twin: SortedTwin) -> tuple[int, int]:

@@ -10,7 +10,7 @@ from packaging.version import Version
 
 from pdpatch import vllm_sites
 from pdpatch.log import logger
-from pdpatch.patches.kv_segments.settings import FIELD, allowed
+from pdpatch.patches.kv_segments.settings import FIELD, allowed, coalesce
 from pdpatch.patches.kv_segments.staged_reads import install_staging
 from pdpatch.patches.kv_segments.state import count, existing_worker_state, worker_state
 from pdpatch.registry import Wrapper
@@ -100,12 +100,14 @@ def _advertise(instance: Any, kv_caches: Any) -> None:
 
 def make_register_wrapper(version: Version) -> Wrapper:
     """``register_kv_caches``: the staging agent goes in front before vLLM prepares its local
-    lists (it must see them prepared); the geometry is advertised after vLLM encoded them."""
+    lists (it must see them prepared) where a peer may be converted (0.19-0.25) or same-layout
+    peers are coalesced (``PDPATCH_KV_COALESCE``); the geometry is advertised after vLLM
+    encoded them."""
     converts = version in vllm_sites.KV_SPLIT_DESCRIPTORS
 
     def register_kv_caches(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         kv_caches = args[0] if args else kwargs.get("kv_caches")
-        if converts and allowed(instance):
+        if (converts or coalesce()) and allowed(instance):
             install_staging(instance, kv_caches)
         result = wrapped(*args, **kwargs)
         if allowed(instance):

@@ -220,6 +220,29 @@ def _same_regions(worker: Any, meta: Any, advertised: Any, version: Version) -> 
         len(meta.kv_caches_base_addr) == len(lens)
 
 
+def peer_read_ranges(worker: Any, meta: Any, remote_tp_size: int, version: Version, *,
+                     local_true: KVGeometry | None = None,
+                     advertised: Mapping | None = None) -> list[tuple[int, int]] | None:
+    """The memory of a peer stock code serves (same layout) that a staged READ may cross
+    whole, for gap reads; None where its geometry cannot be built (its READs are then staged
+    without gap reads)."""
+    from pdpatch.kv import KIND_PACKED, KVPlanError
+
+    local = local_view(worker, version, local_true)
+    if local is None:
+        return None
+    total = int(worker.vllm_config.model_config.get_total_num_kv_heads())
+    try:
+        remote = remote_geometry(meta, local.num_layers,
+                                 KIND_PACKED if local.kind == KIND_PACKED else "auto",
+                                 max(1, total // int(remote_tp_size)), advertised)
+        return list(remote.read_ranges())
+    except KVPlanError as exc:
+        logger.info("pdpatch kv_segments: peer %s's memory not modelled (%s); its READs are "
+                    "staged without gap reads", getattr(meta, "engine_id", "?"), exc)
+        return None
+
+
 HEAD_ORDER_ADVICE = (
     "To pair a head-major prefill with a token-major decode (kvcached, PDPATCH_LAYOUT_FORCE), "
     "set enable_permute_local_kv=true in the decode engine's --kv-transfer-config (pdpatch's "

@@ -13,6 +13,7 @@ FIELD = "pdpatch_kv_geometry"
 BACKENDS_KEY = "kv_segments_backends"
 STAGING_ENV = config.KV_STAGING_MIB.var   # passed to the staging agent, named in its messages
 STAGING_DEFAULT_MIB = int(config.KV_STAGING_MIB.default)
+COALESCE_ENV = config.KV_COALESCE.var
 GAP_ENV = config.KV_GAP_KIB.var           # likewise; unset or "auto": measured per peer
 
 # Backends whose K and V are plain [block, token, head, dim] arrays (split or fused), so that a
@@ -50,3 +51,8 @@ def gap_kib(env: Mapping[str, str] | None = None) -> int | None:
     """``PDPATCH_KV_GAP_KIB``: KiB a staged READ may read between requested blocks; None
     (unset or ``auto``) measures it per peer."""
     return config.KV_GAP_KIB.read(env)
+
+
+def coalesce(env: Mapping[str, str] | None = None) -> bool:
+    """``PDPATCH_KV_COALESCE``: stage the READs of peers stock code serves (same layout) too."""
+    return config.KV_COALESCE.read(env)

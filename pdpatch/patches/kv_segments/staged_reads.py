@@ -1,11 +1,13 @@
-"""Where ``kv_segments`` hands a converted peer's READs to :mod:`pdpatch.kv.staging`: a
-converted peer costs one NIXL descriptor per block segment (nothing merges across layouts);
-staged, its READs land in the peer's address order, so runs of blocks merge."""
+"""Where ``kv_segments`` hands a peer's READs to :mod:`pdpatch.kv.staging`: a converted peer
+costs one NIXL descriptor per block segment (nothing merges across layouts), and so does a
+same-layout peer on stock code (one per block and layer); staged, its READs land in the peer's
+address order, so runs of blocks merge.  Converted peers are staged by default, same-layout
+peers only with ``PDPATCH_KV_COALESCE`` (opt-in: stock code serves them correctly already)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from pdpatch import agent_layers, metrics
 from pdpatch.installer import state_of
@@ -16,9 +18,6 @@ from pdpatch.patches.kv_segments.settings import (
     gap_kib,
     staging_mib,
 )
-
-if TYPE_CHECKING:
-    from pdpatch.kv import KVGeometry
 
 
 def _kv_memory(worker: Any, kv_caches: Any) -> list:
@@ -47,13 +46,14 @@ def install_staging(worker: Any, kv_caches: Any) -> None:
     metrics.attribute(agent, worker)      # its staged READs reach /metrics as the worker's
 
 
-def stage_peer(worker: Any, engine_id: str, rank: int, remote: KVGeometry) -> bool:
-    """Route the converted peer's READs through the staging agent, when there is one; gap
-    READs stay inside ``remote``'s read ranges."""
+def stage_peer(worker: Any, engine_id: str, rank: int,
+               read_ranges: Sequence[tuple[int, int]] | None) -> bool:
+    """Route the peer's READs through the staging agent, when there is one; gap READs stay
+    inside ``read_ranges`` (the peer's memory; None: no gap reads)."""
     from pdpatch.kv.staging import StagingAgent
 
     agent = agent_layers.find(worker, StagingAgent)
     handle = (getattr(worker, "dst_xfer_side_handles", None) or {}).get(engine_id, {}).get(rank)
     if agent is None or handle is None:
         return False
-    return agent.mark_converted(handle, f"{engine_id} rank {rank}", remote.read_ranges())
+    return agent.mark_converted(handle, f"{engine_id} rank {rank}", read_ranges)

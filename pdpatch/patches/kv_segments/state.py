@@ -28,6 +28,8 @@ class KvSegmentsState(State):
     hash_alternates_accepted: int = counter("peer compatibility hashes accepted because they "
                                             "differ only in an interchangeable backend name")
     conversions: int = counter("peer ranks whose remote descriptors were converted")
+    coalesced: int = counter("same-layout peer ranks whose READs are staged "
+                             "(PDPATCH_KV_COALESCE)")
     mixed_accepted: int = counter("peers with another backend name and the same packed "
                                   "geometry, accepted")
     rejected: int = counter("peers refused because their K/V geometry cannot be paired")
@@ -59,13 +61,13 @@ class KvSegmentsState(State):
         out = super().counters(patch)
         s = self.staging
         for name, help_text in (
-                ("staged_reads", "READs of converted peers staged"),
+                ("staged_reads", "READs staged (converted or coalesced peers)"),
                 ("staged_bytes", "bytes requested by staged READs"),
                 ("chunked_reads", "staged READs larger than the free staging, read in chunks"),
                 ("gather_failures", "staged READs whose copy into the KV cache failed")):
             out.append(Counter(f"{patch}_{name}", int(getattr(s, name, 0)), help_text))
-        out += [Counter(f"{patch}_not_staged", int(n), "READs of converted peers posted per "
-                        "segment, by reason", (("reason", str(reason)),))
+        out += [Counter(f"{patch}_not_staged", int(n), "READs of staged peers posted as vLLM "
+                        "built them, by reason", (("reason", str(reason)),))
                 for reason, n in sorted(s.not_staged.items() if s is not None else ())]
         return out
 

@@ -19,8 +19,8 @@ from pdpatch.agent_layers import Layer, layered
 from pdpatch.log import logger
 from pdpatch.patches.common import arg
 from pdpatch.patches.kv_segments.handshake import current_handshake
-from pdpatch.patches.kv_segments.planning import Conversion, plan_peer
-from pdpatch.patches.kv_segments.settings import allowed
+from pdpatch.patches.kv_segments.planning import Conversion, peer_read_ranges, plan_peer
+from pdpatch.patches.kv_segments.settings import COALESCE_ENV, allowed, coalesce
 from pdpatch.patches.kv_segments.staged_reads import stage_peer
 from pdpatch.patches.kv_segments.state import count, existing_worker_state, worker_state
 from pdpatch.registry import Wrapper
@@ -92,6 +92,28 @@ def _plan(worker: Any, meta: Any, tp_size: int, version: Version) -> Conversion 
         return None
 
 
+def _coalesce_peer(worker: Any, meta: Any, rank: int, tp_size: int, version: Version) -> None:
+    """``PDPATCH_KV_COALESCE``: a peer stock code serves has its READs staged too -- the same
+    descriptor pairs vLLM built, read in the peer's address order so runs of blocks merge,
+    then copied into the very local descriptors vLLM named."""
+    ctx = current_handshake()
+    state = existing_worker_state(worker)
+    try:
+        ranges = peer_read_ranges(worker, meta, tp_size, version,
+                                  local_true=state.geometry if state is not None else None,
+                                  advertised=ctx.advertised_by(meta) if ctx is not None else None)
+    except (AttributeError, KeyError, TypeError):
+        ranges = None      # a worker without what the geometry needs: no gap reads
+    if stage_peer(worker, meta.engine_id, rank, ranges):
+        count("coalesced")
+        logger.info("pdpatch kv_segments: peer %s rank %s (same layout): READs staged, runs of "
+                    "blocks coalesced (%s)", meta.engine_id, rank, COALESCE_ENV)
+    else:
+        logger.warning("pdpatch kv_segments: peer %s rank %s: %s is set but its READs cannot "
+                       "be staged (see above); vLLM's own READs serve it", meta.engine_id, rank,
+                       COALESCE_ENV)
+
+
 def make_add_remote_wrapper(version: Version) -> Wrapper:
     """``add_remote_agent``: plan the peer; a converted one runs stock code on its shadow with
     the remote list swapped, then its READs are handed to staging."""
@@ -110,7 +132,10 @@ def make_add_remote_wrapper(version: Version) -> Wrapper:
         conversion = _plan(instance, meta, tp_size, version)
         t1 = time.perf_counter()
         if conversion is None:
-            return wrapped(*args, **kwargs)
+            result = wrapped(*args, **kwargs)
+            if coalesce():
+                _coalesce_peer(instance, meta, rank, tp_size, version)
+            return result
         if "nixl_agent_meta" in kwargs:
             kwargs = {**kwargs, "nixl_agent_meta": conversion.shadow}
         else:
@@ -134,7 +159,8 @@ def make_add_remote_wrapper(version: Version) -> Wrapper:
         count("conversions")
         metrics.count(instance, metrics.PEERS_CONVERTED)
         t2 = time.perf_counter()
-        staged = stage_peer(instance, meta.engine_id, rank, conversion.plan.remote)
+        staged = stage_peer(instance, meta.engine_id, rank,
+                            conversion.plan.remote.read_ranges())
         t3 = time.perf_counter()
         logger.info("pdpatch kv_segments: peer %s rank %s converted (%s -> %s, %d descriptors%s) "
                     "in %.0f ms: planning %.0f, vLLM's add_remote_agent %.0f, staging %.0f",
