@@ -409,3 +409,26 @@ def test_tolerance_files_old_flat_and_per_backend_both_read():
     assert tr.tol == cals["TRITON_ATTN"]["sequential"].tol and tr.ties == {"hit-partial": [9]}
     assert tr.source == "TRITON_ATTN: ref-triton (from u.json)"
     assert again["TRITON_ATTN"]["load"] is None
+
+
+def test_recorded_run_s_rejudged_with_run_t_as_its_stock_reference():
+    """Runs s (pdpatch, kvcached D) and t (the stock pair, ref-load) of 2026-11-28: judged by
+    flat FLASH_ATTN tolerances, both marked hit-partial's near-tie and 48 of 96 load answers at
+    16k tokens; by t's own drift (sequential, its hit requests, under load) s is intact, its
+    controls still caught, and the records suffice for a faithful load re-judge."""
+    import json
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs" / "gpu"
+    s = json.loads((docs / "2026-11-28-s-8b-16k-kvc-prefix.json").read_text())
+    t = json.loads((docs / "2026-11-28-t-8b-16k-ref-load-prefix.json").read_text())
+    got = gpu_pd.rejudge_recorded(s, t)
+    assert got["reference"] == "ref-load" and got["sequential_ties"] == {"hit-partial": [362]}
+    assert got["sequential_tol"]["hit-partial"] == pytest.approx(4 * 0.0343, abs=1e-4)
+    assert got["load_tol"] == {"len8000": [oracle.CAP] * 2, "len16000": [oracle.CAP] * 2}
+    (kvc,) = got["scenarios"]
+    assert kvc["sequential"]["hit-partial"]["was"] is False
+    assert all(v["now"] for v in kvc["sequential"].values())
+    assert kvc["controls_caught"] == {"wrong-blocks": True, "other-prompt": True}
+    assert kvc["load"] == {"requests": 96, "was_intact": 48, "intact": [96, 96],
+                           "faithful": True, "narrowed": []}

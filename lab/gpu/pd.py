@@ -35,6 +35,7 @@ import dataclasses
 import itertools
 import json
 import random
+import re
 import statistics
 import subprocess
 import sysconfig
@@ -547,6 +548,74 @@ def judge_load(load: dict, requests: dict, cal: oracle.Calibration | None,
                 errors=sorted({v["error"][:120] for v in verdicts if "error" in v}),
                 not_intact=[v for v in verdicts if v.get("intact") is False],
                 drift=[[v["prompt"], v["first"], v["dlp0"]] for v in verdicts if "error" not in v])
+
+
+_FLIPPED = re.compile(r"first token (\d+) != (\d+)")
+
+
+def _recorded_sample(v: dict) -> oracle.Sample | None:
+    """A verdict of a record written before per-answer first tokens were kept, as a sample with
+    its drift and, where the first token differed (the reason says so), both tokens: what
+    :func:`oracle.calibrate` and :func:`oracle.judge` read.  None where nothing was decoded."""
+    dlp0 = v.get("dlp0")
+    if dlp0 is None or dlp0 == float("inf"):
+        return None
+    m = _FLIPPED.match(v.get("reason") or "")
+    first, base_first = (int(m[1]), int(m[2])) if m else (0, 0)
+    return oracle.Decoded([first], [-dlp0]), oracle.Decoded([base_first], [0.0]), None
+
+
+def rejudge_recorded(run: dict, reference: dict) -> dict:
+    """Re-judge a gpu_pd.json written with flat tolerances (runs up to t) by a recorded stock
+    same-backend reference, from what both records keep: every sequential request's drift and
+    first-token verdict, but of the load answers only the not-intact ones (the intact ones are
+    known only to lie within the flat tolerance they were judged by).  So the load tolerance is
+    a range [from the recorded drifts, with the reference's unrecorded ones at their bound];
+    the re-judge is ``faithful`` where the range is one value and no load tolerance narrows
+    (the run's recorded-intact answers stay intact)."""
+    ref = next(r for r in reference["results"]
+               if r["scenario"] in REFERENCES and not r["pdpatch"] and r["P"] == r["D"])
+    seq = {n: [x] for n, e in ref["requests"].items() if (x := _recorded_sample(e))}
+    seq_cal = oracle.calibrate(seq, f"{ref['P']}: {ref['scenario']} (recorded)")
+    known: dict[str, list[oracle.Sample]] = {}
+    for v in ref["load"]["not_intact"]:
+        if x := _recorded_sample(v):
+            known.setdefault(v["prompt"], list(seq.get(v["prompt"], []))).append(x)
+    prompts = [n for n in ref["requests"] if not n.startswith("hit-")][-2:]
+    for n in prompts:
+        known.setdefault(n, list(seq.get(n, [])))
+    bound = {n: known[n] + [(oracle.Decoded([0], [-reference["tolerances"][n]]),
+                             oracle.Decoded([0], [0.0]), None)] for n in prompts}
+    lo, hi = oracle.calibrate(known, "recorded"), oracle.calibrate(bound, "bound")
+    out: dict = {"reference": ref["scenario"], "sequential_tol": seq_cal.tol,
+                 "sequential_ties": seq_cal.ties,
+                 "load_tol": {n: [lo.tol[n], hi.tol[n]] for n in prompts}, "scenarios": []}
+    for res in run["results"]:
+        if (res["P"], res["D"]) != (ref["P"], ref["P"]):
+            continue
+        got: dict = {"scenario": res["scenario"], "sequential": {}}
+        for n, e in res["requests"].items():
+            if (x := _recorded_sample(e)) and n in seq_cal.tol:
+                v = oracle.judge(x[0], x[1], seq_cal.tol[n], None, seq_cal.ties.get(n, ()))
+                got["sequential"][n] = {"was": e.get("intact"), "now": v.intact,
+                                        "dlp0": e["dlp0"], "tol": v.tol}
+        got["controls_caught"] = {
+            c: not oracle.judge(x[0], x[1], seq_cal.tol[v["prompt"]], None,
+                                seq_cal.ties.get(v["prompt"], ())).intact
+            for c, v in res["controls"].items() if (x := _recorded_sample(v))}
+        if "load" in res:
+            ld = res["load"]
+            now = [[oracle.judge(x[0], x[1], cal.tol[v["prompt"]], None,
+                                 cal.ties.get(v["prompt"], ())).intact
+                    for v in ld["not_intact"] if (x := _recorded_sample(v))]
+                   for cal in (lo, hi)]
+            narrows = [n for n in prompts if lo.tol[n] < run["tolerances"][n]]
+            got["load"] = {"requests": ld["requests"], "was_intact": ld["intact"],
+                           "intact": [ld["intact"] + sum(xs) for xs in now],
+                           "faithful": lo.tol == hi.tol and not narrows,
+                           "narrowed": narrows}
+        out["scenarios"].append(got)
+    return out
 
 
 def markdown(results: list[dict], gpu: str) -> str:
