@@ -10,10 +10,12 @@ Run on the device machine, from the repository root, with the stage built by
 (``-m`` from the root: the device's ``python3`` has no pdpatch install, so the checkout root must
 be what puts ``lab`` and ``pdpatch`` on ``sys.path``; see ``lab/__init__.py``.)
 
-A scenario is ``name`` from :data:`SCENARIOS`.  The reference ``ref`` (stock, same backend on
-both sides) sets the tolerances from its first-token drift per prompt (or ``--tolerances``
-takes them from an earlier run), and its controls (P's first block read into every block;
-another prompt's KV) must be caught.  Results go
+A scenario is ``name`` from :data:`SCENARIOS`.  The references (stock, same backend on both
+sides: ``ref`` FLASH_ATTN, ``ref-triton`` TRITON_ATTN, ``ref-load`` FLASH_ATTN under load) set
+their backend's tolerances from their first-token drift per prompt (``--tolerances`` takes what
+the run lacks from an earlier run); a scenario is judged by its P's and D's backends' (the
+wider), and its controls (P's first block read into every block; another prompt's KV) must be
+caught.  Results go
 to ``$OUT/gpu_pd.json`` and a Markdown table to ``$OUT/gpu_pd.md``; every engine's log, compressed,
 to ``$OUT/logs.tar.xz`` (a device run returns at most 8 files).
 
@@ -29,9 +31,11 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import itertools
 import json
 import random
+import re
 import statistics
 import subprocess
 import sysconfig
@@ -72,6 +76,8 @@ GEOMETRIES: dict[str, dict] = {
 SCENARIOS: dict[str, Scenario] = {
     "ref": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", controls=True,
                     note="reference: stock, same backend"),
+    "ref-triton": Scenario(False, "TRITON_ATTN", "TRITON_ATTN", controls=True,
+                           note="reference: stock, same backend (TRITON_ATTN's drift)"),
     "ref-load": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", load=96,
                          note="stock, same backend, under load: the drift batching alone gives"),
     "stock-fa-triton": Scenario(False, "FLASH_ATTN", "TRITON_ATTN"),
@@ -394,46 +400,222 @@ def _slim(r: dict) -> dict:
     return {k: r.get(k) for k in ("error", "ids", "lp", "pulled", "p_lp0")}
 
 
-def judge(results: list[dict], tol: dict[str, float]) -> None:
-    """Attach the oracle's verdicts to every request and control (in place).  A control that
-    ended in an error decoded nothing: it is no evidence either way and is not counted."""
+REFERENCES = ("ref", "ref-triton", "ref-load")
+"""Stock same-backend scenarios: each calibrates the tolerances of its backend (all of one
+backend in a run pooled), ``ref-load`` the load phase's too."""
+PHASES = ("sequential", "load")
+Tolerances = dict[str, dict[str, oracle.Calibration | None]]
+"""Backend -> phase -> its calibration (None: no reference measured it)."""
+
+
+def reference_samples(res: dict) -> dict[str, dict[str, list[oracle.Sample]]]:
+    """A reference scenario's intact answers per phase and prompt, each with D's sequential
+    baseline of its prompt (read before :func:`judge` replaces them by verdicts)."""
+    out: dict[str, dict[str, list[oracle.Sample]]] = {"sequential": {}, "load": {}}
+    for pname, e in res["requests"].items():
+        if "pd" in e:
+            out["sequential"][pname] = [(decoded(e["pd"]), decoded(e["base"]), e.get("p_lp0"))]
+    for pname, got in (res.get("load") or {}).get("answers", []):
+        base = res["requests"][pname].get("base")
+        if base is not None and not got.get("error"):
+            out["load"].setdefault(pname, []).append((decoded(got), decoded(base),
+                                                      got.get("p_lp0")))
+    return out
+
+
+def calibrations(results: list[dict], earlier: Tolerances | None = None) -> Tolerances:
+    """Per backend and phase, from this run's reference scenarios where it has them, else from
+    ``earlier`` (``--tolerances``).  The load tolerance pools the backend's sequential answers
+    with its load reference's load answers: a request under load may also run alone."""
+    seq: dict[str, dict[str, list[oracle.Sample]]] = {}
+    load: dict[str, dict[str, list[oracle.Sample]]] = {}
+    names: dict[tuple[str, str], list[str]] = {}
     for res in results:
+        if res["scenario"] not in REFERENCES or res["pdpatch"] or res["P"] != res["D"]:
+            continue
+        backend, got = res["P"], reference_samples(res)
+        for phase, into in (("sequential", seq), ("load", load)):
+            if got[phase]:
+                names.setdefault((backend, phase), []).append(res["scenario"])
+                for pname, xs in got[phase].items():
+                    into.setdefault(backend, {}).setdefault(pname, []).extend(xs)
+    out: Tolerances = {b: dict(c) for b, c in (earlier or {}).items()}
+    for backend, samples in seq.items():
+        out.setdefault(backend, dict.fromkeys(PHASES))["sequential"] = oracle.calibrate(
+            samples, f"{backend}: {'+'.join(names[backend, 'sequential'])}")
+    for backend, samples in load.items():
+        pooled = {n: seq.get(backend, {}).get(n, []) + xs for n, xs in samples.items()}
+        out.setdefault(backend, dict.fromkeys(PHASES))["load"] = oracle.calibrate(
+            pooled, f"{backend}: {'+'.join(names[backend, 'load'])}, under load")
+    return out
+
+
+def parse_tolerances(data: dict, origin: str) -> Tolerances:
+    """The ``tolerances`` of an earlier run's gpu_pd.json: per backend and phase, or the flat
+    ``{prompt: tolerance}`` of runs before the per-backend calibration (their reference was
+    ``ref``: FLASH_ATTN, sequential)."""
+    if all(isinstance(v, int | float) for v in data.values()):
+        return {"FLASH_ATTN": {"sequential": oracle.Calibration(
+                    f"FLASH_ATTN: {origin} (flat, sequential)", dict(data)), "load": None}}
+    return {b: {ph: oracle.Calibration(f"{c['source']} (from {origin})", c["tol"],
+                                       c.get("ties") or {}) if c else None
+                for ph, c in phases.items()}
+            for b, phases in data.items()}
+
+
+def tolerances_json(cals: Tolerances) -> dict:
+    """:data:`Tolerances` as gpu_pd.json records them (what :func:`parse_tolerances` reads)."""
+    return {b: {ph: dataclasses.asdict(c) if c else None for ph, c in phases.items()}
+            for b, phases in cals.items()}
+
+
+def pair_calibration(res: dict, cals: Tolerances, phase: str
+                     ) -> tuple[oracle.Calibration | None, str]:
+    """What judges ``res``'s ``phase``: the wider of its P's and D's backend calibrations, and
+    which those are; None, and the backends without one, where either is missing (never
+    borrowed from another backend)."""
+    backends = list(dict.fromkeys((res["P"], res["D"])))
+    got = [(cals.get(b) or {}).get(phase) for b in backends]
+    missing = [b for b, c in zip(backends, got, strict=True) if c is None]
+    if missing:
+        return None, f"no {phase} reference for {' and '.join(missing)}"
+    return oracle.widest([c for c in got if c is not None]), \
+        " + ".join(c.source for c in got if c is not None)
+
+
+def answer_verdict(got: dict, base: dict, p_own: float | None, cal: oracle.Calibration | None,
+            pname: str, why_none: str) -> dict:
+    """One answer's verdict fields; ``intact`` None (and why) where ``cal`` has no tolerance
+    for ``pname``.  The first tokens are kept so a later re-judge needs no decode."""
+    pd, b = decoded(got), decoded(base)
+    first = {"first": (pd.token_ids or [None])[0], "base_first": (b.token_ids or [None])[0]}
+    if cal is None or pname not in cal.tol:
+        why = why_none if cal is None else f"no tolerance for {pname} in {cal.source}"
+        dlp0 = oracle.drift(pd, b, p_own) if pd.logprobs and b.logprobs else None
+        return {"intact": None, "reason": f"not judged: {why}", "dlp0": dlp0, "tol": None,
+                "agree": oracle.leading_agreement(pd.token_ids, b.token_ids), **first}
+    v = oracle.judge(pd, b, cal.tol[pname], p_own, cal.ties.get(pname, ()))
+    return {"intact": v.intact, "reason": v.reason, "dlp0": v.dlp0, "tol": v.tol,
+            "agree": v.agree, **first}
+
+
+def judge(results: list[dict], cals: Tolerances) -> None:
+    """Attach the oracle's verdicts to every request and control (in place), each scenario by
+    its backends' calibrations (recorded in ``calibration``).  A control that ended in an
+    error, or has no tolerance, is no evidence either way and is not counted."""
+    for res in results:
+        cal, said = pair_calibration(res, cals, "sequential")
+        res["calibration"] = {"sequential": said}
         verdicts = {}
         for cname, c in res["controls"].items():
             entry = res["requests"][c["prompt"]]
             if c.get("error") or "base" not in entry:
                 c["caught"] = None
                 continue
-            v = oracle.judge(decoded(c), decoded(entry["base"]), tol[c["prompt"]],
-                             entry.get("p_lp0"))
-            c.update(caught=not v.intact, reason=v.reason, dlp0=v.dlp0)
-            verdicts[f"{res['scenario']}/{cname}"] = v
+            v = answer_verdict(c, entry["base"], entry.get("p_lp0"), cal, c["prompt"], said)
+            c.update(caught=None if v["intact"] is None else not v["intact"],
+                     reason=v["reason"], dlp0=v["dlp0"])
+            if v["intact"] is not None:
+                verdicts[f"{res['scenario']}/{cname}"] = oracle.Verdict(
+                    v["intact"], v["reason"], v["dlp0"], v["tol"], v["agree"])
         res["oracle"] = oracle.judge_run(verdicts).__dict__ if res["controls"] else None
         if "load" in res:
-            judge_load(res["load"], res["requests"], tol)
+            lcal, res["calibration"]["load"] = pair_calibration(res, cals, "load")
+            judge_load(res["load"], res["requests"], lcal, res["calibration"]["load"])
         for pname, entry in res["requests"].items():
             if "pd" in entry:
-                v = oracle.judge(decoded(entry.pop("pd")), decoded(entry.pop("base")), tol[pname],
-                                 entry.get("p_lp0"))
-                entry.update(intact=v.intact, reason=v.reason, dlp0=v.dlp0, tol=v.tol,
-                             agree=v.agree)
+                entry.update(answer_verdict(entry.pop("pd"), entry.pop("base"), entry.get("p_lp0"),
+                                     cal, pname, said))
 
 
-def judge_load(load: dict, requests: dict, tol: dict[str, float]) -> None:
+def judge_load(load: dict, requests: dict, cal: oracle.Calibration | None,
+               why_none: str = "no load reference") -> None:
     """Replace the load phase's answers by their verdicts (against D's own prefill of the same
-    prompt, from the sequential phase)."""
+    prompt, from the sequential phase, within the drift a stock pair shows under load); where
+    no load reference measured that drift, the answers are not judged (``unjudged``)."""
     verdicts = []
     for pname, got in load.pop("answers"):
         base = requests[pname].get("base")
         if got.get("error") or base is None:
             verdicts.append({"prompt": pname, "error": got.get("error") or "no baseline"})
             continue
-        v = oracle.judge(decoded(got), decoded(base), tol[pname], got.get("p_lp0"))
-        verdicts.append({"prompt": pname, "intact": v.intact, "reason": v.reason,
-                         "dlp0": v.dlp0, "agree": v.agree, "ids": got.get("ids")})
+        v = answer_verdict(got, base, got.get("p_lp0"), cal, pname, why_none)
+        verdicts.append({"prompt": pname, **v, "ids": got.get("ids")})
     load.update(requests=len(verdicts), intact=sum(1 for v in verdicts if v.get("intact")),
+                unjudged=sum(1 for v in verdicts if "error" not in v and v["intact"] is None),
+                unjudged_why=sorted({v["reason"] for v in verdicts
+                                     if "error" not in v and v["intact"] is None}),
                 errors=sorted({v["error"][:120] for v in verdicts if "error" in v}),
-                not_intact=[v for v in verdicts if v.get("intact") is False])
+                not_intact=[v for v in verdicts if v.get("intact") is False],
+                drift=[[v["prompt"], v["first"], v["dlp0"]] for v in verdicts if "error" not in v])
+
+
+_FLIPPED = re.compile(r"first token (\d+) != (\d+)")
+
+
+def _recorded_sample(v: dict) -> oracle.Sample | None:
+    """A verdict of a record written before per-answer first tokens were kept, as a sample with
+    its drift and, where the first token differed (the reason says so), both tokens: what
+    :func:`oracle.calibrate` and :func:`oracle.judge` read.  None where nothing was decoded."""
+    dlp0 = v.get("dlp0")
+    if dlp0 is None or dlp0 == float("inf"):
+        return None
+    m = _FLIPPED.match(v.get("reason") or "")
+    first, base_first = (int(m[1]), int(m[2])) if m else (0, 0)
+    return oracle.Decoded([first], [-dlp0]), oracle.Decoded([base_first], [0.0]), None
+
+
+def rejudge_recorded(run: dict, reference: dict) -> dict:
+    """Re-judge a gpu_pd.json written with flat tolerances (runs up to t) by a recorded stock
+    same-backend reference, from what both records keep: every sequential request's drift and
+    first-token verdict, but of the load answers only the not-intact ones (the intact ones are
+    known only to lie within the flat tolerance they were judged by).  So the load tolerance is
+    a range [from the recorded drifts, with the reference's unrecorded ones at their bound];
+    the re-judge is ``faithful`` where the range is one value and no load tolerance narrows
+    (the run's recorded-intact answers stay intact)."""
+    ref = next(r for r in reference["results"]
+               if r["scenario"] in REFERENCES and not r["pdpatch"] and r["P"] == r["D"])
+    seq = {n: [x] for n, e in ref["requests"].items() if (x := _recorded_sample(e))}
+    seq_cal = oracle.calibrate(seq, f"{ref['P']}: {ref['scenario']} (recorded)")
+    known: dict[str, list[oracle.Sample]] = {}
+    for v in ref["load"]["not_intact"]:
+        if x := _recorded_sample(v):
+            known.setdefault(v["prompt"], list(seq.get(v["prompt"], []))).append(x)
+    prompts = [n for n in ref["requests"] if not n.startswith("hit-")][-2:]
+    for n in prompts:
+        known.setdefault(n, list(seq.get(n, [])))
+    bound = {n: known[n] + [(oracle.Decoded([0], [-reference["tolerances"][n]]),
+                             oracle.Decoded([0], [0.0]), None)] for n in prompts}
+    lo, hi = oracle.calibrate(known, "recorded"), oracle.calibrate(bound, "bound")
+    out: dict = {"reference": ref["scenario"], "sequential_tol": seq_cal.tol,
+                 "sequential_ties": seq_cal.ties,
+                 "load_tol": {n: [lo.tol[n], hi.tol[n]] for n in prompts}, "scenarios": []}
+    for res in run["results"]:
+        if (res["P"], res["D"]) != (ref["P"], ref["P"]):
+            continue
+        got: dict = {"scenario": res["scenario"], "sequential": {}}
+        for n, e in res["requests"].items():
+            if (x := _recorded_sample(e)) and n in seq_cal.tol:
+                v = oracle.judge(x[0], x[1], seq_cal.tol[n], None, seq_cal.ties.get(n, ()))
+                got["sequential"][n] = {"was": e.get("intact"), "now": v.intact,
+                                        "dlp0": e["dlp0"], "tol": v.tol}
+        got["controls_caught"] = {
+            c: not oracle.judge(x[0], x[1], seq_cal.tol[v["prompt"]], None,
+                                seq_cal.ties.get(v["prompt"], ())).intact
+            for c, v in res["controls"].items() if (x := _recorded_sample(v))}
+        if "load" in res:
+            ld = res["load"]
+            now = [[oracle.judge(x[0], x[1], cal.tol[v["prompt"]], None,
+                                 cal.ties.get(v["prompt"], ())).intact
+                    for v in ld["not_intact"] if (x := _recorded_sample(v))]
+                   for cal in (lo, hi)]
+            narrows = [n for n in prompts if lo.tol[n] < run["tolerances"][n]]
+            got["load"] = {"requests": ld["requests"], "was_intact": ld["intact"],
+                           "intact": [ld["intact"] + sum(xs) for xs in now],
+                           "faithful": lo.tol == hi.tol and not narrows,
+                           "narrowed": narrows}
+        out["scenarios"].append(got)
+    return out
 
 
 def markdown(results: list[dict], gpu: str) -> str:
@@ -445,18 +627,25 @@ def markdown(results: list[dict], gpu: str) -> str:
     for r in results:
         reqs = r["requests"].values()
         intact = sum(1 for e in reqs if e.get("intact"))
+        unjudged = sum(1 for e in reqs if "reason" in e and e.get("intact") is None)
         pulled = sum(1 for e in reqs if (e.get("pulled") or 0) > 0)
         dl = max((e.get("dlp0") or 0.0 for e in reqs), default=0.0)
         ctl = r.get("oracle") or {}
         caught = f"{ctl.get('caught')}/{ctl.get('controls')}" if ctl else "-"
         errs = sorted({(e.get("error") or "")[:80] for e in reqs if e.get("error")})
-        note = "; ".join(filter(None, [r.get("note", ""), r.get("error", ""), *errs]))
+        judged_by = [f"{ph} judged by {said}" if " reference for " not in said
+                     else f"{ph} NOT JUDGED: {said}"
+                     for ph, said in (r.get("calibration") or {}).items()]
+        note = "; ".join(filter(None, [r.get("note", ""), r.get("error", ""), *errs,
+                                       *judged_by]))
         if "salt_mismatch" in r:
             note += f"; salt mismatch: pulled={r['salt_mismatch'].get('pulled')}"
         if "load" in r:
             ld = r["load"]
             note += (f"; {ld['requests']} at once ({LOAD_IN_FLIGHT} in flight): "
                      f"{ld['intact']} intact in {ld['seconds']}s")
+            if ld.get("unjudged"):
+                note += f", {ld['unjudged']} not judged"
             if ld.get("kvcached_used"):
                 note += f", kvcached memory {ld['kvcached_used']}"
         if "kill_p" in r:
@@ -467,7 +656,8 @@ def markdown(results: list[dict], gpu: str) -> str:
         xfer = ", ".join(f"{n.removeprefix('len')}: {e['xfer_s'] * 1e3:.2f}"
                          for n, e in r["requests"].items() if e.get("xfer_s"))
         rows.append(f"| {r['scenario']} | {r['pdpatch']} | {r['P']} -> {r['D']} | "
-                    f"{r['hashseed']} | {r['start_s']} | {intact}/{len(r['requests'])} | "
+                    f"{r['hashseed']} | {r['start_s']} | {intact}/{len(r['requests'])}"
+                    f"{f' ({unjudged} not judged)' if unjudged else ''} | "
                     f"{pulled} | {xfer or '-'} | {dl:.1e} | {caught} | {note} |")
     return "\n".join(rows) + "\n"
 
@@ -479,7 +669,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--site", type=Path, default=Path("/tmp/pdpatch-gpu-site"))
     ap.add_argument("--work", type=Path, default=Path("/tmp/pdpatch-gpu-work"),
                     help="model and engine logs (only the summary and a log archive go to --out)")
-    ap.add_argument("--tolerances", type=Path, help="gpu_pd.json of an earlier run's reference")
+    ap.add_argument("--tolerances", type=Path,
+                    help="gpu_pd.json of an earlier run: its calibrations judge what this run's "
+                         "own references (ref, ref-triton, ref-load) do not measure")
     ap.add_argument("--two-gpus", action="store_true", help="P on GPU 0, D on GPU 1")
     ap.add_argument("--speed", type=int, metavar="ROUNDS", default=0,
                     help="also time P/D with pdpatch on vs off (paired, ROUNDS per prompt "
@@ -524,21 +716,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"=== {name}", flush=True)
         results.append(run_scenario(name, SCENARIOS[name], prompts, paths, args.two_gpus))
     if results:
-        ref = next((r for r in results if r["scenario"] == "ref"), None)
-        if ref is not None:
-            pairs = {k: (decoded(e["pd"]), decoded(e["base"]), e.get("p_lp0"))
-                     for k, e in ref["requests"].items() if "pd" in e}
-            tol = oracle.tolerances(pairs)
-        else:
-            tol = json.loads(args.tolerances.read_text())["tolerances"]
-            longest = f"len{args.prompt_lengths[-1]}"
-            if "hit-full" not in tol and longest in tol:   # a reference run without hits:
-                tol["hit-full"] = tol[longest]                # the same prompt as the longest
-                tol["hit-partial"] = max(tol.values())        # the widest of the run
-                print(f"tolerances: hit-full as {longest}, hit-partial the widest", flush=True)
-        judge(results, tol)
+        earlier = (parse_tolerances(json.loads(args.tolerances.read_text())["tolerances"],
+                                    args.tolerances.name) if args.tolerances else None)
+        cals = calibrations(results, earlier)
+        judge(results, cals)
         (args.out / "gpu_pd.json").write_text(json.dumps(
-            {"gpu": gpu, "tolerances": tol, "results": results}, indent=1, default=str))
+            {"gpu": gpu, "tolerances": tolerances_json(cals), "results": results}, indent=1,
+            default=str))
         (args.out / "gpu_pd.md").write_text(markdown(results, gpu))
         print(markdown(results, gpu), flush=True)
     if args.speed:
