@@ -69,8 +69,8 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
            "Prefill peers whose K/V segment layout differs, served through converted "
            "descriptors (pdpatch kv_segments)."),
     Metric(STAGED_READS, (), ((),),
-           "NIXL READs from converted peers staged through the staging buffer "
-           "(pdpatch kv_segments)."),
+           "NIXL READs from converted (or, with PDPATCH_KV_COALESCE, coalesced) peers staged "
+           "through the staging buffer (pdpatch kv_segments)."),
     Metric(STAGED_READ_BYTES, (), ((),),
            "Requested KV bytes read by staged NIXL READs (pdpatch kv_segments)."),
     Metric(REFUSALS, ("patch",),

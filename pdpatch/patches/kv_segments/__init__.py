@@ -25,7 +25,9 @@ The pipeline, one module each:
 * :mod:`.substitution` -- vLLM's own ``add_remote_agent`` runs on a shadow of the peer's
   metadata and its remote descriptor list is swapped for pdpatch's;
 * :mod:`.staged_reads` -- a converted peer's READs go through
-  :class:`pdpatch.kv.staging.StagingAgent` (``PDPATCH_KV_STAGING_MIB``, ``PDPATCH_KV_GAP_KIB``);
+  :class:`pdpatch.kv.staging.StagingAgent` (``PDPATCH_KV_STAGING_MIB``, ``PDPATCH_KV_GAP_KIB``),
+  and, opt-in (``PDPATCH_KV_COALESCE``), a same-layout peer's too: stock code pairs its
+  descriptors, staging merges runs of its blocks;
 * :mod:`.state` -- the patch's state: counters and hash alternates per process, geometry
   and conversions in flight per worker; :mod:`.settings` -- names and settings.
 
