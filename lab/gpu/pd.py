@@ -20,9 +20,21 @@ to ``$OUT/logs.tar.xz`` (a device run returns at most 8 files).
 Scenarios with kvcached on D need the stage built with ``scripts/gpu_stage.sh --kvcached``: the
 sdist is built here, against the device's own torch and CUDA, once per warm machine.
 
-``--geometry llama3-8b`` gives the tiny model Llama-3-8B's KV cache (32 layers, 8 KV heads of
-128: a request moves an 8B model's bytes over NIXL), ``--prompt-lengths 600,1500,4000,8000``
-the prompts; the table shows D's NIXL time per prompt (``vllm:nixl_xfer_time_seconds``).
+``--geometry`` gives the tiny model a real model's KV cache (:data:`GEOMETRIES`), so a request
+moves that model's bytes over NIXL: ``llama3-8b`` (32 layers, 8 KV heads of 128), ``qwen2.5-7b``
+(28 layers, 4 KV heads of 128), ``llama3-70b`` (80 layers, 8 KV heads of 128; for TP 2),
+``llama3-70b-tp2`` (one GPU's share of 70B at TP 2: 80 layers, 4 KV heads of 128, at TP 1),
+``deepseek-v2-lite`` (MLA, a DeepseekV2ForCausalLM: 27 layers of a 512 + 64 latent; the
+engines run FLASH_ATTN_MLA / TRITON_MLA for a scenario's FLASH_ATTN / TRITON_ATTN).
+``--prompt-lengths 600,1500,4000,8000`` the prompts; the table shows D's NIXL time per prompt
+(``vllm:nixl_xfer_time_seconds``).
+
+``--two-gpus`` (the nvidia-h200-x2 machine) puts P on GPU 0 and D on GPU 1; the ``*-tp12`` and
+``*-tp21`` scenarios run one side at tensor-parallel size 2 on both GPUs (sharing one with the
+other side), judged by the tolerances of the reference with the same TP sizes (``ref-tp12``,
+``ref-tp21``) where the run has it.  Engines not on kvcached get a fixed KV cache
+(``--kv-cache-memory-bytes``), so P and D start together; kvcached D, which sizes its own
+pool, starts first where it shares a GPU with P.
 """
 
 from __future__ import annotations
@@ -49,6 +61,7 @@ from lab.gpu.engines import (
     Scenario,
     install_kvcached,
     kvcached_used,
+    placement,
     start_pair,
 )
 from lab.paired import median_ci, verdict
@@ -65,8 +78,42 @@ GEOMETRIES: dict[str, dict] = {
     # (hidden 256: ~0.2 GB of seeded weights), its outputs judged by the same oracle.
     "llama3-8b": {"num_hidden_layers": 32, "num_attention_heads": 32,
                   "num_key_value_heads": 8, "head_dim": 128},
+    # Qwen2.5-7B's KV cache (28 layers, 4 KV heads of 128, 28 query heads: 56 KiB per token)
+    # on the Llama architecture: the KV layout NIXL moves is the same, and the rig's weight
+    # recipe stays one (Qwen2's q/k/v biases change no cached byte's shape).
+    "qwen2.5-7b": {"num_hidden_layers": 28, "num_attention_heads": 28,
+                   "num_key_value_heads": 4, "head_dim": 128},
+    # Llama-3-70B's KV cache (80 layers, 8 KV heads of 128, 64 query heads: 320 KiB per
+    # token), for engines run at TP 2 (each GPU holds 4 KV heads).
+    "llama3-70b": {"num_hidden_layers": 80, "num_attention_heads": 64,
+                   "num_key_value_heads": 8, "head_dim": 128},
+    # What one GPU of Llama-3-70B at TP 2 holds (80 layers, 4 KV heads of 128: 160 KiB per
+    # token), served at TP 1: the per-GPU READ of a 70B TP-2 deployment on one GPU.  32 query
+    # heads keep 70B's 8 query heads per KV head.
+    "llama3-70b-tp2": {"num_hidden_layers": 80, "num_attention_heads": 32,
+                       "num_key_value_heads": 4, "head_dim": 128},
+    # DeepSeek-V2-Lite's MLA KV cache: 27 layers of one 576-wide latent (kv_lora_rank 512 +
+    # the shared RoPE key's 64) per token, 30.4 KiB per token in bf16; 16 heads, no q LoRA.
+    # Every layer a dense MLP (first_k_dense_replace = the layer count: vLLM's load_weights
+    # needs n_routed_experts to be a number, so V2-Lite's 64 stays, unused); default RoPE in
+    # place of V2-Lite's YaRN (the cache holds the latent, whatever the rotary scaling).
+    "deepseek-v2-lite": {"architectures": ["DeepseekV2ForCausalLM"],
+                         "model_type": "deepseek_v2", "num_hidden_layers": 27,
+                         "num_attention_heads": 16, "num_key_value_heads": 16,
+                         "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+                         "qk_nope_head_dim": 128, "v_head_dim": 128,
+                         "head_dim": 64,    # = qk_rope_head_dim, as transformers derives it
+                         "n_routed_experts": 64, "first_k_dense_replace": 27},
 }
-"""``--geometry``: config overrides of the rig's tiny Llama (2 layers, 4 KV heads of 64)."""
+"""``--geometry``: config overrides of the rig's tiny Llama (2 layers, 4 KV heads of 64, hidden
+256, vocab 512): real models' KV geometry, the rest kept tiny so the weights stay small and the
+oracle still tells intact KV from corrupted."""
+
+
+def is_mla(geometry: str) -> bool:
+    """Whether ``geometry``'s KV cache is MLA's latent (the engines then run vLLM's MLA
+    attention backends, :data:`lab.gpu.engines.MLA_BACKENDS`)."""
+    return "kv_lora_rank" in GEOMETRIES[geometry]
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -103,6 +150,21 @@ SCENARIOS: dict[str, Scenario] = {
     "kvc-unstaged": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, d_kvcached=True,
                              load=96, d_env={"PDPATCH_KV_STAGING_MIB": "0"},
                              note="as kvc, converted READs straight into the VMM pool"),
+    # Tensor parallelism across P and D (--two-gpus; TP-2 engines see both GPUs): each of D's
+    # ranks pulls its share of the heads from P's rank(s)
+    "ref-tp12": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", controls=True, d_tp=2,
+                         note="reference: stock, P TP 1 -> D TP 2"),
+    "tp12": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", controls=True, d_tp=2,
+                     note="P TP 1 -> D TP 2"),
+    "kvc-tp12": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, d_kvcached=True,
+                         controls=True, load=96, d_tp=2,
+                         note="kvcached pool on D (TP 2) with pdpatch's defaults, P stock TP 1"),
+    "ref-tp21": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", controls=True, p_tp=2,
+                         note="reference: stock, P TP 2 -> D TP 1"),
+    "tp21": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", controls=True, p_tp=2,
+                     note="P TP 2 -> D TP 1"),
+    "fa-triton-tp12": Scenario(True, "FLASH_ATTN", "TRITON_ATTN", hashseed=None, controls=True,
+                               d_tp=2, note="P TP 1 -> D TP 2, mixed backends"),
 }
 LOAD_IN_FLIGHT = 32
 """With the two longest prompts, ~34k tokens of KV in flight on D: 16 of kvcached's 2 MiB pages
@@ -344,7 +406,8 @@ def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False,
 def run_scenario(name: str, sc: Scenario, prompts: dict[str, list[int]], paths: Paths,
                  two_gpus: bool = False) -> dict:
     p, d, start_s = start_pair(name, sc, paths, two_gpus)
-    res: dict = {"scenario": name, "pdpatch": sc.pdpatch, "P": sc.p_backend, "D": sc.d_backend,
+    res: dict = {"scenario": name, "pdpatch": sc.pdpatch, "P": tp_backend(p.backend, sc.p_tp),
+                 "D": tp_backend(d.backend, sc.d_tp),
                  "hashseed": sc.hashseed, "note": sc.note, "start_s": round(start_s, 1),
                  "requests": {}, "controls": {}}
     try:
@@ -390,8 +453,31 @@ def run_scenario(name: str, sc: Scenario, prompts: dict[str, list[int]], paths: 
     return res
 
 
+def tp_backend(backend: str, tp: int) -> str:
+    """An engine's backend for the results table, with its TP size where above 1."""
+    return f"{backend} TP{tp}" if tp > 1 else backend
+
+
 def _slim(r: dict) -> dict:
     return {k: r.get(k) for k in ("error", "ids", "lp", "pulled", "p_lp0")}
+
+
+REFERENCES = {(1, 1): "ref", (1, 2): "ref-tp12", (2, 1): "ref-tp21"}
+"""The reference scenario of each (P TP, D TP): its drift sets the tolerances of the run's
+scenarios with the same TP sizes (a TP-2 engine's all-reduce sums in another order, so its
+drift is its own)."""
+
+
+def reference_tolerances(results: list[dict]) -> dict[tuple[int, int], dict[str, float]]:
+    """The oracle's tolerances from each reference scenario of the run, by (P TP, D TP)."""
+    out = {}
+    for tps, name in REFERENCES.items():
+        ref = next((r for r in results if r["scenario"] == name), None)
+        if ref is not None:
+            out[tps] = oracle.tolerances({k: (decoded(e["pd"]), decoded(e["base"]),
+                                              e.get("p_lp0"))
+                                          for k, e in ref["requests"].items() if "pd" in e})
+    return out
 
 
 def judge(results: list[dict], tol: dict[str, float]) -> None:
@@ -480,7 +566,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/pdpatch-gpu-work"),
                     help="model and engine logs (only the summary and a log archive go to --out)")
     ap.add_argument("--tolerances", type=Path, help="gpu_pd.json of an earlier run's reference")
-    ap.add_argument("--two-gpus", action="store_true", help="P on GPU 0, D on GPU 1")
+    ap.add_argument("--two-gpus", action="store_true",
+                    help="P on GPU 0, D on GPU 1, a TP-2 engine on both (nvidia-h200-x2); "
+                         "the *tp12/*tp21 scenarios need it")
     ap.add_argument("--speed", type=int, metavar="ROUNDS", default=0,
                     help="also time P/D with pdpatch on vs off (paired, ROUNDS per prompt "
                          "length); writes $OUT/gpu_speed.json")
@@ -490,7 +578,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --speed: start the pdpatch pair first (the default starts it "
                          "second); two runs with opposite orders cancel a start-order bias")
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="tiny",
-                    help="the model's KV geometry (llama3-8b: 32 layers, 8 KV heads of 128)")
+                    help="the model's KV geometry: llama3-8b (32 layers, 8 KV heads of 128), "
+                         "qwen2.5-7b (28 layers, 4 KV heads of 128), llama3-70b (80 layers, "
+                         "8 KV heads of 128; for TP 2), llama3-70b-tp2 (80 layers, 4 KV heads "
+                         "of 128: one GPU's share of 70B at TP 2), deepseek-v2-lite (MLA: 27 "
+                         "layers of a 512+64 latent; MLA backends); default: the tiny Llama")
     ap.add_argument("--prompt-lengths", type=prompt_lengths, default=PROMPT_LENGTHS,
                     metavar="N,N,...", help="prompt lengths in tokens (default: "
                     f"{','.join(map(str, PROMPT_LENGTHS))})")
@@ -498,6 +590,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not (args.scenarios or args.speed):
         ap.error("name a scenario or --speed")
+    for name in args.scenarios:
+        try:
+            placement(SCENARIOS[name], args.two_gpus)
+        except ValueError as exc:
+            ap.error(f"{name}: {exc}")
+    if args.scenarios and args.tolerances is None and \
+            not set(REFERENCES.values()) & set(args.scenarios):
+        ap.error(f"name a reference scenario ({', '.join(REFERENCES.values())}) or take an "
+                 "earlier run's tolerances with --tolerances")
     args.out.mkdir(parents=True, exist_ok=True)
     logs = args.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -512,9 +613,10 @@ def main(argv: list[str] | None = None) -> int:
     model = model_dir(args.work / f"model-{args.geometry}-{max_len}", **overrides)
     kvc = (install_kvcached(args.stage, args.work / "kvcached")
            if any(SCENARIOS[n].d_kvcached for n in args.scenarios) else None)
-    paths = Paths(args.site, model, logs, kvc, max_len)
+    paths = Paths(args.site, model, logs, kvc, max_len, mla=is_mla(args.geometry))
     gpu = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-           f"{' (P on GPU 0, D on GPU 1)' if args.two_gpus else ''}, torch {torch.__version__}, "
+           f"{' (P on GPU 0, D on GPU 1, TP 2 on both)' if args.two_gpus else ''}, "
+           f"torch {torch.__version__}, "
            f"vLLM {staged_vllm(args.site)}, model geometry {args.geometry}, prefix caching on")
     rng = random.Random(7)
     prompts = {f"len{n}": [rng.randrange(3, 512) for _ in range(n)]
@@ -524,11 +626,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"=== {name}", flush=True)
         results.append(run_scenario(name, SCENARIOS[name], prompts, paths, args.two_gpus))
     if results:
-        ref = next((r for r in results if r["scenario"] == "ref"), None)
-        if ref is not None:
-            pairs = {k: (decoded(e["pd"]), decoded(e["base"]), e.get("p_lp0"))
-                     for k, e in ref["requests"].items() if "pd" in e}
-            tol = oracle.tolerances(pairs)
+        tols = reference_tolerances(results)
+        if (1, 1) in tols or args.tolerances is None:
+            tol = tols.get((1, 1)) or next(iter(tols.values()))
         else:
             tol = json.loads(args.tolerances.read_text())["tolerances"]
             longest = f"len{args.prompt_lengths[-1]}"
@@ -536,9 +636,13 @@ def main(argv: list[str] | None = None) -> int:
                 tol["hit-full"] = tol[longest]                # the same prompt as the longest
                 tol["hit-partial"] = max(tol.values())        # the widest of the run
                 print(f"tolerances: hit-full as {longest}, hit-partial the widest", flush=True)
-        judge(results, tol)
+        for res in results:
+            sc = SCENARIOS[res["scenario"]]
+            judge([res], tols.get((sc.p_tp, sc.d_tp), tol))
         (args.out / "gpu_pd.json").write_text(json.dumps(
-            {"gpu": gpu, "tolerances": tol, "results": results}, indent=1, default=str))
+            {"gpu": gpu, "tolerances": tol,
+             "tolerances_by_tp": {f"{p_tp}->{d_tp}": t for (p_tp, d_tp), t in tols.items()},
+             "results": results}, indent=1, default=str))
         (args.out / "gpu_pd.md").write_text(markdown(results, gpu))
         print(markdown(results, gpu), flush=True)
     if args.speed:
