@@ -362,6 +362,30 @@ def test_a_missing_backend_reference_is_reported_not_borrowed():
     assert "sequential NOT JUDGED: no sequential reference for TRITON_ATTN" in line
 
 
+def test_tp_pairs_are_judged_by_the_reference_of_their_own_tp_sizes():
+    """A TP-2 engine's all-reduce sums in another order: ``ref-tp12``'s drift judges the
+    1 -> 2 pairs and never widens (or stands in for) the TP-1 calibration."""
+    def tp(res: dict, sizes: list[int], backends: list[str]) -> dict:
+        return {**res, "tp": sizes, "backends": backends}
+
+    fa = _result("ref", "FLASH_ATTN", "FLASH_ATTN", {"long": 1e-4})
+    ref12 = tp(_result("ref-tp12", "FLASH_ATTN", "FLASH_ATTN TP2", {"long": 0.01}), [1, 2],
+               ["FLASH_ATTN", "FLASH_ATTN"])
+    tp12 = tp(_result("tp12", "FLASH_ATTN", "FLASH_ATTN TP2", {"long": 0.03}, pdpatch=True),
+              [1, 2], ["FLASH_ATTN", "FLASH_ATTN"])
+    mixed12 = tp(_result("fa-triton-tp12", "FLASH_ATTN", "TRITON_ATTN TP2", {"long": 0.03},
+                         pdpatch=True), [1, 2], ["FLASH_ATTN", "TRITON_ATTN"])
+    results = [fa, ref12, tp12, mixed12]
+    cals = gpu_pd.calibrations(results)
+    assert cals["FLASH_ATTN"]["sequential"].tol["long"] == oracle.FLOOR
+    assert cals["FLASH_ATTN TP1->2"]["sequential"].tol["long"] == pytest.approx(0.04)
+    gpu_pd.judge(results, cals)
+    assert tp12["requests"]["long"]["intact"]
+    assert tp12["calibration"] == {"sequential": "FLASH_ATTN TP1->2: ref-tp12"}
+    assert mixed12["requests"]["long"]["reason"] == \
+        "not judged: no sequential reference for TRITON_ATTN TP1->2"
+
+
 def test_load_is_judged_against_the_stock_pairs_drift_under_the_same_load():
     """Issue 24 item 6 (b): under load the stock pair's 16k answers drift 8e-3..1.2e-1 from D's
     sequential prefill, where the sequential tolerance was 7.1e-3."""

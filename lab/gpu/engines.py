@@ -1,6 +1,7 @@
 """The device machine's vLLM GPU engines for ``lab/gpu/pd.py``: a scenario's P and D as real
 vLLM OpenAI servers started from the unpacked stage (pdpatch from the checkout through its
-``sitecustomize`` way in, kvcached on D where the scenario asks), their requests and metrics.
+``sitecustomize`` way in, kvcached on D where the scenario asks, each side at its
+tensor-parallel size on the GPUs :func:`placement` gives it), their requests and metrics.
 """
 
 from __future__ import annotations
@@ -25,6 +26,24 @@ MAX_TOKENS = 16
 
 
 MAX_MODEL_LEN = 2048
+KV_CACHE_BYTES = 16 << 30
+"""``--kv-cache-memory-bytes`` of every engine not on kvcached (per GPU): about the KV cache
+``--gpu-memory-utilization 0.12`` gave on a 141 GiB H200 before (0.12 of it, less the tiny
+model and the profiling peak).  A fixed size skips vLLM's memory profiling (0.25.1's
+``Worker.determine_available_memory`` returns it after one dummy run), which read the other
+engine's allocations as its own on a shared GPU ("No available memory for the cache blocks",
+seen on an H100), so P and D can start together."""
+GPU_MEMORY_UTILIZATION = "0.12"
+"""Still vLLM's startup check (that much memory free) for every engine, and kvcached D's
+budget, which sizes its own pool."""
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1", "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+"""NVLink multicast stays off on the device's multi-GPU machines (it can take the host's shared
+GPUs out of service): the machine's own settings, restated for the engines, and vLLM's
+symmetric-memory all-reduce (multimem on Hopper) off for TP-2 engines."""
+MLA_BACKENDS = {"FLASH_ATTN": "FLASH_ATTN_MLA", "TRITON_ATTN": "TRITON_MLA"}
+"""A scenario's backend as vLLM's MLA counterpart, for MLA geometries (``--geometry
+deepseek-v2-lite``): vLLM refuses a non-MLA ``--attention-backend`` for an MLA model."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +61,8 @@ class Scenario:
     d_ktc: dict = field(default_factory=dict)   # more --kv-transfer-config keys for D
     d_kvcached: bool = False            # D's KV cache in a kvcached (CUDA VMM) pool
     load: int = 0                       # then this many long P/D requests, LOAD_IN_FLIGHT at once
+    p_tp: int = 1                       # P's --tensor-parallel-size (2: needs --two-gpus)
+    d_tp: int = 1                       # D's --tensor-parallel-size (2: needs --two-gpus)
     note: str = ""
 
 
@@ -60,6 +81,7 @@ class Paths:
     logs: Path
     kvcached: Path | None = None   # kvcached's site and its sitecustomize (install_kvcached)
     max_model_len: int = MAX_MODEL_LEN
+    mla: bool = False              # an MLA model: backends as MLA_BACKENDS maps them
 
 
 def install_kvcached(stage: Path, dest: Path) -> Path:
@@ -89,19 +111,22 @@ def kvcached_used(ipc_name: str, shm: Path = Path("/dev/shm")) -> int | None:
 
 class Engine:
     def __init__(self, name: str, role: str, backend: str, sc: Scenario, paths: Paths,
-                 gpu: int | None = None) -> None:
+                 gpus: str | None = None) -> None:
         self.name, self.port = name, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.backend = MLA_BACKENDS.get(backend, backend) if paths.mla else backend
+        producer = role == "kv_producer"
         env = dict(os.environ)
         path = [str(paths.site)]
-        if role == "kv_consumer" and sc.d_kvcached:
+        kvcached = not producer and sc.d_kvcached
+        if kvcached:
             if paths.kvcached is None:
                 raise SystemExit("kvcached scenarios need the stage's kvcached/ folder "
                                  "(scripts/gpu_stage.sh --kvcached)")
             path = [str(paths.kvcached), *path]
             self.kvcached_ipc = f"pdpatch-{name}-{os.getpid()}"
             env.update(KVCACHED_ENV, KVCACHED_IPC_NAME=self.kvcached_ipc)
-        pdpatch = sc.pdpatch and not (role == "kv_producer" and sc.p_stock)
+        pdpatch = sc.pdpatch and not (producer and sc.p_stock)
         if pdpatch:
             path = [str(REPO / "sitecustomize"), str(REPO), *path]
         env.pop("PYTHONHASHSEED", None)
@@ -113,19 +138,23 @@ class Engine:
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1",
             "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
             "VLLM_USE_FLASHINFER_SAMPLER": "0", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on",
+            **MULTICAST_OFF,
         })
-        env.update(sc.p_env if role == "kv_producer" else sc.d_env)
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        env.update(sc.p_env if producer else sc.d_env)
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--host", "127.0.0.1", "--port", str(self.port), "--model", str(paths.model),
                "--served-model-name", "tiny", "--skip-tokenizer-init", "--enforce-eager", "-O0",
-               "--max-model-len", str(paths.max_model_len), "--gpu-memory-utilization", "0.12",
+               "--max-model-len", str(paths.max_model_len),
+               "--gpu-memory-utilization", GPU_MEMORY_UTILIZATION,
+               *([] if kvcached else ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]),
+               "--tensor-parallel-size", str(sc.p_tp if producer else sc.d_tp),
                "--seed", "0",
-               "--attention-backend", backend,
+               "--attention-backend", self.backend,
                "--kv-transfer-config",
                json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
-                           **(sc.d_ktc if role == "kv_consumer" else {})})]
+                           **({} if producer else sc.d_ktc)})]
         self.log = paths.logs / f"{name}.log"
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log.open("wb"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
@@ -185,11 +214,28 @@ class Engine:
         return out
 
 
+def placement(sc: Scenario, two_gpus: bool) -> tuple[str | None, str | None]:
+    """``CUDA_VISIBLE_DEVICES`` of P and D (None: the machine's one GPU).  On two GPUs a TP-1 P
+    takes GPU 0 and a TP-1 D GPU 1, a TP-2 engine both, so a TP-1 engine shares its GPU with
+    the other side's TP-2 engine."""
+    tps = (sc.p_tp, sc.d_tp)
+    if not set(tps) <= {1, 2}:
+        raise ValueError(f"tensor-parallel sizes 1 or 2 only (two GPUs), got P {tps[0]}, "
+                         f"D {tps[1]}")
+    if not two_gpus:
+        if tps != (1, 1):
+            raise ValueError(f"P TP {tps[0]} -> D TP {tps[1]} needs two GPUs: run with "
+                             "--two-gpus on the nvidia-h200-x2 machine")
+        return None, None
+    return ("0,1" if sc.p_tp == 2 else "0"), ("0,1" if sc.d_tp == 2 else "1")
+
+
 def start_pair(name: str, sc: Scenario, paths: Paths, two_gpus: bool = False,
                timeout_s: float = 300) -> tuple[Engine, Engine, float]:
-    """P and D on GPU 0, or P on GPU 0 and D on GPU 1.  On one GPU, P starts once D is up: an
-    engine that profiles GPU memory while the other is still loading can find no room for its
-    KV cache ("No available memory for the cache blocks", seen on an H100)."""
+    """P and D on the GPUs :func:`placement` gives them, started together: with a fixed
+    :data:`KV_CACHE_BYTES` no engine profiles memory.  kvcached D sizes its own pool from the
+    free memory, so where it shares a GPU with P it starts first, and P once D is up."""
+    p_gpus, d_gpus = placement(sc, two_gpus)
     t0 = time.time()
 
     def wait(*engines: Engine) -> None:
@@ -198,11 +244,10 @@ def start_pair(name: str, sc: Scenario, paths: Paths, two_gpus: bool = False,
                 return
             time.sleep(1)
 
-    d = Engine(f"{name}-D", "kv_consumer", sc.d_backend, sc, paths,
-               gpu=1 if two_gpus else None)
-    if not two_gpus:
+    d = Engine(f"{name}-D", "kv_consumer", sc.d_backend, sc, paths, gpus=d_gpus)
+    shared = p_gpus is None or not set(p_gpus.split(",")).isdisjoint((d_gpus or "").split(","))
+    if sc.d_kvcached and shared:
         wait(d)
-    p = Engine(f"{name}-P", "kv_producer", sc.p_backend, sc, paths,
-               gpu=0 if two_gpus else None)
+    p = Engine(f"{name}-P", "kv_producer", sc.p_backend, sc, paths, gpus=p_gpus)
     wait(p, d)
     return p, d, time.time() - t0

@@ -22,9 +22,21 @@ to ``$OUT/logs.tar.xz`` (a device run returns at most 8 files).
 Scenarios with kvcached on D need the stage built with ``scripts/gpu_stage.sh --kvcached``: the
 sdist is built here, against the device's own torch and CUDA, once per warm machine.
 
-``--geometry llama3-8b`` gives the tiny model Llama-3-8B's KV cache (32 layers, 8 KV heads of
-128: a request moves an 8B model's bytes over NIXL), ``--prompt-lengths 600,1500,4000,8000``
-the prompts; the table shows D's NIXL time per prompt (``vllm:nixl_xfer_time_seconds``).
+``--geometry`` gives the tiny model a real model's KV cache (:data:`GEOMETRIES`), so a request
+moves that model's bytes over NIXL: ``llama3-8b`` (32 layers, 8 KV heads of 128), ``qwen2.5-7b``
+(28 layers, 4 KV heads of 128), ``llama3-70b`` (80 layers, 8 KV heads of 128; for TP 2),
+``llama3-70b-tp2`` (one GPU's share of 70B at TP 2: 80 layers, 4 KV heads of 128, at TP 1),
+``deepseek-v2-lite`` (MLA, a DeepseekV2ForCausalLM: 27 layers of a 512 + 64 latent; the
+engines run FLASH_ATTN_MLA / TRITON_MLA for a scenario's FLASH_ATTN / TRITON_ATTN).
+``--prompt-lengths 600,1500,4000,8000`` the prompts; the table shows D's NIXL time per prompt
+(``vllm:nixl_xfer_time_seconds``).
+
+``--two-gpus`` (the nvidia-h200-x2 machine) puts P on GPU 0 and D on GPU 1; the ``*-tp12`` and
+``*-tp21`` scenarios run one side at tensor-parallel size 2 on both GPUs (sharing one with the
+other side), judged by the tolerances of the reference with the same TP sizes (``ref-tp12``,
+``ref-tp21``) where the run has it.  Engines not on kvcached get a fixed KV cache
+(``--kv-cache-memory-bytes``), so P and D start together; kvcached D, which sizes its own
+pool, starts first where it shares a GPU with P.
 """
 
 from __future__ import annotations
@@ -53,6 +65,7 @@ from lab.gpu.engines import (
     Scenario,
     install_kvcached,
     kvcached_used,
+    placement,
     start_pair,
 )
 from lab.paired import median_ci, verdict
@@ -62,6 +75,9 @@ from lab.rig.proxy import pd_request as streamed_pd_request
 from pdpatch.patches import block_keys
 
 PROMPT_LENGTHS = (7, 16, 17, 100, 600, 1500)
+SPEED_GOAL = 1.02
+SPEED_LENGTHS = (100, 600, 1500)
+SPEED_TOKENS = 64
 GEOMETRIES: dict[str, dict] = {
     "tiny": {},
     # Llama-3-8B's KV cache (32 layers, 8 KV heads of 128): 128 KiB per token in bf16, so a
@@ -69,8 +85,42 @@ GEOMETRIES: dict[str, dict] = {
     # (hidden 256: ~0.2 GB of seeded weights), its outputs judged by the same oracle.
     "llama3-8b": {"num_hidden_layers": 32, "num_attention_heads": 32,
                   "num_key_value_heads": 8, "head_dim": 128},
+    # Qwen2.5-7B's KV cache (28 layers, 4 KV heads of 128, 28 query heads: 56 KiB per token)
+    # on the Llama architecture: the KV layout NIXL moves is the same, and the rig's weight
+    # recipe stays one (Qwen2's q/k/v biases change no cached byte's shape).
+    "qwen2.5-7b": {"num_hidden_layers": 28, "num_attention_heads": 28,
+                   "num_key_value_heads": 4, "head_dim": 128},
+    # Llama-3-70B's KV cache (80 layers, 8 KV heads of 128, 64 query heads: 320 KiB per
+    # token), for engines run at TP 2 (each GPU holds 4 KV heads).
+    "llama3-70b": {"num_hidden_layers": 80, "num_attention_heads": 64,
+                   "num_key_value_heads": 8, "head_dim": 128},
+    # What one GPU of Llama-3-70B at TP 2 holds (80 layers, 4 KV heads of 128: 160 KiB per
+    # token), served at TP 1: the per-GPU READ of a 70B TP-2 deployment on one GPU.  32 query
+    # heads keep 70B's 8 query heads per KV head.
+    "llama3-70b-tp2": {"num_hidden_layers": 80, "num_attention_heads": 32,
+                       "num_key_value_heads": 4, "head_dim": 128},
+    # DeepSeek-V2-Lite's MLA KV cache: 27 layers of one 576-wide latent (kv_lora_rank 512 +
+    # the shared RoPE key's 64) per token, 30.4 KiB per token in bf16; 16 heads, no q LoRA.
+    # Every layer a dense MLP (first_k_dense_replace = the layer count: vLLM's load_weights
+    # needs n_routed_experts to be a number, so V2-Lite's 64 stays, unused); default RoPE in
+    # place of V2-Lite's YaRN (the cache holds the latent, whatever the rotary scaling).
+    "deepseek-v2-lite": {"architectures": ["DeepseekV2ForCausalLM"],
+                         "model_type": "deepseek_v2", "num_hidden_layers": 27,
+                         "num_attention_heads": 16, "num_key_value_heads": 16,
+                         "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+                         "qk_nope_head_dim": 128, "v_head_dim": 128,
+                         "head_dim": 64,    # = qk_rope_head_dim, as transformers derives it
+                         "n_routed_experts": 64, "first_k_dense_replace": 27},
 }
-"""``--geometry``: config overrides of the rig's tiny Llama (2 layers, 4 KV heads of 64)."""
+"""``--geometry``: config overrides of the rig's tiny Llama (2 layers, 4 KV heads of 64, hidden
+256, vocab 512): real models' KV geometry, the rest kept tiny so the weights stay small and the
+oracle still tells intact KV from corrupted."""
+
+
+def is_mla(geometry: str) -> bool:
+    """Whether ``geometry``'s KV cache is MLA's latent (the engines then run vLLM's MLA
+    attention backends, :data:`lab.gpu.engines.MLA_BACKENDS`)."""
+    return "kv_lora_rank" in GEOMETRIES[geometry]
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -109,6 +159,30 @@ SCENARIOS: dict[str, Scenario] = {
     "kvc-unstaged": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, d_kvcached=True,
                              load=96, d_env={"PDPATCH_KV_STAGING_MIB": "0"},
                              note="as kvc, converted READs straight into the VMM pool"),
+    # Same layout, stock P; D stages and coalesces its READs (opt-in)
+    "coalesce": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, controls=True,
+                         d_env={"PDPATCH_KV_COALESCE": "1"},
+                         note="same layout, D's READs coalesced (PDPATCH_KV_COALESCE=1), P stock"),
+    # Tensor parallelism across P and D (--two-gpus; TP-2 engines see both GPUs): each of D's
+    # ranks pulls its share of the heads from P's rank(s)
+    "ref-tp12": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", controls=True, d_tp=2,
+                         note="reference: stock, P TP 1 -> D TP 2"),
+    "tp12": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", controls=True, d_tp=2,
+                     note="P TP 1 -> D TP 2"),
+    "kvc-tp12": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, d_kvcached=True,
+                         controls=True, load=96, d_tp=2,
+                         note="kvcached pool on D (TP 2) with pdpatch's defaults, P stock TP 1"),
+    "ref-tp21": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", controls=True, p_tp=2,
+                         note="reference: stock, P TP 2 -> D TP 1"),
+    "tp21": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", controls=True, p_tp=2,
+                     note="P TP 2 -> D TP 1"),
+    "ref-triton-tp12": Scenario(False, "TRITON_ATTN", "TRITON_ATTN", controls=True, d_tp=2,
+                                note="reference: stock TRITON_ATTN, P TP 1 -> D TP 2"),
+    "coalesce-tp21": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, controls=True,
+                              p_tp=2, d_env={"PDPATCH_KV_COALESCE": "1"},
+                              note="P TP 2 -> D TP 1, D's READs coalesced, P stock"),
+    "fa-triton-tp12": Scenario(True, "FLASH_ATTN", "TRITON_ATTN", hashseed=None, controls=True,
+                               d_tp=2, note="P TP 1 -> D TP 2, mixed backends"),
 }
 LOAD_IN_FLIGHT = 32
 """With the two longest prompts, ~34k tokens of KV in flight on D: 16 of kvcached's 2 MiB pages
@@ -172,11 +246,12 @@ def hit_prompts(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     return {"hit-partial": longest[:half] + tail, "hit-full": list(longest)}
 
 
-def model_config(geometry: str, lengths: tuple[int, ...]) -> tuple[dict, int]:
+def model_config(geometry: str, lengths: tuple[int, ...],
+                 speed_lengths: tuple[int, ...] = SPEED_LENGTHS) -> tuple[dict, int]:
     """The model's config overrides and the engines' ``--max-model-len`` for ``geometry`` and
     the longest prompt: a P/D request is the prompt plus :data:`MAX_TOKENS`, and ``--speed``
     requests up to :data:`SPEED_TOKENS` after its own lengths; never below the rig's 2048."""
-    longest = max(*lengths, *SPEED_LENGTHS) + max(MAX_TOKENS, SPEED_TOKENS)
+    longest = max(*lengths, *speed_lengths) + max(MAX_TOKENS, SPEED_TOKENS)
     max_len = max(MAX_MODEL_LEN, -(-longest // 1024) * 1024)
     overrides = dict(GEOMETRIES[geometry])
     if max_len > MAX_MODEL_LEN:
@@ -263,9 +338,6 @@ def churn(samples: list[int]) -> dict:
             "min": min(samples, default=None), "max": max(samples, default=None)}
 
 
-SPEED_GOAL = 1.02
-SPEED_LENGTHS = (100, 600, 1500)
-SPEED_TOKENS = 64
 
 
 def _xfer_s(r: PDResult) -> float | None:
@@ -274,7 +346,8 @@ def _xfer_s(r: PDResult) -> float | None:
 
 
 def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False,
-          on_first: bool = False) -> dict:
+          on_first: bool = False, lengths: tuple[int, ...] = SPEED_LENGTHS,
+          on_env: dict[str, str] | None = None) -> dict:
     """P/D TTFT and decode throughput, pdpatch on vs off: two FLASH_ATTN pairs on one GPU, the
     same fresh prompt sent to both back to back (order alternating), ``reps`` rounds per prompt
     length.  TTFT is P's prefill round trip plus D's first streamed token; the paired ratios'
@@ -284,7 +357,7 @@ def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False,
     pair first, so two runs with opposite orders cross pdpatch over between the start slots."""
     rng = random.Random(11)
     sides = {"off": Scenario(False, "FLASH_ATTN", "FLASH_ATTN"),
-             "on": Scenario(not control, "FLASH_ATTN", "FLASH_ATTN")}
+             "on": Scenario(not control, "FLASH_ATTN", "FLASH_ATTN", d_env=dict(on_env or {}))}
     start_order = ["on", "off"] if on_first else ["off", "on"]
     pairs = {k: start_pair(f"speed-{k}", sides[k], paths) for k in start_order}
     ttft_by_len: dict[str, dict[int, list[float]]] = {k: {} for k in sides}
@@ -293,7 +366,7 @@ def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False,
     ratio_ttft, ratio_tput, ratio_xfer, errors, same = [], [], [], [], 0
     try:
         for rnd in range(warmup + reps):
-            for n in SPEED_LENGTHS:
+            for n in lengths:
                 prompt = [rng.randrange(3, 512) for _ in range(n)]
                 order = list(sides) if (rnd + n) % 2 == 0 else list(sides)[::-1]
                 outs = {}
@@ -328,7 +401,7 @@ def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False,
         return round(statistics.median(xs), 5) if xs else None
 
     return {"control": control, "started_first": start_order[0],
-            "rounds": len(ratio_ttft), "lengths": SPEED_LENGTHS,
+            "rounds": len(ratio_ttft), "lengths": lengths, "on_env": on_env or {},
             "max_tokens": SPEED_TOKENS,
             "start_s": {k: round(v[2], 1) for k, v in pairs.items()},
             "ttft_s": {k: med([x for xs in by.values() for x in xs])
@@ -350,13 +423,19 @@ def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False,
 def run_scenario(name: str, sc: Scenario, prompts: dict[str, list[int]], paths: Paths,
                  two_gpus: bool = False) -> dict:
     p, d, start_s = start_pair(name, sc, paths, two_gpus)
-    res: dict = {"scenario": name, "pdpatch": sc.pdpatch, "P": sc.p_backend, "D": sc.d_backend,
+    res: dict = {"scenario": name, "pdpatch": sc.pdpatch, "P": tp_backend(p.backend, sc.p_tp),
+                 "D": tp_backend(d.backend, sc.d_tp), "backends": [p.backend, d.backend],
+                 "tp": [sc.p_tp, sc.d_tp],
                  "hashseed": sc.hashseed, "note": sc.note, "start_s": round(start_s, 1),
                  "requests": {}, "controls": {}}
     try:
         if not (p.healthy() and d.healthy()):
             res["error"] = f"engines not healthy after {start_s:.0f}s"
             return res
+        # D's cold start (its first kernels; kvcached's first pages) on a local request, so
+        # that the first P/D request's time is D's first contact with P alone
+        res["d_warmup_ms"] = d.complete(list(range(3, 3 + 2 * BLOCK_SIZE)), 1,
+                                        salt="warm-up").get("ms")
         for pname, prompt in {**prompts, **hit_prompts(prompts)}.items():
             got = pd_request(p, d, prompt)
             base = d.complete(prompt, MAX_TOKENS, salt=BASELINE_SALT)
@@ -396,13 +475,30 @@ def run_scenario(name: str, sc: Scenario, prompts: dict[str, list[int]], paths: 
     return res
 
 
+def tp_backend(backend: str, tp: int) -> str:
+    """An engine's backend for the results table, with its TP size where above 1."""
+    return f"{backend} TP{tp}" if tp > 1 else backend
+
+
 def _slim(r: dict) -> dict:
     return {k: r.get(k) for k in ("error", "ids", "lp", "pulled", "p_lp0")}
 
 
-REFERENCES = ("ref", "ref-triton", "ref-load")
-"""Stock same-backend scenarios: each calibrates the tolerances of its backend (all of one
-backend in a run pooled), ``ref-load`` the load phase's too."""
+REFERENCES = ("ref", "ref-triton", "ref-load", "ref-tp12", "ref-tp21", "ref-triton-tp12")
+"""Stock same-backend scenarios: each calibrates the tolerances of its backend at its TP sizes
+(all of one key in a run pooled), ``ref-load`` the load phase's too."""
+
+
+def calibration_key(backend: str, tp: tuple[int, int] | list[int] = (1, 1)) -> str:
+    """What a calibration is kept under: the backend, and the pair's TP sizes where not 1 -> 1
+    (a TP-2 engine's all-reduce sums in another order: its drift is its own)."""
+    return backend if tuple(tp) == (1, 1) else f"{backend} TP{tp[0]}->{tp[1]}"
+
+
+def pair_keys(res: dict) -> list[str]:
+    """The calibration keys of a scenario's P and D kernels (one where they are the same)."""
+    backends = res.get("backends") or [res["P"], res["D"]]
+    return list(dict.fromkeys(calibration_key(b, res.get("tp", (1, 1))) for b in backends))
 PHASES = ("sequential", "load")
 Tolerances = dict[str, dict[str, oracle.Calibration | None]]
 """Backend -> phase -> its calibration (None: no reference measured it)."""
@@ -431,9 +527,10 @@ def calibrations(results: list[dict], earlier: Tolerances | None = None) -> Tole
     load: dict[str, dict[str, list[oracle.Sample]]] = {}
     names: dict[tuple[str, str], list[str]] = {}
     for res in results:
-        if res["scenario"] not in REFERENCES or res["pdpatch"] or res["P"] != res["D"]:
+        keys = pair_keys(res)
+        if res["scenario"] not in REFERENCES or res["pdpatch"] or len(keys) != 1:
             continue
-        backend, got = res["P"], reference_samples(res)
+        backend, got = keys[0], reference_samples(res)
         for phase, into in (("sequential", seq), ("load", load)):
             if got[phase]:
                 names.setdefault((backend, phase), []).append(res["scenario"])
@@ -474,7 +571,7 @@ def pair_calibration(res: dict, cals: Tolerances, phase: str
     """What judges ``res``'s ``phase``: the wider of its P's and D's backend calibrations, and
     which those are; None, and the backends without one, where either is missing (never
     borrowed from another backend)."""
-    backends = list(dict.fromkeys((res["P"], res["D"])))
+    backends = pair_keys(res)
     got = [(cals.get(b) or {}).get(phase) for b in backends]
     missing = [b for b, c in zip(backends, got, strict=True) if c is None]
     if missing:
@@ -638,6 +735,10 @@ def markdown(results: list[dict], gpu: str) -> str:
                      for ph, said in (r.get("calibration") or {}).items()]
         note = "; ".join(filter(None, [r.get("note", ""), r.get("error", ""), *errs,
                                        *judged_by]))
+        first = next(iter(r["requests"].values()), {}).get("ms")
+        if first is not None:
+            note += (f"; first P/D request {first:.0f} ms (D's cold local request before it: "
+                     f"{r.get('d_warmup_ms') or 0:.0f} ms)")
         if "salt_mismatch" in r:
             note += f"; salt mismatch: pulled={r['salt_mismatch'].get('pulled')}"
         if "load" in r:
@@ -671,8 +772,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="model and engine logs (only the summary and a log archive go to --out)")
     ap.add_argument("--tolerances", type=Path,
                     help="gpu_pd.json of an earlier run: its calibrations judge what this run's "
-                         "own references (ref, ref-triton, ref-load) do not measure")
-    ap.add_argument("--two-gpus", action="store_true", help="P on GPU 0, D on GPU 1")
+                         "own references (ref, ref-triton, ref-load, ref-tp12, ref-tp21, "
+                         "ref-triton-tp12) do not measure")
+    ap.add_argument("--two-gpus", action="store_true",
+                    help="P on GPU 0, D on GPU 1, a TP-2 engine on both (nvidia-h200-x2); "
+                         "the *tp12/*tp21 scenarios need it")
     ap.add_argument("--speed", type=int, metavar="ROUNDS", default=0,
                     help="also time P/D with pdpatch on vs off (paired, ROUNDS per prompt "
                          "length); writes $OUT/gpu_speed.json")
@@ -681,8 +785,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speed-on-first", action="store_true",
                     help="with --speed: start the pdpatch pair first (the default starts it "
                          "second); two runs with opposite orders cancel a start-order bias")
+    ap.add_argument("--speed-lengths", type=prompt_lengths, default=SPEED_LENGTHS,
+                    metavar="N,N,...", help="with --speed: its prompt lengths (default: "
+                    f"{','.join(map(str, SPEED_LENGTHS))})")
+    ap.add_argument("--speed-on-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="with --speed: a setting of the pdpatch pair's D (e.g. "
+                         "PDPATCH_KV_COALESCE=1); repeatable")
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="tiny",
-                    help="the model's KV geometry (llama3-8b: 32 layers, 8 KV heads of 128)")
+                    help="the model's KV geometry: llama3-8b (32 layers, 8 KV heads of 128), "
+                         "qwen2.5-7b (28 layers, 4 KV heads of 128), llama3-70b (80 layers, "
+                         "8 KV heads of 128; for TP 2), llama3-70b-tp2 (80 layers, 4 KV heads "
+                         "of 128: one GPU's share of 70B at TP 2), deepseek-v2-lite (MLA: 27 "
+                         "layers of a 512+64 latent; MLA backends); default: the tiny Llama")
     ap.add_argument("--prompt-lengths", type=prompt_lengths, default=PROMPT_LENGTHS,
                     metavar="N,N,...", help="prompt lengths in tokens (default: "
                     f"{','.join(map(str, PROMPT_LENGTHS))})")
@@ -690,6 +804,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not (args.scenarios or args.speed):
         ap.error("name a scenario or --speed")
+    on_env = dict(kv.partition("=")[::2] for kv in args.speed_on_env)
+    if any(not k.startswith("PDPATCH_") for k in on_env):
+        ap.error("--speed-on-env takes PDPATCH_NAME=VALUE settings")
+    for name in args.scenarios:
+        try:
+            placement(SCENARIOS[name], args.two_gpus)
+        except ValueError as exc:
+            ap.error(f"{name}: {exc}")
+    if args.scenarios and args.tolerances is None and \
+            not set(REFERENCES) & set(args.scenarios):
+        ap.error(f"name a reference scenario ({', '.join(REFERENCES)}) or take an "
+                 "earlier run's tolerances with --tolerances")
     args.out.mkdir(parents=True, exist_ok=True)
     logs = args.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -700,13 +826,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from lab.rig.model import model_dir
 
-    overrides, max_len = model_config(args.geometry, args.prompt_lengths)
+    overrides, max_len = model_config(args.geometry, args.prompt_lengths,
+                                      args.speed_lengths if args.speed else ())
     model = model_dir(args.work / f"model-{args.geometry}-{max_len}", **overrides)
     kvc = (install_kvcached(args.stage, args.work / "kvcached")
            if any(SCENARIOS[n].d_kvcached for n in args.scenarios) else None)
-    paths = Paths(args.site, model, logs, kvc, max_len)
+    paths = Paths(args.site, model, logs, kvc, max_len, mla=is_mla(args.geometry))
     gpu = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-           f"{' (P on GPU 0, D on GPU 1)' if args.two_gpus else ''}, torch {torch.__version__}, "
+           f"{' (P on GPU 0, D on GPU 1, TP 2 on both)' if args.two_gpus else ''}, "
+           f"torch {torch.__version__}, "
            f"vLLM {staged_vllm(args.site)}, model geometry {args.geometry}, prefix caching on")
     rng = random.Random(7)
     prompts = {f"len{n}": [rng.randrange(3, 512) for _ in range(n)]
@@ -728,7 +856,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.speed:
         print("=== speed", flush=True)
         timed = {"gpu": gpu, **speed(paths, args.speed, control=args.speed_control,
-                                       on_first=args.speed_on_first)}
+                                       on_first=args.speed_on_first, lengths=args.speed_lengths,
+                                       on_env=on_env)}
         (args.out / "gpu_speed.json").write_text(json.dumps(timed, indent=1))
         print(json.dumps(timed, indent=1), flush=True)
     with tarfile.open(args.out / "logs.tar.xz", "w:xz") as tf:

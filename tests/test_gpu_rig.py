@@ -1,0 +1,241 @@
+"""The GPU P/D rig's setup that CI can check without a GPU (lab/gpu/pd.py, lab/gpu/engines.py,
+lab/rig/model.py): the ``--geometry`` configs carry the real models' KV geometry, the MLA model's
+seeded weights are exactly what vLLM's DeepseekV2 model loads, TP scenarios are placed on the
+two GPUs (and refused on one), and the engines' command lines and start order."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from lab.gpu import engines
+from lab.gpu import pd as gpu_pd
+from lab.rig.model import tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cfg(geometry: str) -> dict:
+    return {**tiny_config(), **gpu_pd.GEOMETRIES[geometry]}
+
+
+@pytest.mark.parametrize(("geometry", "layers", "kv_heads", "kib_per_token"), [
+    ("llama3-8b", 32, 8, 128),
+    ("qwen2.5-7b", 28, 4, 56),
+    ("llama3-70b", 80, 8, 320),
+    ("llama3-70b-tp2", 80, 4, 160),
+])
+def test_llama_geometries_carry_the_real_models_kv_cache(geometry, layers, kv_heads,
+                                                          kib_per_token):
+    """K and V of ``kv_heads`` heads of 128 per layer, in bf16; query heads divide into KV
+    heads (and both by 2 for 70B at TP 2); the tiny hidden size and vocabulary stay."""
+    cfg = _cfg(geometry)
+    assert (cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]) == \
+        (layers, kv_heads, 128)
+    assert 2 * layers * kv_heads * 128 * 2 == kib_per_token << 10
+    assert cfg["num_attention_heads"] % cfg["num_key_value_heads"] == 0
+    assert (cfg["hidden_size"], cfg["vocab_size"]) == (256, 512)
+    assert not gpu_pd.is_mla(geometry)
+    overrides, max_len = gpu_pd.model_config(geometry, (600, 8000))
+    assert overrides["max_position_embeddings"] == max_len >= 8000 + gpu_pd.MAX_TOKENS
+    big = _cfg("llama3-70b")
+    assert big["num_attention_heads"] % 2 == big["num_key_value_heads"] % 2 == 0
+    assert _cfg("llama3-70b-tp2")["num_key_value_heads"] == big["num_key_value_heads"] // 2
+
+
+def test_deepseek_geometry_is_v2_lite_mla_with_dense_layers():
+    """DeepSeek-V2-Lite's cache: one latent of 512 + 64 per token and layer (30.4 KiB a token
+    over 27 layers in bf16); no layer is MoE, no q LoRA."""
+    cfg = _cfg("deepseek-v2-lite")
+    assert gpu_pd.is_mla("deepseek-v2-lite")
+    assert cfg["architectures"] == ["DeepseekV2ForCausalLM"]
+    assert (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * cfg["num_hidden_layers"] * 2 == \
+        31104
+    assert cfg["first_k_dense_replace"] >= cfg["num_hidden_layers"]
+    assert cfg["q_lora_rank"] is None and cfg["num_attention_heads"] == 16
+
+
+_LOAD_CHECK = textwrap.dedent("""
+    import json, sys, tempfile
+    import torch
+    from safetensors import safe_open
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+    model = sys.argv[1]
+    cfg = VllmConfig(model_config=ModelConfig(model=model, dtype="bfloat16", seed=0,
+                                              skip_tokenizer_init=True, max_model_len=1024),
+                     device_config=DeviceConfig("cpu"), cache_config=CacheConfig(block_size=16))
+    with set_current_vllm_config(cfg):
+        init_distributed_environment(1, 0, f"file://{tempfile.mktemp()}", 0, "gloo")
+        initialize_model_parallel(1, 1)
+        with torch.device("meta"):
+            m = DeepseekV2ForCausalLM(vllm_config=cfg)
+        with safe_open(model + "/model.safetensors", "pt") as f:
+            weights = {k: f.get_tensor(k) for k in f.keys()}
+        loaded = m.load_weights(weights.items())
+    params = {n: list(p.shape) for n, p in m.named_parameters()}
+    print(json.dumps({"mla": cfg.model_config.use_mla, "params": params,
+                      "loaded": sorted(loaded),
+                      "shapes": {k: list(v.shape) for k, v in weights.items()}}))
+""")
+
+
+def test_mla_weights_are_what_vllms_deepseek_v2_loads(tmp_path):
+    """The DeepSeek-V2 recipe, two layers of the ``deepseek-v2-lite`` geometry: vLLM's own
+    ``DeepseekV2ForCausalLM`` (built on the meta device, in a subprocess: it sets up vLLM's
+    process-wide parallel state) takes it as MLA, loads every parameter from it through its
+    ``load_weights`` (whose loaders check shapes) and finds no tensor it has no place for."""
+    from lab.rig.model import model_dir
+
+    geometry = {**gpu_pd.GEOMETRIES["deepseek-v2-lite"], "num_hidden_layers": 2,
+                "first_k_dense_replace": 2}
+    model = model_dir(tmp_path / "mla", **geometry)
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-c", _LOAD_CHECK, str(model)], env=env,
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["mla"]
+    assert sorted(got["params"]) == got["loaded"]
+    for name, shape in got["shapes"].items():   # the unfused ones, as written
+        if name in got["params"]:
+            assert got["params"][name] == shape, name
+    attn = "model.layers.1.self_attn."
+    assert got["shapes"][attn + "kv_a_proj_with_mqa.weight"] == [512 + 64, 256]
+    assert got["shapes"][attn + "kv_b_proj.weight"] == [16 * (128 + 128), 512]
+
+
+def test_unknown_architecture_has_no_recipe(tmp_path):
+    from lab.rig.model import model_dir
+
+    with pytest.raises(ValueError, match="no weight recipe for MistralForCausalLM"):
+        model_dir(tmp_path / "m", architectures=["MistralForCausalLM"])
+
+
+@pytest.mark.parametrize(("name", "p_gpus", "d_gpus"), [
+    ("ref", "0", "1"),
+    ("kvc", "0", "1"),
+    ("ref-tp12", "0", "0,1"),
+    ("kvc-tp12", "0", "0,1"),
+    ("fa-triton-tp12", "0", "0,1"),
+    ("ref-tp21", "0,1", "1"),
+    ("tp21", "0,1", "1"),
+])
+def test_two_gpu_placement(name, p_gpus, d_gpus):
+    sc = gpu_pd.SCENARIOS[name]
+    assert engines.placement(sc, two_gpus=True) == (p_gpus, d_gpus)
+    if sc.p_tp == sc.d_tp == 1:
+        assert engines.placement(sc, two_gpus=False) == (None, None)
+
+
+def test_a_tp_scenario_without_two_gpus_stops_before_anything_runs(tmp_path, capsys):
+    argv = ["--stage", str(tmp_path), "--out", str(tmp_path / "out"), "ref-tp12", "tp12"]
+    with pytest.raises(SystemExit) as exc:
+        gpu_pd.main(argv)
+    assert exc.value.code == 2
+    assert "ref-tp12: P TP 1 -> D TP 2 needs two GPUs: run with --two-gpus" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="1 or 2 only"):
+        engines.placement(engines.Scenario(False, "A", "A", d_tp=4), two_gpus=True)
+
+
+def test_a_run_without_reference_or_tolerances_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        gpu_pd.main(["--stage", str(tmp_path), "--out", str(tmp_path / "o"), "fa-triton"])
+    assert ("name a reference scenario (ref, ref-triton, ref-load, ref-tp12, ref-tp21, "
+            "ref-triton-tp12)"
+            in capsys.readouterr().err)
+
+
+class _Proc:
+    def __init__(self, cmd: list[str], env: dict, **_: object) -> None:
+        self.cmd, self.env = cmd, env
+
+    def poll(self) -> None:
+        return None
+
+
+@pytest.fixture
+def launched(monkeypatch, tmp_path):
+    """Engines that record their command line and environment instead of starting, and
+    report healthy at once; yields the list of (name, cmd, env) in start order."""
+    started: list[tuple[str, list[str], dict]] = []
+
+    def popen(cmd, env, **kw):
+        started.append((Path(kw["stdout"].name).stem, cmd, env))
+        return _Proc(cmd, env)
+
+    monkeypatch.setattr(engines.subprocess, "Popen", popen)
+    monkeypatch.setattr(engines.Engine, "healthy", lambda self: True)
+    yield started
+
+
+def _arg(cmd: list[str], flag: str) -> str | None:
+    return cmd[cmd.index(flag) + 1] if flag in cmd else None
+
+
+def test_engines_get_tp_a_fixed_kv_cache_and_mla_backends(launched, tmp_path):
+    paths = engines.Paths(tmp_path, tmp_path / "model", tmp_path, tmp_path / "kvc", mla=True)
+    p, d, _ = engines.start_pair("fa-triton-tp12", gpu_pd.SCENARIOS["fa-triton-tp12"], paths,
+                                 two_gpus=True)
+    by_name = {n: (cmd, env) for n, cmd, env in launched}
+    p_cmd, p_env = by_name["fa-triton-tp12-P"]
+    d_cmd, d_env = by_name["fa-triton-tp12-D"]
+    assert (_arg(p_cmd, "--tensor-parallel-size"), _arg(d_cmd, "--tensor-parallel-size")) == \
+        ("1", "2")
+    assert (p_env["CUDA_VISIBLE_DEVICES"], d_env["CUDA_VISIBLE_DEVICES"]) == ("0", "0,1")
+    assert (_arg(p_cmd, "--attention-backend"), _arg(d_cmd, "--attention-backend")) == \
+        ("FLASH_ATTN_MLA", "TRITON_MLA") == (p.backend, d.backend)
+    for cmd, env in ((p_cmd, p_env), (d_cmd, d_env)):
+        assert _arg(cmd, "--kv-cache-memory-bytes") == str(engines.KV_CACHE_BYTES)
+        assert env["NCCL_NVLS_ENABLE"] == "0" and env["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0"
+
+
+def test_kvcached_d_sizes_its_own_pool_and_starts_first_on_a_shared_gpu(launched, tmp_path):
+    paths = engines.Paths(tmp_path, tmp_path / "model", tmp_path, tmp_path / "kvc")
+    engines.start_pair("kvc", gpu_pd.SCENARIOS["kvc"], paths)
+    (d_name, d_cmd, _), (p_name, p_cmd, _) = launched
+    assert (d_name, p_name) == ("kvc-D", "kvc-P")
+    assert "--kv-cache-memory-bytes" not in d_cmd
+    assert _arg(p_cmd, "--kv-cache-memory-bytes") == str(engines.KV_CACHE_BYTES)
+    assert _arg(p_cmd, "--attention-backend") == "FLASH_ATTN"
+
+
+@pytest.mark.parametrize(("name", "two_gpus", "d_first"), [
+    ("ref", False, False),           # fixed KV caches: no profiling race on the shared GPU
+    ("kvc", True, False),            # kvcached D alone on GPU 1
+    ("kvc", False, True),            # kvcached D sizes its pool from GPU 0's free memory
+    ("kvc-tp12", True, True),        # kvcached D at TP 2 shares GPU 0 with P
+])
+def test_p_starts_with_d_unless_kvcached_d_shares_its_gpu(monkeypatch, tmp_path, name, two_gpus,
+                                                         d_first):
+    """D turns healthy on its third health check; how many D had had when P was launched
+    says whether P waited for it."""
+    polls: dict[str, int] = {}
+    at_p_launch: list[int] = []
+
+    def popen(cmd, env, **kw):
+        if Path(kw["stdout"].name).stem.endswith("-P"):
+            at_p_launch.append(polls.get(f"{name}-D", 0))
+        return _Proc(cmd, env)
+
+    def healthy(self):
+        polls[self.name] = polls.get(self.name, 0) + 1
+        return polls[self.name] > 2
+
+    monkeypatch.setattr(engines.subprocess, "Popen", popen)
+    monkeypatch.setattr(engines.Engine, "healthy", healthy)
+    monkeypatch.setattr(engines.time, "sleep", lambda s: None)
+    paths = engines.Paths(tmp_path, tmp_path / "model", tmp_path, tmp_path / "kvc")
+    engines.start_pair(name, gpu_pd.SCENARIOS[name], paths, two_gpus=two_gpus)
+    assert at_p_launch == ([3] if d_first else [0])
