@@ -386,6 +386,22 @@ def test_tp_pairs_are_judged_by_the_reference_of_their_own_tp_sizes():
         "not judged: no sequential reference for TRITON_ATTN TP1->2"
 
 
+def test_answers_of_a_pair_with_stocks_kernels_are_compared_with_stocks_exactly():
+    """Same backends and TP as a stock reference: every answer must equal the reference's, to
+    the last logprob (a drift the tolerance would pass is still recorded as a difference)."""
+    ref = _result("ref", "FLASH_ATTN", "FLASH_ATTN", {"a": 0.1, "b": 0.2})
+    same = _result("coalesce", "FLASH_ATTN", "FLASH_ATTN", {"a": 0.1, "b": 0.2 + 1e-6},
+                   pdpatch=True)
+    mixed = _result("fa-triton", "FLASH_ATTN", "TRITON_ATTN", {"a": 0.1}, pdpatch=True)
+    gpu_pd.judge([ref, same, mixed], gpu_pd.calibrations([ref]))
+    assert same["requests"]["a"]["same_as_stock"] is True
+    assert same["requests"]["b"]["same_as_stock"] is False
+    assert same["requests"]["b"]["intact"]                 # within the tolerance all the same
+    assert same["identical_to_stock"] == "1/2 (ref)"
+    assert "identical_to_stock" not in ref and "identical_to_stock" not in mixed
+    assert "answers identical to stock's: 1/2 (ref)" in gpu_pd.markdown([same], "GPU")
+
+
 def test_load_is_judged_against_the_stock_pairs_drift_under_the_same_load():
     """Issue 24 item 6 (b): under load the stock pair's 16k answers drift 8e-3..1.2e-1 from D's
     sequential prefill, where the sequential tolerance was 7.1e-3."""

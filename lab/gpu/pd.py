@@ -600,6 +600,7 @@ def judge(results: list[dict], cals: Tolerances) -> None:
     """Attach the oracle's verdicts to every request and control (in place), each scenario by
     its backends' calibrations (recorded in ``calibration``).  A control that ended in an
     error, or has no tolerance, is no evidence either way and is not counted."""
+    mark_same_as_stock(results)
     for res in results:
         cal, said = pair_calibration(res, cals, "sequential")
         res["calibration"] = {"sequential": said}
@@ -623,6 +624,34 @@ def judge(results: list[dict], cals: Tolerances) -> None:
             if "pd" in entry:
                 entry.update(answer_verdict(entry.pop("pd"), entry.pop("base"), entry.get("p_lp0"),
                                      cal, pname, said))
+
+
+def mark_same_as_stock(results: list[dict]) -> None:
+    """Where a scenario runs the kernels of a stock reference of the run (same backends, same
+    TP sizes), its answers should be *the stock pair's answers*, token for token and logprob
+    for logprob: P prefills the same prompt alike, and a byte-exact transfer leaves D nothing
+    to differ on.  ``same_as_stock`` per request and ``identical_to_stock`` ("k/n", and the
+    reference) per scenario record it -- a check no tolerance loosens, next to the oracle's,
+    which the mixed pairs need."""
+    stock: dict[tuple[str, ...], tuple[str, dict]] = {}
+    for res in results:
+        keys = tuple(pair_keys(res))
+        if res["scenario"] in REFERENCES and not res.get("pdpatch") and keys not in stock:
+            stock[keys] = (res["scenario"], {n: e["pd"] for n, e in res["requests"].items()
+                                             if "pd" in e})
+    for res in results:
+        ref = stock.get(tuple(pair_keys(res)))
+        if ref is None or ref[0] == res["scenario"]:
+            continue
+        same = 0
+        for pname, entry in res["requests"].items():
+            want = ref[1].get(pname)
+            if "pd" in entry and want is not None:
+                entry["same_as_stock"] = (entry["pd"].get("ids") == want.get("ids")
+                                          and entry["pd"].get("lp") == want.get("lp"))
+                same += entry["same_as_stock"]
+        compared = sum(1 for e in res["requests"].values() if "same_as_stock" in e)
+        res["identical_to_stock"] = f"{same}/{compared} ({ref[0]})"
 
 
 def judge_load(load: dict, requests: dict, cal: oracle.Calibration | None,
@@ -735,6 +764,8 @@ def markdown(results: list[dict], gpu: str) -> str:
                      for ph, said in (r.get("calibration") or {}).items()]
         note = "; ".join(filter(None, [r.get("note", ""), r.get("error", ""), *errs,
                                        *judged_by]))
+        if "identical_to_stock" in r:
+            note += f"; answers identical to stock's: {r['identical_to_stock']}"
         first = next(iter(r["requests"].values()), {}).get("ms")
         if first is not None:
             note += (f"; first P/D request {first:.0f} ms (D's cold local request before it: "
