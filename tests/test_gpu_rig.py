@@ -40,8 +40,11 @@ def test_llama_geometries_carry_the_real_models_kv_cache(geometry, layers, kv_he
         (layers, kv_heads, 128)
     assert 2 * layers * kv_heads * 128 * 2 == kib_per_token << 10
     assert cfg["num_attention_heads"] % cfg["num_key_value_heads"] == 0
-    assert (cfg["hidden_size"], cfg["vocab_size"]) == (256, 512)
+    assert cfg["hidden_size"] <= 512 and cfg["vocab_size"] == 512
     assert not gpu_pd.is_mla(geometry)
+    from transformers import LlamaConfig
+
+    LlamaConfig(**cfg)       # transformers' own checks, which refused Qwen's heads on hidden 256
     overrides, max_len = gpu_pd.model_config(geometry, (600, 8000))
     assert overrides["max_position_embeddings"] == max_len >= 8000 + gpu_pd.MAX_TOKENS
     big = _cfg("llama3-70b")

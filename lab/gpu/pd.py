@@ -89,7 +89,8 @@ GEOMETRIES: dict[str, dict] = {
     # on the Llama architecture: the KV layout NIXL moves is the same, and the rig's weight
     # recipe stays one (Qwen2's q/k/v biases change no cached byte's shape).
     "qwen2.5-7b": {"num_hidden_layers": 28, "num_attention_heads": 28,
-                   "num_key_value_heads": 4, "head_dim": 128},
+                   "num_key_value_heads": 4, "head_dim": 128,
+                   "hidden_size": 448},   # transformers wants the hidden size / heads whole
     # Llama-3-70B's KV cache (80 layers, 8 KV heads of 128, 64 query heads: 320 KiB per
     # token), for engines run at TP 2 (each GPU holds 4 KV heads).
     "llama3-70b": {"num_hidden_layers": 80, "num_attention_heads": 64,
