@@ -242,3 +242,41 @@ def test_p_starts_with_d_unless_kvcached_d_shares_its_gpu(monkeypatch, tmp_path,
     paths = engines.Paths(tmp_path, tmp_path / "model", tmp_path, tmp_path / "kvc")
     engines.start_pair(name, gpu_pd.SCENARIOS[name], paths, two_gpus=two_gpus)
     assert at_p_launch == ([3] if d_first else [0])
+
+
+def test_a_run_stopped_by_timeout_writes_the_scenarios_it_finished(tmp_path, monkeypatch):
+    """``timeout`` sends SIGTERM: the finished scenarios are judged and written with the logs
+    (a device run that hit its time limit returned nothing before)."""
+    import signal
+
+    import torch
+
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("")
+    ran: list[str] = []
+
+    def fake_run(name, sc, prompts, paths, two_gpus):
+        ran.append(name)
+        if len(ran) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)      # as `timeout` would, mid-scenario
+        answer = {"ids": [7, 8], "lp": [-1.0, -1.0]}
+        return {"scenario": name, "pdpatch": sc.pdpatch, "P": sc.p_backend, "D": sc.d_backend,
+                "hashseed": "0", "note": "", "start_s": 1.0, "controls": {},
+                "requests": {n: {"pd": answer, "base": answer, "p_lp0": None, "ms": 5.0}
+                             for n in prompts}}
+
+    monkeypatch.setattr(gpu_pd, "run_scenario", fake_run)
+    monkeypatch.setattr(gpu_pd, "build_encoder", lambda: "skipped")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "no GPU")
+    out = tmp_path / "out"
+    assert gpu_pd.main(["--stage", str(tmp_path), "--site", str(site), "--out", str(out),
+                        "--work", str(tmp_path / "work"), "--prompt-lengths", "20,40",
+                        "ref", "coalesce", "fa-triton"]) == 0
+    record = json.loads((out / "gpu_pd.json").read_text())
+    assert ran == ["ref", "coalesce"]
+    assert [r["scenario"] for r in record["results"]] == ["ref"]
+    assert record["stopped"] == "stopped during coalesce"
+    assert record["results"][0]["requests"]["len20"]["intact"]
+    assert (out / "logs.tar.xz").is_file()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -48,6 +48,7 @@ import itertools
 import json
 import random
 import re
+import signal
 import statistics
 import subprocess
 import sysconfig
@@ -795,6 +796,31 @@ def markdown(results: list[dict], gpu: str) -> str:
     return "\n".join(rows) + "\n"
 
 
+class Stopped(Exception):
+    """SIGTERM (what ``timeout`` sends) during a run: its engines are stopped, and the
+    scenarios it finished are judged and written with its logs, rather than lost."""
+
+
+def _stop(signum: int, _frame: object) -> None:
+    raise Stopped(f"signal {signum}")
+
+
+def write_results(args: argparse.Namespace, gpu: str, results: list[dict], stopped: str) -> None:
+    """Judge ``results`` and write ``gpu_pd.json`` / ``gpu_pd.md`` (``stopped``: why the run
+    ended before its last scenario, or "")."""
+    earlier = (parse_tolerances(json.loads(args.tolerances.read_text())["tolerances"],
+                                args.tolerances.name) if args.tolerances else None)
+    cals = calibrations(results, earlier)
+    judge(results, cals)
+    record = {"gpu": gpu, "tolerances": tolerances_json(cals), "results": results}
+    if stopped:
+        record["stopped"] = stopped
+    (args.out / "gpu_pd.json").write_text(json.dumps(record, indent=1, default=str))
+    table = markdown(results, gpu) + (f"\n{stopped}\n" if stopped else "")
+    (args.out / "gpu_pd.md").write_text(table)
+    print(table, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stage", type=Path, required=True)
@@ -871,29 +897,31 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(7)
     prompts = {f"len{n}": [rng.randrange(3, 512) for _ in range(n)]
                for n in args.prompt_lengths}
-    results = []
-    for name in args.scenarios:
-        print(f"=== {name}", flush=True)
-        results.append(run_scenario(name, SCENARIOS[name], prompts, paths, args.two_gpus))
-    if results:
-        earlier = (parse_tolerances(json.loads(args.tolerances.read_text())["tolerances"],
-                                    args.tolerances.name) if args.tolerances else None)
-        cals = calibrations(results, earlier)
-        judge(results, cals)
-        (args.out / "gpu_pd.json").write_text(json.dumps(
-            {"gpu": gpu, "tolerances": tolerances_json(cals), "results": results}, indent=1,
-            default=str))
-        (args.out / "gpu_pd.md").write_text(markdown(results, gpu))
-        print(markdown(results, gpu), flush=True)
-    if args.speed:
-        print("=== speed", flush=True)
-        timed = {"gpu": gpu, **speed(paths, args.speed, control=args.speed_control,
-                                       on_first=args.speed_on_first, lengths=args.speed_lengths,
-                                       on_env=on_env)}
-        (args.out / "gpu_speed.json").write_text(json.dumps(timed, indent=1))
-        print(json.dumps(timed, indent=1), flush=True)
-    with tarfile.open(args.out / "logs.tar.xz", "w:xz") as tf:
-        tf.add(logs, arcname="logs")
+    results: list[dict] = []
+    running = "setup"
+    try:
+        signal.signal(signal.SIGTERM, _stop)
+        for running in args.scenarios:
+            print(f"=== {running}", flush=True)
+            results.append(run_scenario(running, SCENARIOS[running], prompts, paths,
+                                        args.two_gpus))
+        if args.speed:
+            print("=== speed", flush=True)
+            running = "speed"
+            timed = {"gpu": gpu, **speed(paths, args.speed, control=args.speed_control,
+                                           on_first=args.speed_on_first,
+                                           lengths=args.speed_lengths, on_env=on_env)}
+            (args.out / "gpu_speed.json").write_text(json.dumps(timed, indent=1))
+            print(json.dumps(timed, indent=1), flush=True)
+        running = ""
+    except Stopped as exc:
+        print(f"stopped ({exc}) during {running}: writing what the run has", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if results:
+            write_results(args, gpu, results, f"stopped during {running}" if running else "")
+        with tarfile.open(args.out / "logs.tar.xz", "w:xz") as tf:
+            tf.add(logs, arcname="logs")
     return 0
 
 
