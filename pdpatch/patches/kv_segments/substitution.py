@@ -96,6 +96,7 @@ def _coalesce_peer(worker: Any, meta: Any, rank: int, tp_size: int, version: Ver
     """``PDPATCH_KV_COALESCE``: a peer stock code serves has its READs staged too -- the same
     descriptor pairs vLLM built, read in the peer's address order so runs of blocks merge,
     then copied into the very local descriptors vLLM named."""
+    t0 = time.perf_counter()
     ctx = current_handshake()
     state = existing_worker_state(worker)
     try:
@@ -107,7 +108,8 @@ def _coalesce_peer(worker: Any, meta: Any, rank: int, tp_size: int, version: Ver
     if stage_peer(worker, meta.engine_id, rank, ranges):
         count("coalesced")
         logger.info("pdpatch kv_segments: peer %s rank %s (same layout): READs staged, runs of "
-                    "blocks coalesced (%s)", meta.engine_id, rank, COALESCE_ENV)
+                    "blocks coalesced (%s); set up in %.0f ms", meta.engine_id, rank,
+                    COALESCE_ENV, (time.perf_counter() - t0) * 1e3)
     else:
         logger.warning("pdpatch kv_segments: peer %s rank %s: %s is set but its READs cannot "
                        "be staged (see above); vLLM's own READs serve it", meta.engine_id, rank,
