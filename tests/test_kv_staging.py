@@ -223,3 +223,16 @@ def test_chunk_schedule_refuses_what_it_cannot_plan() -> None:
         chunk_rows(4, 8, -1, 2)
     with pytest.raises(ValueError):
         chunk_bounds(4, 0)
+
+
+def test_strided_rows_expand_to_one_row_per_descriptor_id() -> None:
+    """vLLM 0.33 prepares ``(addr, len, dev, stride, count)`` rows: descriptor id ``i`` is the
+    ``i``-th block counted across them, which is what a READ's ids index."""
+    from pdpatch.kv.staging.rows import RowTable, as_rows
+
+    strided = np.array([[1000, 16, 0, 64, 3], [5000, 16, 0, 32, 2]], dtype=np.uint64)
+    assert as_rows(strided).tolist() == [[1000, 16, 0], [1064, 16, 0], [1128, 16, 0],
+                                         [5000, 16, 0], [5032, 16, 0]]
+    assert as_rows([(7, 8, 1), (15, 8, 1)]).tolist() == [[7, 8, 1], [15, 8, 1]]
+    table = RowTable(strided)
+    assert table.length == 16 and table.contiguous_next.tolist() == [False] * 5
