@@ -103,9 +103,17 @@ def _coalesce_peer(worker: Any, meta: Any, rank: int, tp_size: int, version: Ver
         ranges = peer_read_ranges(worker, meta, tp_size, version,
                                   local_true=state.geometry if state is not None else None,
                                   advertised=ctx.advertised_by(meta) if ctx is not None else None)
-    except (AttributeError, KeyError, TypeError):
-        ranges = None      # a worker without what the geometry needs: no gap reads
-    if stage_peer(worker, meta.engine_id, rank, ranges):
+    except Exception as exc:     # optional: only gap reads need the peer's memory
+        logger.info("pdpatch kv_segments: peer %s's memory not modelled (%s: %s); its READs "
+                    "are staged without gap reads", meta.engine_id, type(exc).__name__, exc)
+        ranges = None
+    try:
+        staged = stage_peer(worker, meta.engine_id, rank, ranges)
+    except Exception as exc:     # an optimisation never fails a handshake stock code completed
+        logger.warning("pdpatch kv_segments: peer %s rank %s not staged (%s: %s)",
+                       meta.engine_id, rank, type(exc).__name__, exc)
+        staged = False
+    if staged:
         count("coalesced")
         logger.info("pdpatch kv_segments: peer %s rank %s (same layout): READs staged, runs of "
                     "blocks coalesced (%s); set up in %.0f ms", meta.engine_id, rank,
