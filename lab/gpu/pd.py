@@ -858,8 +858,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-lengths", type=prompt_lengths, default=PROMPT_LENGTHS,
                     metavar="N,N,...", help="prompt lengths in tokens (default: "
                     f"{','.join(map(str, PROMPT_LENGTHS))})")
-    ap.add_argument("scenarios", nargs="*", choices=sorted(SCENARIOS))
+    # checked below, not by ``choices``: Python 3.11's argparse refuses an empty list with them
+    ap.add_argument("scenarios", nargs="*", metavar="SCENARIO",
+                    help=f"any of {', '.join(sorted(SCENARIOS))}")
     args = ap.parse_args(argv)
+    unknown = [n for n in args.scenarios if n not in SCENARIOS]
+    if unknown:
+        ap.error(f"unknown scenario(s) {', '.join(unknown)}; choose from "
+                 f"{', '.join(sorted(SCENARIOS))}")
     if not (args.scenarios or args.speed):
         ap.error("name a scenario or --speed")
     on_env = dict(kv.partition("=")[::2] for kv in args.speed_on_env)
