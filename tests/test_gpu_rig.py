@@ -256,7 +256,7 @@ def test_a_run_stopped_by_timeout_writes_the_scenarios_it_finished(tmp_path, mon
     (site / "vllm" / "__init__.py").write_text("")
     ran: list[str] = []
 
-    def fake_run(name, sc, prompts, paths, two_gpus):
+    def fake_run(name, sc, prompts, paths, two_gpus, started=None):
         ran.append(name)
         if len(ran) == 2:
             os.kill(os.getpid(), signal.SIGTERM)      # as `timeout` would, mid-scenario
@@ -292,3 +292,63 @@ def test_speed_alone_and_unknown_scenarios_are_parsed_on_every_python(tmp_path, 
     with pytest.raises(SystemExit):
         gpu_pd.main(["--stage", str(tmp_path), "--out", str(tmp_path / "o"), "ref", "nope"])
     assert "unknown scenario(s) nope" in capsys.readouterr().err
+
+
+def test_together_starts_the_pairs_first_and_stops_those_a_stopped_run_left(tmp_path,
+                                                                            monkeypatch):
+    """``--together``: every pair but a kvcached D's is started before the first scenario
+    runs and handed to its scenario; a run stopped midway stops the pairs it never used."""
+    import signal
+
+    import torch
+
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("")
+    stopped: list[str] = []
+
+    class Side:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def stop(self) -> None:
+            stopped.append(self.name)
+
+    def fake_start_pairs(scenarios, paths, two_gpus):
+        assert paths.kv_cache_bytes == 6 << 30 and two_gpus
+        return {n: (Side(f"{n}-P"), Side(f"{n}-D"), 1.0)
+                for n, sc in scenarios.items() if not sc.d_kvcached}
+
+    ran: list[tuple[str, object]] = []
+
+    def fake_run(name, sc, prompts, paths, two_gpus, started=None):
+        ran.append((name, started and started[0].name))
+        if len(ran) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        answer = {"ids": [7, 8], "lp": [-1.0, -1.0]}
+        return {"scenario": name, "pdpatch": sc.pdpatch, "P": sc.p_backend, "D": sc.d_backend,
+                "hashseed": "0", "note": "", "start_s": 1.0, "controls": {},
+                "requests": {n: {"pd": answer, "base": answer, "p_lp0": None, "ms": 5.0}
+                             for n in prompts}}
+
+    monkeypatch.setattr(gpu_pd, "start_pairs", fake_start_pairs)
+    monkeypatch.setattr(gpu_pd, "install_kvcached", lambda stage, dest: dest)
+    monkeypatch.setattr(gpu_pd, "run_scenario", fake_run)
+    monkeypatch.setattr(gpu_pd, "build_encoder", lambda: "skipped")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "no GPU")
+    assert gpu_pd.main(["--stage", str(tmp_path), "--site", str(site), "--out",
+                        str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+                        "--prompt-lengths", "20,40", "--two-gpus", "--together",
+                        "--kv-cache-gib", "6", "ref-tp12", "kvc", "tp12", "ref-tp21"]) == 0
+    assert ran == [("ref-tp12", "ref-tp12-P"), ("kvc", None)]
+    assert sorted(stopped) == ["ref-tp21-D", "ref-tp21-P", "tp12-D", "tp12-P"]
+
+
+def test_start_pairs_leaves_kvcached_pairs_to_their_turn(launched, tmp_path):
+    paths = engines.Paths(tmp_path, tmp_path / "model", tmp_path, tmp_path / "kvc",
+                          kv_cache_bytes=6 << 30)
+    pairs = engines.start_pairs({n: gpu_pd.SCENARIOS[n] for n in ("ref-tp12", "kvc", "tp21")},
+                                paths, two_gpus=True)
+    assert sorted(pairs) == ["ref-tp12", "tp21"]
+    assert sorted(n for n, _, _ in launched) == ["ref-tp12-D", "ref-tp12-P", "tp21-D", "tp21-P"]
+    assert {_arg(cmd, "--kv-cache-memory-bytes") for _, cmd, _ in launched} == {str(6 << 30)}

@@ -6,6 +6,7 @@ tensor-parallel size on the GPUs :func:`placement` gives it), their requests and
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -82,6 +83,7 @@ class Paths:
     kvcached: Path | None = None   # kvcached's site and its sitecustomize (install_kvcached)
     max_model_len: int = MAX_MODEL_LEN
     mla: bool = False              # an MLA model: backends as MLA_BACKENDS maps them
+    kv_cache_bytes: int = KV_CACHE_BYTES   # per engine not on kvcached (--kv-cache-gib)
 
 
 def install_kvcached(stage: Path, dest: Path) -> Path:
@@ -148,7 +150,7 @@ class Engine:
                "--served-model-name", "tiny", "--skip-tokenizer-init", "--enforce-eager", "-O0",
                "--max-model-len", str(paths.max_model_len),
                "--gpu-memory-utilization", GPU_MEMORY_UTILIZATION,
-               *([] if kvcached else ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]),
+               *([] if kvcached else ["--kv-cache-memory-bytes", str(paths.kv_cache_bytes)]),
                "--tensor-parallel-size", str(sc.p_tp if producer else sc.d_tp),
                "--seed", "0",
                "--attention-backend", self.backend,
@@ -251,3 +253,15 @@ def start_pair(name: str, sc: Scenario, paths: Paths, two_gpus: bool = False,
     p = Engine(f"{name}-P", "kv_producer", sc.p_backend, sc, paths, gpus=p_gpus)
     wait(p, d)
     return p, d, time.time() - t0
+
+
+def start_pairs(scenarios: dict[str, Scenario], paths: Paths, two_gpus: bool = False,
+                ) -> dict[str, tuple[Engine, Engine, float]]:
+    """The pairs of ``scenarios`` started at once (``--together``): TP-2 engines take ~2 min
+    each to start, mostly imports and NCCL set-up that overlap well on the device's cores, and
+    the pairs then wait idle, so each scenario is still measured alone.  kvcached scenarios are
+    not started here: a kvcached D sizes its pool from the memory the others leave free."""
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(scenarios))) as pool:
+        started = {name: pool.submit(start_pair, name, sc, paths, two_gpus)
+                   for name, sc in scenarios.items() if not sc.d_kvcached}
+        return {name: f.result() for name, f in started.items()}

@@ -58,6 +58,7 @@ from pathlib import Path
 
 from lab.gpu import oracle, unpack
 from lab.gpu.engines import (
+    KV_CACHE_BYTES,
     MAX_MODEL_LEN,
     MAX_TOKENS,
     REPO,
@@ -68,6 +69,7 @@ from lab.gpu.engines import (
     kvcached_used,
     placement,
     start_pair,
+    start_pairs,
 )
 from lab.paired import median_ci, verdict
 from lab.rig.proxy import PREFILL_KV_PARAMS as PREFILL
@@ -423,8 +425,11 @@ def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False,
 
 
 def run_scenario(name: str, sc: Scenario, prompts: dict[str, list[int]], paths: Paths,
-                 two_gpus: bool = False) -> dict:
-    p, d, start_s = start_pair(name, sc, paths, two_gpus)
+                 two_gpus: bool = False,
+                 started: tuple[Engine, Engine, float] | None = None) -> dict:
+    """One scenario on its pair (``started``: a pair :func:`start_pairs` started already),
+    stopped when it is done."""
+    p, d, start_s = started or start_pair(name, sc, paths, two_gpus)
     res: dict = {"scenario": name, "pdpatch": sc.pdpatch, "P": tp_backend(p.backend, sc.p_tp),
                  "D": tp_backend(d.backend, sc.d_tp), "backends": [p.backend, d.backend],
                  "tp": [sc.p_tp, sc.d_tp],
@@ -849,6 +854,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speed-on-env", action="append", default=[], metavar="NAME=VALUE",
                     help="with --speed: a setting of the pdpatch pair's D (e.g. "
                          "PDPATCH_KV_COALESCE=1); repeatable")
+    ap.add_argument("--together", action="store_true",
+                    help="start every scenario's pair at once (kvcached ones excepted), then "
+                         "measure each alone while the others wait idle: saves ~2 min per TP-2 "
+                         "pair; the pairs must fit the GPUs together (see --kv-cache-gib)")
+    ap.add_argument("--kv-cache-gib", type=float, default=KV_CACHE_BYTES / (1 << 30),
+                    help="KV cache of each engine not on kvcached, GiB per GPU (default "
+                         f"{KV_CACHE_BYTES >> 30})")
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="tiny",
                     help="the model's KV geometry: llama3-8b (32 layers, 8 KV heads of 128), "
                          "qwen2.5-7b (28 layers, 4 KV heads of 128), llama3-70b (80 layers, "
@@ -895,7 +907,8 @@ def main(argv: list[str] | None = None) -> int:
     model = model_dir(args.work / f"model-{args.geometry}-{max_len}", **overrides)
     kvc = (install_kvcached(args.stage, args.work / "kvcached")
            if any(SCENARIOS[n].d_kvcached for n in args.scenarios) else None)
-    paths = Paths(args.site, model, logs, kvc, max_len, mla=is_mla(args.geometry))
+    paths = Paths(args.site, model, logs, kvc, max_len, mla=is_mla(args.geometry),
+                  kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)))
     gpu = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
            f"{' (P on GPU 0, D on GPU 1, TP 2 on both)' if args.two_gpus else ''}, "
            f"torch {torch.__version__}, "
@@ -905,12 +918,19 @@ def main(argv: list[str] | None = None) -> int:
                for n in args.prompt_lengths}
     results: list[dict] = []
     running = "setup"
+    pairs: dict[str, tuple[Engine, Engine, float]] = {}
     try:
         signal.signal(signal.SIGTERM, _stop)
+        if args.together:
+            running = "starting the pairs together"
+            t0 = time.time()
+            pairs = start_pairs({n: SCENARIOS[n] for n in args.scenarios}, paths,
+                                args.two_gpus)
+            print(f"{len(pairs)} pairs started together in {time.time() - t0:.0f}s", flush=True)
         for running in args.scenarios:
             print(f"=== {running}", flush=True)
             results.append(run_scenario(running, SCENARIOS[running], prompts, paths,
-                                        args.two_gpus))
+                                        args.two_gpus, pairs.pop(running, None)))
         if args.speed:
             print("=== speed", flush=True)
             running = "speed"
@@ -924,6 +944,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stopped ({exc}) during {running}: writing what the run has", flush=True)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for p, d, _ in pairs.values():
+            p.stop()
+            d.stop()
         if results:
             write_results(args, gpu, results, f"stopped during {running}" if running else "")
         with tarfile.open(args.out / "logs.tar.xz", "w:xz") as tf:
