@@ -204,8 +204,9 @@ def test_mismatches_raise(lspec, rspec, lh, rh, kw, match) -> None:
 
 def test_head_order_passes_verbatim_only_where_the_receiver_reorders() -> None:
     """A token-major decode may take a head-major peer's segments byte for byte when it
-    reorders them after receive (vLLM's enable_permute_local_kv): equal TP and block sizes
-    only, and never the other way round."""
+    reorders them after receive (vLLM's enable_permute_local_kv, which reads each received
+    block as head-major and permutes it whole): head slices of either side at their
+    head-major offsets (unequal TP), equal block sizes only, never the other way round."""
     N, bs, H, D = 6, 4, 2, 4
     tok = build_side(LayoutSpec("fused", head_major=False), 2, N, bs, H, D, 2)
     head = build_side(LayoutSpec("fa_split"), 2, N, bs, H, D, 2)
@@ -216,7 +217,16 @@ def test_head_order_passes_verbatim_only_where_the_receiver_reorders() -> None:
     assert plan.converts
     descs = plan.descs([1, 2], [4, 5])
     assert set(descs.length.tolist()) == {bs * H * D * 2}          # whole segments
-    with pytest.raises(HeadOrderMismatch, match="only with equal TP and block sizes"):
+    head_bytes = bs * D * 2
+    # P TP 2 -> D TP 1: P rank 1's one head lands in the second head of D's received block
+    one_head = _geo(build_side(LayoutSpec("fa_split"), 2, N, bs, 1, D, 2), N)
+    down = PairPlan(local, one_head, receiver_reorders_heads=True,
+                    local_slice=HeadSlice(2, 1)).descs([1], [4])
+    assert down.length.tolist() == [head_bytes] * 4
+    assert down.local_addr[0] == local.layers[0].segment_addr(0, 1) + head_bytes
+    with pytest.raises(GeometryMismatch, match="token-major"):    # no reorder: not contiguous
+        PairPlan(local, one_head, local_slice=HeadSlice(2, 1))
+    with pytest.raises(HeadOrderMismatch, match="only with equal block sizes"):
         PairPlan(local, remote, receiver_reorders_heads=True, block_size_ratio=2)
     with pytest.raises(HeadOrderMismatch, match="nothing reorders them"):
         PairPlan(remote, local, receiver_reorders_heads=True)     # head-major receiver

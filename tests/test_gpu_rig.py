@@ -322,6 +322,7 @@ def test_together_starts_the_pairs_first_and_stops_those_a_stopped_run_left(tmp_
     ran: list[tuple[str, object]] = []
 
     def fake_run(name, sc, prompts, paths, two_gpus, started=None):
+        assert sc.load == 0                               # --no-load
         ran.append((name, started and started[0].name))
         if len(ran) == 2:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -339,7 +340,8 @@ def test_together_starts_the_pairs_first_and_stops_those_a_stopped_run_left(tmp_
     assert gpu_pd.main(["--stage", str(tmp_path), "--site", str(site), "--out",
                         str(tmp_path / "out"), "--work", str(tmp_path / "work"),
                         "--prompt-lengths", "20,40", "--two-gpus", "--together",
-                        "--kv-cache-gib", "6", "ref-tp12", "kvc", "tp12", "ref-tp21"]) == 0
+                        "--kv-cache-gib", "6", "--no-load", "ref-tp12", "kvc", "tp12",
+                        "ref-tp21"]) == 0
     assert ran == [("ref-tp12", "ref-tp12-P"), ("kvc", None)]
     assert sorted(stopped) == ["ref-tp21-D", "ref-tp21-P", "tp12-D", "tp12-P"]
 

@@ -490,14 +490,28 @@ def scenario_pair_chunked() -> dict[str, Any]:
     return out
 
 
-def scenario_tp_up(d_backend: str = D_BACKEND) -> dict[str, Any]:
+REORDER_SIDES = {"p": {"layout": "HND"}, "d": {"layout": "NHD"}}
+"""``reorder`` in the TP scenarios: P head-major, D token-major (kvcached's layout)."""
+
+
+def _reorder(reorder: dict[str, str] | None) -> tuple[dict, dict]:
+    """Build arguments of P and D: ``reorder`` None keeps each backend's own layout; else P
+    head-major and D token-major, with ``reorder`` as D's environment (pdpatch's settings)."""
+    if reorder is None:
+        return {}, {}
+    return REORDER_SIDES["p"], {**REORDER_SIDES["d"], "env": reorder}
+
+
+def scenario_tp_up(d_backend: str = D_BACKEND, reorder: dict[str, str] | None = None
+                   ) -> dict[str, Any]:
     """P TP 1 (2 KV heads) -> D TP 2: each D rank pulls its head from P's one rank."""
     _reset()
-    p = build("prefill", "kv_producer", P_BACKEND, num_blocks=12, seed=1)
+    p_args, d_args = _reorder(reorder)
+    p = build("prefill", "kv_producer", P_BACKEND, num_blocks=12, seed=1, **p_args)
     out: dict[str, Any] = {}
     for rank in (0, 1):
         d = build(f"decode-r{rank}", "kv_consumer", d_backend, num_blocks=10, seed=2 + rank,
-                  tp_rank=rank, tp_size=2)
+                  tp_rank=rank, tp_size=2, **d_args)
         res = pull(d, {0: p}, [1, 2], [7, 8], req=f"req-r{rank}")
         res["mismatches"] = compare(d, p, [(1, 7), (2, 8)])
         out[f"rank{rank}"] = res
@@ -505,12 +519,14 @@ def scenario_tp_up(d_backend: str = D_BACKEND) -> dict[str, Any]:
     return out
 
 
-def scenario_tp_down(d_backend: str = D_BACKEND) -> dict[str, Any]:
+def scenario_tp_down(d_backend: str = D_BACKEND, reorder: dict[str, str] | None = None
+                     ) -> dict[str, Any]:
     """P TP 2 (1 head per rank) -> D TP 1: D pulls half of each block from each P rank."""
     _reset()
+    p_args, d_args = _reorder(reorder)
     ps = {r: build("prefill", "kv_producer", P_BACKEND, num_blocks=12, seed=1 + r,
-                   tp_rank=r, tp_size=2) for r in (0, 1)}
-    d = build("decode", "kv_consumer", d_backend, num_blocks=10, seed=5)
+                   tp_rank=r, tp_size=2, **p_args) for r in (0, 1)}
+    d = build("decode", "kv_consumer", d_backend, num_blocks=10, seed=5, **d_args)
     out = pull(d, ps, [1, 2], [7, 8])
     bad = []
     for r, p in ps.items():
@@ -671,6 +687,9 @@ SCENARIOS = {
     "pair_reorder_same": lambda: scenario_pair_reorder({}, P_BACKEND, permute=True),
     "tp_up": scenario_tp_up,
     "tp_down": scenario_tp_down,
+    # head-major P, token-major D (kvcached's layout, forced by pdpatch) with TP on either side
+    "tp_up_reorder": lambda: scenario_tp_up(reorder={"PDPATCH_LAYOUT_FORCE": "1"}),
+    "tp_down_reorder": lambda: scenario_tp_down(reorder={"PDPATCH_LAYOUT_FORCE": "1"}),
     "block_ratio": scenario_block_ratio,
     "block_ratio_reverse": lambda: scenario_block_ratio(D_BACKEND, P_BACKEND),
     "block_ratio_same_split": lambda: scenario_block_ratio(P_BACKEND, P_BACKEND),

@@ -41,6 +41,7 @@ STOCK = ["pair", "pair_no_enforce"]
 # releases whose reorder is right, 0.26-0.28 through the layout patch
 # (`vllm_sites.RECEIVE_PERMUTE_SOUND`).
 REORDER = ["pair_reorder", "pair_reorder_off", "pair_reorder_same"]
+REORDER_TP = ["tp_up_reorder", "tp_down_reorder"]     # from 0.20: 0.19 runs token-major only
 
 
 def stock_scenarios(version: Version) -> list[str]:
@@ -87,7 +88,7 @@ def patched_scenarios(version: Version) -> list[str]:
     if version >= Version("0.33"):
         names += ["restore"]
     if version in vllm_sites.RECEIVE_PERMUTE_SOUND:
-        names += REORDER
+        names += [*REORDER, *REORDER_TP]
     return [*names, "globals"]           # last: it uninstalls pdpatch
 
 
@@ -472,6 +473,17 @@ def test_head_major_prefill_into_token_major_decode(ver: str, name: str) -> None
     out = scenario(ver, "patched", name)
     ok_pull(out, [1, 2, 3])
     assert out["permute_flag"] is True
+
+
+@pytest.mark.parametrize("ver", [ver for ver in REORDER_VERSIONS if v(ver) >= TRITON_HND])
+def test_head_major_prefill_into_token_major_decode_at_other_tp(ver: str) -> None:
+    """The same with P TP 1 -> D TP 2 and P TP 2 -> D TP 1 (seen on GPU engines: a kvcached
+    decode at TP 2 and a stock prefill at TP 1).  Until the release's reorder runs, a received
+    block holds head-major bytes, so each rank's heads go to their head-major place in it."""
+    up = scenario(ver, "patched", "tp_up_reorder")
+    for rank in ("rank0", "rank1"):
+        ok_pull(up[rank], [1, 2])
+    ok_pull(scenario(ver, "patched", "tp_down_reorder"), [1, 2])
 
 
 @pytest.mark.parametrize("ver", REORDER_VERSIONS)

@@ -858,6 +858,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="start every scenario's pair at once (kvcached ones excepted), then "
                          "measure each alone while the others wait idle: saves ~2 min per TP-2 "
                          "pair; the pairs must fit the GPUs together (see --kv-cache-gib)")
+    ap.add_argument("--no-load", action="store_true",
+                    help="skip the scenarios' load phase (e.g. a pair whose READs go over TCP "
+                         "loopback, where 96 long requests take minutes)")
     ap.add_argument("--kv-cache-gib", type=float, default=KV_CACHE_BYTES / (1 << 30),
                     help="KV cache of each engine not on kvcached, GiB per GPU (default "
                          f"{KV_CACHE_BYTES >> 30})")
@@ -916,6 +919,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(7)
     prompts = {f"len{n}": [rng.randrange(3, 512) for _ in range(n)]
                for n in args.prompt_lengths}
+    chosen = {n: dataclasses.replace(SCENARIOS[n], load=0) if args.no_load else SCENARIOS[n]
+              for n in args.scenarios}
     results: list[dict] = []
     running = "setup"
     pairs: dict[str, tuple[Engine, Engine, float]] = {}
@@ -924,12 +929,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.together:
             running = "starting the pairs together"
             t0 = time.time()
-            pairs = start_pairs({n: SCENARIOS[n] for n in args.scenarios}, paths,
+            pairs = start_pairs({n: chosen[n] for n in args.scenarios}, paths,
                                 args.two_gpus)
             print(f"{len(pairs)} pairs started together in {time.time() - t0:.0f}s", flush=True)
         for running in args.scenarios:
             print(f"=== {running}", flush=True)
-            results.append(run_scenario(running, SCENARIOS[running], prompts, paths,
+            results.append(run_scenario(running, chosen[running], prompts, paths,
                                         args.two_gpus, pairs.pop(running, None)))
         if args.speed:
             print("=== speed", flush=True)

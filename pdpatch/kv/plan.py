@@ -158,20 +158,24 @@ def _pair_layer(
             f"{'/'.join(ra.roles)} ({ra.kind}); K|V packed per token cannot be split "
             "into K and V byte ranges"
         )
-    if la.head_major is not None and ra.head_major is not None and la.head_major != ra.head_major:
-        # Whole segments copied verbatim are right when the receiver reorders a head-major
-        # peer's heads after the transfer (vLLM's `enable_permute_local_kv`), which it does
-        # for equal block sizes without head slices.
-        reorders = bool(receiver_reorders_heads and ra.head_major)
-        if not (reorders and p == q == r == 1):
-            why = ("the receiver reorders heads only with equal TP and block sizes" if reorders
-                   else "nothing reorders them, so the bytes mean different things")
-            raise fail(
-                f"layer {li}: local segments are {'head' if la.head_major else 'token'}-major, "
-                f"remote {'head' if ra.head_major else 'token'}-major; {why}",
-                HeadOrderMismatch)
+    # The receiver's reorder (vLLM's `enable_permute_local_kv`) reads each received block of a
+    # token-major cache as head-major and permutes it whole: until then the local block holds
+    # head-major bytes, so its head slices are contiguous too.
+    # A one-head peer's order is unknown (both are the same bytes).
+    received_head_major = bool(receiver_reorders_heads and la.head_major is False
+                               and ra.head_major is not False and r == 1)
+    if None not in (la.head_major, ra.head_major) and la.head_major != ra.head_major \
+            and not received_head_major:
+        why = ("the receiver reorders heads only with equal block sizes"
+               if receiver_reorders_heads and ra.head_major
+               else "nothing reorders them, so the bytes mean different things")
+        raise fail(
+            f"layer {li}: local segments are {'head' if la.head_major else 'token'}-major, "
+            f"remote {'head' if ra.head_major else 'token'}-major; {why}",
+            HeadOrderMismatch)
     for side, geo, parts in (("local", la, p), ("remote", ra, q)):
-        if parts > 1 and geo.head_major is False:
+        head_major = True if side == "local" and received_head_major else geo.head_major
+        if parts > 1 and head_major is False:
             raise fail(
                 f"layer {li}: {side} heads are not outermost inside a segment "
                 f"(token-major), so a 1/{parts} head slice is not contiguous"

@@ -248,6 +248,11 @@ HEAD_ORDER_ADVICE = (
     "set enable_permute_local_kv=true in the decode engine's --kv-transfer-config (pdpatch's "
     "layout patch does so where it makes the decode engine token-major, on vLLM 0.19-0.25), "
     "or run the prefill engine token-major too (PDPATCH_LAYOUT_FORCE=1)")
+HEAD_ORDER_TP_ADVICE = (
+    "The decode engine already reorders received blocks (enable_permute_local_kv), but only "
+    "for whole blocks: run the prefill and decode engines at equal tensor-parallel sizes and "
+    "block sizes for this pair, or a decode engine that is head-major (no kvcached, no "
+    "PDPATCH_LAYOUT_FORCE)")
 
 
 def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version, *,
@@ -281,6 +286,7 @@ def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version, *,
     local = local_view(worker, version, local_true)
     if local is None:
         return None
+    reorders = False
     try:
         if local.kind == KIND_PACKED:
             remote_kind = KIND_PACKED
@@ -326,7 +332,8 @@ def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version, *,
         if err.local is None:
             err = GeometryMismatch(err.reason, local.view, err.remote)
         if isinstance(err, HeadOrderMismatch):
-            err = HeadOrderMismatch(f"{err.reason}. {HEAD_ORDER_ADVICE}", err.local, err.remote)
+            advice = HEAD_ORDER_TP_ADVICE if reorders else HEAD_ORDER_ADVICE
+            err = HeadOrderMismatch(f"{err.reason}. {advice}", err.local, err.remote)
         count("rejected", str(err))
         metrics.count(worker, metrics.REFUSALS, NAME)
         logger.error("pdpatch kv_segments: refusing peer %s (backend %s; local %s): %s",
