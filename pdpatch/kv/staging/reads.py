@@ -156,7 +156,7 @@ class ReadPlanner(GapCalibration):
             raise NotStaged(f"a descriptor of {slot} B does not fit {LANES} times in the "
                             f"{capacity} B staging buffer (raise {self._capacity_setting})")
         self._staging.ensure()
-        if not self._staging.covers(lh, ltab):
+        if not self._staging.covers(ltab.addr[lid], slot):
             raise NotStaged("the local list points outside the KV memory staging copies into")
         position = twin.position[rid]
         order = address_order(position, rid)

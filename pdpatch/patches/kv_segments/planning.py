@@ -208,6 +208,19 @@ def shadow(meta: Any, remote: KVGeometry, kind: str) -> Any:
     return dataclasses.replace(meta, kv_caches_base_addr=addrs, block_lens=lens)
 
 
+def _peer_geometry(worker: Any, meta: Any, local: LocalView, remote_tp_size: int,
+                   advertised: Mapping | None) -> KVGeometry:
+    """The peer's geometry as ``local`` pairs with it: packed where the local side is, else
+    told apart by its regions; each of its ranks holding its share of the model's KV heads.
+    One place for :func:`plan_peer` and :func:`peer_read_ranges`, which model the same peer."""
+    from pdpatch.kv import KIND_PACKED
+
+    total = int(worker.vllm_config.model_config.get_total_num_kv_heads())
+    return remote_geometry(meta, local.num_layers,
+                           KIND_PACKED if local.kind == KIND_PACKED else "auto",
+                           max(1, total // int(remote_tp_size)), advertised)
+
+
 def _same_regions(worker: Any, meta: Any, advertised: Any, version: Version) -> bool:
     """Cheap test that stock code is right for a same-backend peer: from 0.26 there is no K/V
     split to get wrong; before, vLLM's own view (2·L regions = split, L = fused) is the same on
@@ -226,17 +239,14 @@ def peer_read_ranges(worker: Any, meta: Any, remote_tp_size: int, version: Versi
     """The memory of a peer stock code serves (same layout) that a staged READ may cross
     whole, for gap reads; None where its geometry cannot be built (its READs are then staged
     without gap reads)."""
-    from pdpatch.kv import KIND_PACKED, KVPlanError
+    from pdpatch.kv import KVPlanError
 
     local = local_view(worker, version, local_true)
     if local is None:
         return None
-    total = int(worker.vllm_config.model_config.get_total_num_kv_heads())
     try:
-        remote = remote_geometry(meta, local.num_layers,
-                                 KIND_PACKED if local.kind == KIND_PACKED else "auto",
-                                 max(1, total // int(remote_tp_size)), advertised)
-        return list(remote.read_ranges())
+        return list(_peer_geometry(worker, meta, local, remote_tp_size,
+                                   advertised).read_ranges())
     except KVPlanError as exc:
         logger.info("pdpatch kv_segments: peer %s's memory not modelled (%s); its READs are "
                     "staged without gap reads", getattr(meta, "engine_id", "?"), exc)
@@ -308,9 +318,7 @@ def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version, *,
                 "divided by the block-size ratio (the reads would overrun into the next "
                 "block); use equal block sizes or a split (K/V-first) decode layout")
         reorders = vllm_sites.reorders_heads_on_receive(worker, meta, version)
-        remote = remote_geometry(meta, local.num_layers,
-                                 KIND_PACKED if local.kind == KIND_PACKED else "auto",
-                                 max(1, total // int(remote_tp_size)), advertised)
+        remote = _peer_geometry(worker, meta, local, remote_tp_size, advertised)
         if remote_kind == local.kind:
             # Mixed backend names, same placement: accept only an exact byte pairing.
             mine = local.true if (advertised is not None and local.true is not None) else local.view

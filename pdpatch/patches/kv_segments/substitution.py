@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from packaging.version import Version
 
@@ -24,6 +25,9 @@ from pdpatch.patches.kv_segments.settings import COALESCE_ENV, allowed, coalesce
 from pdpatch.patches.kv_segments.staged_reads import stage_peer
 from pdpatch.patches.kv_segments.state import count, existing_worker_state, worker_state
 from pdpatch.registry import Wrapper
+
+if TYPE_CHECKING:
+    from pdpatch.kv import KVGeometry
 
 
 class _Pending:
@@ -74,15 +78,22 @@ class _SubstitutingAgent(Layer):
         return self._agent.prep_xfer_dlist(agent, descs, *args, **kwargs)
 
 
-def _plan(worker: Any, meta: Any, tp_size: int, version: Version) -> Conversion | None:
-    """:func:`plan_peer` with what this worker and this thread's handshake know of the peer."""
+def _known(worker: Any, meta: Any) -> tuple[KVGeometry | None, Mapping | None, bool]:
+    """What this worker and this thread's handshake know of the peer behind ``meta``: the
+    worker's geometry from its tensors, the peer rank's advertised geometry, and whether the
+    handshake let its hash through on a backend name alone."""
     ctx = current_handshake()
     state = existing_worker_state(worker)
+    return (state.geometry if state is not None else None,
+            ctx.advertised_by(meta) if ctx is not None else None, bool(ctx and ctx.accepted))
+
+
+def _plan(worker: Any, meta: Any, tp_size: int, version: Version) -> Conversion | None:
+    """:func:`plan_peer` with what this worker and this thread's handshake know of the peer."""
+    local_true, advertised, accepted = _known(worker, meta)
     try:
-        return plan_peer(worker, meta, tp_size, version,
-                         local_true=state.geometry if state is not None else None,
-                         advertised=ctx.advertised_by(meta) if ctx is not None else None,
-                         hash_accepted=bool(ctx and ctx.accepted))
+        return plan_peer(worker, meta, tp_size, version, local_true=local_true,
+                         advertised=advertised, hash_accepted=accepted)
     except (AttributeError, KeyError, TypeError) as exc:
         # a worker or metadata without what the planning reads (a stand-in): the
         # release's own handshake decides, with its own errors
@@ -97,12 +108,10 @@ def _coalesce_peer(worker: Any, meta: Any, rank: int, tp_size: int, version: Ver
     descriptor pairs vLLM built, read in the peer's address order so runs of blocks merge,
     then copied into the very local descriptors vLLM named."""
     t0 = time.perf_counter()
-    ctx = current_handshake()
-    state = existing_worker_state(worker)
+    local_true, advertised, _ = _known(worker, meta)
     try:
-        ranges = peer_read_ranges(worker, meta, tp_size, version,
-                                  local_true=state.geometry if state is not None else None,
-                                  advertised=ctx.advertised_by(meta) if ctx is not None else None)
+        ranges = peer_read_ranges(worker, meta, tp_size, version, local_true=local_true,
+                                  advertised=advertised)
     except Exception as exc:     # optional: only gap reads need the peer's memory
         logger.info("pdpatch kv_segments: peer %s's memory not modelled (%s: %s); its READs "
                     "are staged without gap reads", meta.engine_id, type(exc).__name__, exc)
