@@ -244,6 +244,15 @@ def test_p_starts_with_d_unless_kvcached_d_shares_its_gpu(monkeypatch, tmp_path,
     assert at_p_launch == ([3] if d_first else [0])
 
 
+def _intact_result(name: str, sc, prompts: dict) -> dict:
+    """What ``run_scenario`` returns for a scenario whose every answer matches D's own."""
+    answer = {"ids": [7, 8], "lp": [-1.0, -1.0]}
+    return {"scenario": name, "pdpatch": sc.pdpatch, "P": sc.p_backend, "D": sc.d_backend,
+            "hashseed": "0", "note": "", "start_s": 1.0, "controls": {},
+            "requests": {n: {"pd": answer, "base": answer, "p_lp0": None, "ms": 5.0}
+                         for n in prompts}}
+
+
 def test_a_run_stopped_by_timeout_writes_the_scenarios_it_finished(tmp_path, monkeypatch):
     """``timeout`` sends SIGTERM: the finished scenarios are judged and written with the logs
     (a device run that hit its time limit returned nothing before)."""
@@ -260,11 +269,7 @@ def test_a_run_stopped_by_timeout_writes_the_scenarios_it_finished(tmp_path, mon
         ran.append(name)
         if len(ran) == 2:
             os.kill(os.getpid(), signal.SIGTERM)      # as `timeout` would, mid-scenario
-        answer = {"ids": [7, 8], "lp": [-1.0, -1.0]}
-        return {"scenario": name, "pdpatch": sc.pdpatch, "P": sc.p_backend, "D": sc.d_backend,
-                "hashseed": "0", "note": "", "start_s": 1.0, "controls": {},
-                "requests": {n: {"pd": answer, "base": answer, "p_lp0": None, "ms": 5.0}
-                             for n in prompts}}
+        return _intact_result(name, sc, prompts)
 
     monkeypatch.setattr(gpu_pd, "run_scenario", fake_run)
     monkeypatch.setattr(gpu_pd, "build_encoder", lambda: "skipped")
@@ -326,11 +331,7 @@ def test_together_starts_the_pairs_first_and_stops_those_a_stopped_run_left(tmp_
         ran.append((name, started and started[0].name))
         if len(ran) == 2:
             os.kill(os.getpid(), signal.SIGTERM)
-        answer = {"ids": [7, 8], "lp": [-1.0, -1.0]}
-        return {"scenario": name, "pdpatch": sc.pdpatch, "P": sc.p_backend, "D": sc.d_backend,
-                "hashseed": "0", "note": "", "start_s": 1.0, "controls": {},
-                "requests": {n: {"pd": answer, "base": answer, "p_lp0": None, "ms": 5.0}
-                             for n in prompts}}
+        return _intact_result(name, sc, prompts)
 
     monkeypatch.setattr(gpu_pd, "start_pairs", fake_start_pairs)
     monkeypatch.setattr(gpu_pd, "install_kvcached", lambda stage, dest: dest)

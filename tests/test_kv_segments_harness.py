@@ -72,17 +72,22 @@ def logical_shape(backend: type, num_blocks: int, block_size: int, heads: int) -
     return (num_blocks, heads, block_size, 2 * HEAD_DIM)   # >= 0.29: the planner's packed page
 
 
-def allocate(backend: type, num_blocks: int, block_size: int, heads: int, seed: int,
-             layers: list[str]) -> dict[str, torch.Tensor]:
-    """Random KV tensors allocated like vLLM's model runner: physical order from the backend's
-    stride order, then permuted back to the logical shape."""
-    shape = logical_shape(backend, num_blocks, block_size, heads)
+def physical_order(backend: type, shape: tuple[int, ...]) -> tuple[tuple[int, ...], list[int]]:
+    """The physical shape vLLM's model runner allocates for logical ``shape`` (the backend's
+    stride order), and the permutation back to the logical one."""
     order = tuple(range(len(shape)))
     if hasattr(backend, "get_kv_cache_shape"):
         with contextlib.suppress(NotImplementedError, AttributeError):
             order = tuple(backend.get_kv_cache_stride_order())
-    physical = tuple(shape[i] for i in order)
-    inverse = [order.index(i) for i in range(len(order))]
+    return tuple(shape[i] for i in order), [order.index(i) for i in range(len(order))]
+
+
+def allocate(backend: type, num_blocks: int, block_size: int, heads: int, seed: int,
+             layers: list[str]) -> dict[str, torch.Tensor]:
+    """Random KV tensors allocated like vLLM's model runner: physical order from the backend's
+    stride order, then permuted back to the logical shape."""
+    physical, inverse = physical_order(backend, logical_shape(backend, num_blocks, block_size,
+                                                              heads))
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name in layers:

@@ -103,18 +103,11 @@ def lean_wrapper() -> type:
 def allocate(backend: type, layers: list[str], blocks: int) -> dict[str, Any]:
     """KV tensors in the backend's physical order (as ``test_kv_segments_harness.allocate``),
     uninitialised."""
-    import contextlib as cl
-
     import test_kv_segments_harness as h
     import torch
 
-    shape = h.logical_shape(backend, blocks, BLOCK_SIZE, KV_HEADS)
-    order = tuple(range(len(shape)))
-    if hasattr(backend, "get_kv_cache_shape"):
-        with cl.suppress(NotImplementedError, AttributeError):
-            order = tuple(backend.get_kv_cache_stride_order())
-    physical = tuple(shape[i] for i in order)
-    inverse = [order.index(i) for i in range(len(order))]
+    physical, inverse = h.physical_order(backend, h.logical_shape(backend, blocks, BLOCK_SIZE,
+                                                                  KV_HEADS))
     return {name: torch.empty(physical, dtype=h.DTYPE).permute(*inverse) for name in layers}
 
 
