@@ -303,14 +303,14 @@ class StagedRun:
 
 def staged_read(pair: NixlPair, s: Setup, lids: list[int], rids: list[int], *,
                 capacity: int = STAGING, memory: list | None = None, gap: int | None = 0,
-                read_ranges: list | None = None) -> StagedRun:
+                read_ranges: list | None = None, direct_slow: bool = False) -> StagedRun:
     """One READ the way vLLM posts it (tables prepared once, ids per request), through a
     :class:`StagingAgent` around the real agent with the remote list marked converted
     (with the peer's ``read_ranges``, gap reads of up to ``gap`` bytes; None measures it)."""
     lid, rid = s.plan.desc_ids(lids, rids)
     tensors = memory if memory is not None else [torch.from_numpy(s.lbuf)]
     agent = StagingAgent(pair.agent, mem_type="DRAM", capacity=capacity, memory=lambda: tensors,
-                         gap=gap)
+                         gap=gap, direct_slow=lambda: direct_slow)
     lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", s.plan.local_table(), "DRAM")
     rh = agent.prep_xfer_dlist(PEER, s.plan.remote_table(), "DRAM")
     try:
@@ -352,6 +352,21 @@ def test_staged_read_is_byte_exact_with_the_predicted_descriptors(pair: NixlPair
         assert run.stats.staged_reads == 0
         assert [r for r in run.stats.not_staged if "under a quarter" in r]
         assert run.desc_count == stock
+    assert run.free_after == STAGING
+
+
+@pytest.mark.parametrize("name", [n for n in READS if CASES[n].remote_slice.parts > 1])
+def test_head_slices_are_staged_where_direct_reads_cross_a_slow_transport(pair: NixlPair,
+                                                                         name: str) -> None:
+    """Local memory READs reach only over a slow transport (kvcached's VMM pool: TCP
+    loopback): the peer's head slices go through staging although they merge nothing."""
+    s = set_up(pair, name)
+    lids, rids = LIDS, remote_ids(s.case)
+    s.lbuf[:] = 0
+    run = staged_read(pair, s, lids, rids, direct_slow=True)
+    assert run.state == "DONE"
+    assert np.array_equal(s.lbuf, expected_read(s, lids, rids)), name
+    assert run.stats.staged_reads == 1 and not run.stats.not_staged
     assert run.free_after == STAGING
 
 

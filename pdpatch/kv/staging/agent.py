@@ -67,6 +67,10 @@ class StagingAgent(AgentProxy):
     ``gap``, named in the messages (the patch knows its settings; this core does not).
 
     ``stats``: where to count (the patch passes its process state's; default: a fresh one).
+
+    ``direct_slow``: asked once, whether READs straight into the local memory cross a slower
+    transport than READs into staging (kvcached's VMM memory: TCP loopback); then READs are
+    staged even where they merge few descriptors (head slices, blocks far apart).
     """
 
     kind = "staging"
@@ -75,7 +79,8 @@ class StagingAgent(AgentProxy):
                  memory: Callable[[], Sequence[Any]], gap: int | None = None,
                  capacity_setting: str = "the staging capacity",
                  gap_setting: str = "the gap budget",
-                 stats: StagingStats | None = None) -> None:
+                 stats: StagingStats | None = None,
+                 direct_slow: Callable[[], bool] | None = None) -> None:
         AgentProxy.__init__(self, agent)
         # The calls this agent, its parts and the chunk driver thread make to the agent below
         # take one lock (:class:`SerialAgent`); the calls it only passes on (AgentProxy) reach
@@ -97,7 +102,7 @@ class StagingAgent(AgentProxy):
         self._planner = ReadPlanner(self._nixl, mem_type=mem_type, staging=self._staging,
                                     lists=self._lists, lock=self._lock, stats=self.stats,
                                     gap=gap, capacity_setting=capacity_setting,
-                                    gap_setting=gap_setting)
+                                    gap_setting=gap_setting, direct_slow=direct_slow)
 
     @property
     def agent(self) -> Any:

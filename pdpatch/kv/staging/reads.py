@@ -5,6 +5,7 @@ an agent's staged READs did (:class:`StagingStats`)."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -121,8 +122,11 @@ class ReadPlanner(GapCalibration):
 
     def __init__(self, agent: Any, *, mem_type: str, staging: StagingBuffer,
                  lists: PreparedLists, lock: Any, stats: StagingStats, gap: int | None,
-                 capacity_setting: str, gap_setting: str) -> None:
+                 capacity_setting: str, gap_setting: str,
+                 direct_slow: Callable[[], bool] | None = None) -> None:
         self._agent = agent
+        self._direct_slow = direct_slow
+        self._slow: bool | None = None
         self._mem_type = mem_type
         self._staging = staging
         self._lists = lists
@@ -171,7 +175,7 @@ class ReadPlanner(GapCalibration):
             start = self._staging.reserve(spans.nbytes, slot)
         if start is None:           # no gap READ, or other READs hold the room its gaps need
             spans = None
-            if runs > MAX_STAGED_FRACTION * stock:
+            if runs > MAX_STAGED_FRACTION * stock and not self.direct_slow():
                 # the gather would cost more than the few descriptors it saves (measured:
                 # 256 KiB isolated blocks from a split peer, 881 of 1024 descriptors, 0.6x)
                 raise NotStaged("staging saves under a quarter of the descriptors (blocks "
@@ -202,13 +206,23 @@ class ReadPlanner(GapCalibration):
             raise NotStaged("the staging buffer is full with other requests' READs")
         bounds = chunk_bounds(r_ids.size, rows)
         staged = int(chunk_descriptors(joins, bounds).sum())
-        if staged > MAX_STAGED_FRACTION * stock:    # chunks too small to hold the runs
+        if staged > MAX_STAGED_FRACTION * stock and not self.direct_slow():
+            # chunks too small to hold the runs
             for held in lanes:
                 self._staging.free(held, rows * slot)
             raise NotStaged("staging saves under a quarter of the descriptors (chunks of "
                             "the staging buffer cut the runs of blocks)")
         return ChunkedRead(twin.peer, twin.agent_name, slot, dev, stock, staged, r_ids,
                            local_addr, lanes, rows * slot, bounds, slot_handle, twin.handle)
+
+    def direct_slow(self) -> bool:
+        """Whether READs straight into the local memory cross a slower transport than READs
+        into staging (CUDA VMM memory without an IPC handle: TCP loopback, ~1 GB/s, where
+        staging is device memory NIXL reads over cuda_ipc): then staging pays even when it
+        merges few descriptors.  Asked once, at the first READ that saves few."""
+        if self._slow is None:
+            self._slow = bool(self._direct_slow and self._direct_slow())
+        return self._slow
 
     def _reserve_lanes(self, nbytes: int, slot: int) -> list[int] | None:
         """:data:`~.chunked.LANES` ranges of ``nbytes``, all held, or none."""
