@@ -238,18 +238,17 @@ def peer_read_ranges(worker: Any, meta: Any, remote_tp_size: int, version: Versi
                      advertised: Mapping | None = None) -> list[tuple[int, int]] | None:
     """The memory of a peer stock code serves (same layout) that a staged READ may cross
     whole, for gap reads; None where its geometry cannot be built (its READs are then staged
-    without gap reads)."""
-    from pdpatch.kv import KVPlanError
-
-    local = local_view(worker, version, local_true)
-    if local is None:
-        return None
+    without gap reads: optional, so nothing raised here fails the peer)."""
     try:
+        local = local_view(worker, version, local_true)
+        if local is None:
+            return None
         return list(_peer_geometry(worker, meta, local, remote_tp_size,
                                    advertised).read_ranges())
-    except KVPlanError as exc:
-        logger.info("pdpatch kv_segments: peer %s's memory not modelled (%s); its READs are "
-                    "staged without gap reads", getattr(meta, "engine_id", "?"), exc)
+    except Exception as exc:
+        logger.info("pdpatch kv_segments: peer %s's memory not modelled (%s: %s); its READs "
+                    "are staged without gap reads", getattr(meta, "engine_id", "?"),
+                    type(exc).__name__, exc)
         return None
 
 

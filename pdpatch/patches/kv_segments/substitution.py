@@ -109,13 +109,8 @@ def _coalesce_peer(worker: Any, meta: Any, rank: int, tp_size: int, version: Ver
     then copied into the very local descriptors vLLM named."""
     t0 = time.perf_counter()
     local_true, advertised, _ = _known(worker, meta)
-    try:
-        ranges = peer_read_ranges(worker, meta, tp_size, version, local_true=local_true,
-                                  advertised=advertised)
-    except Exception as exc:     # optional: only gap reads need the peer's memory
-        logger.info("pdpatch kv_segments: peer %s's memory not modelled (%s: %s); its READs "
-                    "are staged without gap reads", meta.engine_id, type(exc).__name__, exc)
-        ranges = None
+    ranges = peer_read_ranges(worker, meta, tp_size, version, local_true=local_true,
+                              advertised=advertised)
     try:
         staged = stage_peer(worker, meta.engine_id, rank, ranges)
     except Exception as exc:     # an optimisation never fails a handshake stock code completed
