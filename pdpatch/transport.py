@@ -59,6 +59,12 @@ class MemoryFacts:
             return bool((self.handle_types or 0) & HANDLE_FABRIC)
         return None
 
+    @property
+    def vmm_without_ipc(self) -> bool:
+        """CUDA VMM memory cuda_ipc cannot hand to a peer (kvcached's pools): UCX moves
+        same-node KV in and out of it over TCP loopback."""
+        return self.kind == KIND_VMM and self.cuda_ipc_exportable is False
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -169,7 +175,7 @@ def check_transport(
             "create the CUDA context first (torch.cuda.set_device(dev) and a first allocation) "
             "before the NIXL agent"))
     for m in memory:
-        if m.kind == KIND_VMM and m.cuda_ipc_exportable is False:
+        if m.vmm_without_ipc:
             what = f"KV memory {m.label} " if m.label else "KV memory "
             posix = " (its POSIX_FD handle does not help)" if (
                 (m.handle_types or 0) & HANDLE_POSIX_FD) else ""

@@ -929,8 +929,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.together:
             running = "starting the pairs together"
             t0 = time.time()
-            pairs = start_pairs({n: chosen[n] for n in args.scenarios}, paths,
-                                args.two_gpus)
+            pairs = start_pairs(chosen, paths, args.two_gpus)
             print(f"{len(pairs)} pairs started together in {time.time() - t0:.0f}s", flush=True)
         for running in args.scenarios:
             print(f"=== {running}", flush=True)

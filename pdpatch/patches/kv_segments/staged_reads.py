@@ -38,8 +38,7 @@ def _direct_reads_slow(worker: Any, kv_caches: Any) -> bool:
     if not memory or getattr(worker, "use_host_buffer", False) or \
             not hasattr(memory[0], "data_ptr"):
         return False
-    facts = transport.probe_memory(memory[0].data_ptr(), label="kv_caches")
-    slow = facts.kind == transport.KIND_VMM and facts.cuda_ipc_exportable is False
+    slow = transport.probe_memory(memory[0].data_ptr(), label="kv_caches").vmm_without_ipc
     if slow:
         logger.info("pdpatch kv_segments: READs staged even where they merge few descriptors "
                     "(head slices, blocks far apart): the KV memory is CUDA VMM with no IPC "
