@@ -257,11 +257,10 @@ HEAD_ORDER_ADVICE = (
     "set enable_permute_local_kv=true in the decode engine's --kv-transfer-config (pdpatch's "
     "layout patch does so where it makes the decode engine token-major, on vLLM 0.19-0.25), "
     "or run the prefill engine token-major too (PDPATCH_LAYOUT_FORCE=1)")
-HEAD_ORDER_TP_ADVICE = (
+HEAD_ORDER_BLOCK_SIZE_ADVICE = (
     "The decode engine already reorders received blocks (enable_permute_local_kv), but only "
-    "for whole blocks: run the prefill and decode engines at equal tensor-parallel sizes and "
-    "block sizes for this pair, or a decode engine that is head-major (no kvcached, no "
-    "PDPATCH_LAYOUT_FORCE)")
+    "blocks of its own size: run the prefill and decode engines with equal block sizes for "
+    "this pair, or a decode engine that is head-major (no kvcached, no PDPATCH_LAYOUT_FORCE)")
 
 
 def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version, *,
@@ -339,7 +338,8 @@ def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version, *,
         if err.local is None:
             err = GeometryMismatch(err.reason, local.view, err.remote)
         if isinstance(err, HeadOrderMismatch):
-            advice = HEAD_ORDER_TP_ADVICE if reorders else HEAD_ORDER_ADVICE
+            # with the reorder on, only a block-size ratio is refused (pdpatch.kv.plan)
+            advice = HEAD_ORDER_BLOCK_SIZE_ADVICE if reorders else HEAD_ORDER_ADVICE
             err = HeadOrderMismatch(f"{err.reason}. {advice}", err.local, err.remote)
         count("rejected", str(err))
         metrics.count(worker, metrics.REFUSALS, NAME)
