@@ -25,6 +25,7 @@ from kv_helpers import LayoutSpec, Side, build_side, expected_copy, peer_main, s
 from lab.kv_reference import coalesce, strided_pair_rows
 from pdpatch.kv import BlockIdError, GeometryMismatch, HeadSlice, PairPlan, infer_geometry
 from pdpatch.kv.staging import ByteCopier, StagingAgent, StagingStats
+from pdpatch.kv.staging import reads as staging_reads
 
 # a staging agent's chunk driver thread must never die of an exception
 pytestmark = [pytest.mark.nixl,
@@ -293,12 +294,38 @@ READS = [n for n, c in CASES.items() if c.op == "READ"]
 STAGING = 1 << 20
 
 
+class Ledger:
+    """The agent below a staging agent, keeping account of the lists prepared through it:
+    those still held, and the rows of each one prepared for the peer (vLLM's own first)."""
+
+    def __init__(self, agent) -> None:
+        self._agent = agent
+        self.held: dict = {}
+        self.peer_rows: list[int] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._agent, name)
+
+    def prep_xfer_dlist(self, agent_name, descs, *args, **kwargs):
+        handle = self._agent.prep_xfer_dlist(agent_name, descs, *args, **kwargs)
+        self.held[handle] = agent_name
+        if agent_name == PEER:
+            self.peer_rows.append(descs.descCount() if hasattr(descs, "descCount")
+                                  else len(descs))
+        return handle
+
+    def release_dlist_handle(self, handle, *args, **kwargs):
+        self.held.pop(handle)
+        return self._agent.release_dlist_handle(handle, *args, **kwargs)
+
+
 @dataclass
 class StagedRun:
     state: str
     desc_count: int | None
     stats: StagingStats
     free_after: int
+    peer_rows: list[int]       # rows of each list prepared for the peer, vLLM's own first
 
 
 def staged_read(pair: NixlPair, s: Setup, lids: list[int], rids: list[int], *,
@@ -306,10 +333,13 @@ def staged_read(pair: NixlPair, s: Setup, lids: list[int], rids: list[int], *,
                 read_ranges: list | None = None, direct_slow: bool = False) -> StagedRun:
     """One READ the way vLLM posts it (tables prepared once, ids per request), through a
     :class:`StagingAgent` around the real agent with the remote list marked converted
-    (with the peer's ``read_ranges``, gap reads of up to ``gap`` bytes; None measures it)."""
+    (with the peer's ``read_ranges``, gap reads of up to ``gap`` bytes; None measures it).
+    Every list prepared on the way is released by the end."""
     lid, rid = s.plan.desc_ids(lids, rids)
     tensors = memory if memory is not None else [torch.from_numpy(s.lbuf)]
-    agent = StagingAgent(pair.agent, mem_type="DRAM", capacity=capacity, memory=lambda: tensors,
+    drain_notifs(pair)
+    ledger = Ledger(pair.agent)
+    agent = StagingAgent(ledger, mem_type="DRAM", capacity=capacity, memory=lambda: tensors,
                          gap=gap, direct_slow=lambda: direct_slow)
     lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", s.plan.local_table(), "DRAM")
     rh = agent.prep_xfer_dlist(PEER, s.plan.remote_table(), "DRAM")
@@ -324,11 +354,15 @@ def staged_read(pair: NixlPair, s: Setup, lids: list[int], rids: list[int], *,
             state = agent.check_xfer_state(h)
         count = agent.get_xfer_telemetry(h).descCount if state == "DONE" else None
         agent.release_xfer_handle(h)
-        return StagedRun(state, count, agent.stats, agent.staging_free)
+        if state == "DONE":     # the peer hears of it: not later, in another test's READ
+            assert drain_notifs(pair, 1) == [b"staged"]
+        run = StagedRun(state, count, agent.stats, agent.staging_free, ledger.peer_rows)
     finally:
         agent.release_dlist_handle(lh)
         agent.release_dlist_handle(rh)
         agent.close()
+    assert not ledger.held
+    return run
 
 
 def test_nixl_merges_only_neighbours_in_its_list(pair: NixlPair) -> None:
@@ -353,22 +387,34 @@ def test_nixl_merges_only_neighbours_in_its_list(pair: NixlPair) -> None:
     assert pair.xfer("READ", slots, shuffled[position], ids, ids) == 1
 
 
+@pytest.mark.parametrize("ranges", [True, False], ids=["runs", "twin"])
 @pytest.mark.parametrize("name", READS)
-def test_staged_read_is_byte_exact_with_the_predicted_descriptors(pair: NixlPair,
-                                                                 name: str) -> None:
+def test_staged_read_is_byte_exact_with_the_predicted_descriptors(pair: NixlPair, name: str,
+                                                                 ranges: bool) -> None:
+    """With the peer's read ranges (how kv_segments marks a peer) a READ posts lists of its
+    own runs: no list of the peer's whole memory is prepared, at first contact or after.
+    Without them, ids into the peer's twin, prepared at the first READ."""
     s = set_up(pair, name)
     lids, rids = LIDS, remote_ids(s.case)
     lid, rid = s.plan.desc_ids(lids, rids)
     stock = pair.xfer("READ", s.plan.local_table(), s.plan.remote_table(), lid, rid)
     s.lbuf[:] = 0
-    run = staged_read(pair, s, lids, rids)
+    run = staged_read(pair, s, lids, rids,
+                      read_ranges=s.plan.remote.read_ranges() if ranges else None)
     assert run.state == "DONE"
     assert np.array_equal(s.lbuf, expected_read(s, lids, rids)), name
     if s.case.remote_slice.parts == 1:
         # the peer's whole segments: a run of its blocks is one descriptor per layer/pool
         assert run.stats.staged_reads == 1 and not run.stats.not_staged
         assert run.stats.descriptors_stock == stock
-        assert run.desc_count == run.stats.descriptors_staged < stock
+        assert run.desc_count <= run.stats.descriptors_staged < stock
+        whole = len(s.plan.remote_table())
+        if ranges:
+            assert run.peer_rows[0] == whole
+            assert run.peer_rows[1:] == [run.stats.descriptors_staged]
+        else:
+            assert run.peer_rows == [whole, whole]
+            assert run.desc_count == run.stats.descriptors_staged
     else:
         # head slices of the peer's K and V are apart: nothing to merge, no staging
         assert run.stats.staged_reads == 0
@@ -503,6 +549,60 @@ def test_gap_reads_never_cross_a_registration(pair: NixlPair, caplog) -> None:
     assert np.array_equal(s.lbuf, expected_read(s, lids, rids))
     assert run.stats.staged_reads == 1 and run.stats.gap_reads == 0
     assert run.free_after == STAGING
+
+
+def test_a_run_nixl_refuses_is_read_through_the_twin(pair: NixlPair, caplog) -> None:
+    """Read ranges that lie (one range over two registrations that touch, vLLM < 0.26's
+    split K and V pools): the run over the pools' seam is refused by NIXL when its list is
+    prepared; the agent drops the ranges for that peer, loudly, and the READ goes through
+    the peer's twin, where NIXL merges only inside a registration -- byte-exact."""
+    case = Case(FUSED, LayoutSpec("fa_split"))
+    s = set_up(pair, "split->fused adjacent pools", case, separate_registrations=True)
+    whole = [0, 10, 11, 12, 15]           # every block: each K pool's end touches its V pool
+    with caplog.at_level(logging.WARNING, logger="pdpatch"):
+        run = staged_read(pair, s, LIDS, whole, gap=0,
+                          read_ranges=s.plan.remote.registration_ranges())
+    assert "NIXL refused a run" in caplog.text and "NotFound" in caplog.text
+    assert run.state == "DONE"
+    assert np.array_equal(s.lbuf, expected_read(s, LIDS, whole))
+    assert run.stats.staged_reads == 1 and not run.stats.not_staged
+    whole_list = len(s.plan.remote_table())
+    assert run.peer_rows == [whole_list, whole_list]      # vLLM's list, and the twin
+    assert run.free_after == STAGING
+
+
+def test_reads_of_many_runs_go_through_the_twin(pair: NixlPair, monkeypatch, caplog) -> None:
+    """A READ of more runs than :data:`RUN_LIST_MAX` (head slices: one run per row) would
+    prepare as many rows as it posts, per READ: it takes ids into the peer's twin instead,
+    prepared once, at the first such READ, and used by the next ones too."""
+    monkeypatch.setattr(staging_reads, "RUN_LIST_MAX", 4)
+    s = set_up(pair, "fused->split")
+    lids, rids = LIDS, remote_ids(s.case)
+    ranges = s.plan.remote.read_ranges()
+    lid, rid = s.plan.desc_ids(lids, rids)
+    ledger = Ledger(pair.agent)
+    agent = StagingAgent(ledger, mem_type="DRAM", capacity=STAGING,
+                         memory=lambda: [torch.from_numpy(s.lbuf)], gap=0)
+    lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", s.plan.local_table(), "DRAM")
+    rh = agent.prep_xfer_dlist(PEER, s.plan.remote_table(), "DRAM")
+    try:
+        assert agent.mark_converted(rh, PEER, ranges)
+        assert ledger.peer_rows == [len(s.plan.remote_table())]    # nothing at marking
+        with caplog.at_level(logging.INFO, logger="pdpatch"):
+            for _ in range(2):
+                s.lbuf[:] = 0
+                state, _ = read_through(agent, lh, rh, lid, rid)
+                assert state == "DONE"
+                assert np.array_equal(s.lbuf, expected_read(s, lids, rids))
+        assert ledger.peer_rows == [len(s.plan.remote_table())] * 2
+        assert caplog.text.count("prepared in address order") == 1
+        assert agent.stats.staged_reads == 2
+    finally:
+        agent.release_dlist_handle(lh)
+        agent.release_dlist_handle(rh)
+        agent.close()
+    assert not ledger.held
+    drain_notifs(pair, 2)
 
 
 def test_gap_shrinks_to_fit_staging(pair: NixlPair) -> None:
@@ -654,29 +754,38 @@ def read_through(agent: StagingAgent, lh, rh, lid, rid, *, poll: bool = True) ->
 
 
 @contextlib.contextmanager
-def chunk_agent(pair: NixlPair, s: Setup, capacity: int,
-                agent_below=None) -> Iterator[tuple[StagingAgent, Any, Any]]:
+def chunk_agent(pair: NixlPair, s: Setup, capacity: int, agent_below=None,
+                ranges: bool = False) -> Iterator[tuple[StagingAgent, Any, Any]]:
     """A staging agent of ``capacity`` bytes over ``agent_below`` (the real NIXL agent by
     default) with ``s``'s local and remote lists prepared and the remote one marked
-    converted: ``(agent, local handle, remote handle)``, all released afterwards."""
+    converted (with the peer's read ranges: READs of lists of their own runs):
+    ``(agent, local handle, remote handle)``, all released afterwards -- every list the
+    agent prepared included."""
     drain_notifs(pair)
-    agent = StagingAgent(agent_below or pair.agent, mem_type="DRAM", capacity=capacity,
+    ledger = Ledger(agent_below or pair.agent)
+    agent = StagingAgent(ledger, mem_type="DRAM", capacity=capacity,
                          memory=lambda: [torch.from_numpy(s.lbuf)], gap=0)
     lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", s.plan.local_table(), "DRAM")
     rh = agent.prep_xfer_dlist(PEER, s.plan.remote_table(), "DRAM")
     try:
-        assert agent.mark_converted(rh, PEER)
+        assert agent.mark_converted(rh, PEER, s.plan.remote.read_ranges() if ranges else None)
         yield agent, lh, rh
     finally:
         agent.release_dlist_handle(lh)
         agent.release_dlist_handle(rh)
         agent.close()
+    assert not ledger.held
 
 
+RUNS_OR_TWIN = pytest.mark.parametrize("ranges", [True, False], ids=["runs", "twin"])
+
+
+@RUNS_OR_TWIN
 @pytest.mark.parametrize("name", ["fused->split", "split->fused"])
 @pytest.mark.parametrize("factor", [1, 2.5, 10])
 def test_read_larger_than_staging_is_chunked_and_byte_exact(pair: NixlPair, name: str,
-                                                            factor: float) -> None:
+                                                            factor: float,
+                                                            ranges: bool) -> None:
     """Requests of 1x, 2.5x and 10x the staging buffer: 1x is one staged READ as before,
     larger ones are read in chunks through two lanes -- byte-exact, one notification to the
     peer once all chunks landed, vLLM's telemetry for the whole READ, staging all back."""
@@ -685,7 +794,7 @@ def test_read_larger_than_staging_is_chunked_and_byte_exact(pair: NixlPair, name
     slot = int(s.plan.local_table()[0, 1])
     need = len(lid) * slot
     capacity = int(need / factor) // slot * slot
-    with chunk_agent(pair, s, capacity) as (agent, lh, rh):
+    with chunk_agent(pair, s, capacity, ranges=ranges) as (agent, lh, rh):
         state, tele = read_through(agent, lh, rh, lid, rid)
         assert state == "DONE"
         assert np.array_equal(s.lbuf, big_expected(s)), name
@@ -703,9 +812,10 @@ def test_read_larger_than_staging_is_chunked_and_byte_exact(pair: NixlPair, name
         assert agent.staging_free == capacity
 
 
+@RUNS_OR_TWIN
 @pytest.mark.parametrize(("nth", "state"), [(3, "ERR"), (3, "PROC")])
 def test_chunked_read_failed_or_aborted_mid_request(pair: NixlPair, nth: int,
-                                                    state: str) -> None:
+                                                    state: str, ranges: bool) -> None:
     """The third chunk READ fails (``ERR``), or never ends and vLLM releases the READ
     mid-pipeline (an abort): the request ends ``ERR`` (vLLM recomputes it) or is let go, no
     notification tells the peer it may free its blocks, every chunk is released and all
@@ -715,7 +825,7 @@ def test_chunked_read_failed_or_aborted_mid_request(pair: NixlPair, nth: int,
     slot = int(s.plan.local_table()[0, 1])
     capacity = len(lid) * slot // 10 // slot * slot
     scripted = ScriptedAgent(pair.agent, nth, state)
-    with chunk_agent(pair, s, capacity, scripted) as (agent, lh, rh):
+    with chunk_agent(pair, s, capacity, scripted, ranges) as (agent, lh, rh):
         made = len(scripted.made)
         h = agent.make_prepped_xfer("READ", lh, lid, rh, rid, notif_msg=b"chunked")
         got = agent.transfer(h)
@@ -738,7 +848,8 @@ def test_chunked_read_failed_or_aborted_mid_request(pair: NixlPair, nth: int,
         assert agent.staging_free == capacity
 
 
-def test_chunks_landing_out_of_order_never_share_a_lane(pair: NixlPair) -> None:
+@RUNS_OR_TWIN
+def test_chunks_landing_out_of_order_never_share_a_lane(pair: NixlPair, ranges: bool) -> None:
     """The first chunk READ lands only after the third and fourth were posted (NIXL ends
     READs in any order): the chunks after the second go into the lane the second one freed,
     never into the first's while it is still being read -- byte-exact, staging all back."""
@@ -747,7 +858,7 @@ def test_chunks_landing_out_of_order_never_share_a_lane(pair: NixlPair) -> None:
     slot = int(s.plan.local_table()[0, 1])
     capacity = len(lid) * slot // 10 // slot * slot
     scripted = ScriptedAgent(pair.agent, 1, "PROC", until=4)
-    with chunk_agent(pair, s, capacity, scripted) as (agent, lh, rh):
+    with chunk_agent(pair, s, capacity, scripted, ranges) as (agent, lh, rh):
         state, _ = read_through(agent, lh, rh, lid, rid)
         assert state == "DONE"
         assert agent.stats.chunks >= 4 and len(scripted.made) == agent.stats.chunks

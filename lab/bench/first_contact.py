@@ -8,9 +8,9 @@ first request to a new prefill peer waits for besides the wire.  pdpatch adds, o
 path, per phase:
 
 * ``planning`` -- ``kv_segments`` deciding whether the peer converts (``_plan``);
-* ``staging setup`` -- handing the peer's READs to staging: its memory for gap reads
-  (``PDPATCH_KV_COALESCE``) and its rows prepared once more in address order
-  (``mark_converted``);
+* ``staging setup`` -- handing the peer's READs to staging: its memory's read ranges
+  (``PDPATCH_KV_COALESCE``) and the rows of vLLM's list of it (``mark_converted``; nothing is
+  prepared for NIXL there: a READ prepares lists of its own runs);
 * ``first READ planning`` -- the staging agent planning its first READ from the peer
   (``ReadPlanner.plan``: the local list's rows, the staging buffer, the gap budget).
 
@@ -18,9 +18,10 @@ The workers are the release's real ``NixlConnectorWorker`` objects built the way
 ``tests/test_kv_segments_harness.py`` builds them (real attention-backend layouts, real
 ``register_kv_caches``), with a NIXL agent that only counts (:class:`LeanNixlWrapper`): the
 descriptor lists vLLM and pdpatch build are real, nothing is transferred, and NIXL's own cost
-of preparing a list is not in the numbers (the same for both, except the twin list staging
-prepares).  The KV tensors are allocated, never touched (Linux maps untouched pages lazily),
-at a small head size: only the block and layer counts set the descriptor counts.
+of preparing a list is not in the numbers (vLLM's lists, the same for both; pdpatch's first
+READ prepares two more, of its runs).  The KV tensors are allocated, never touched (Linux
+maps untouched pages lazily), at a small head size: only the block and layer counts set the
+descriptor counts.
 
 Scenarios (``--scenario``):
 
@@ -188,7 +189,7 @@ def first_contact(scenario: str, layers: int, blocks: int, patched: bool,
                 for owner, attr, phase in (
                         (substitution, "_plan", "planning"),
                         (substitution, "_coalesce_peer", "staging setup"),
-                        (StagingAgent, "mark_converted", "twin"),
+                        (StagingAgent, "mark_converted", "marking"),
                         (ReadPlanner, "plan", "first READ planning")):
                     stack.enter_context(phases.timing(owner, attr, phase))
                 timings: dict[str, float] = {}
@@ -212,9 +213,9 @@ def first_contact(scenario: str, layers: int, blocks: int, patched: bool,
     if crash or not posted(d):
         raise RuntimeError(f"the first READ was not posted ({crash})")
     ms = phases.ms
-    if "twin" in ms and "staging setup" not in ms:     # converted: staging is set up inline
-        ms["staging setup"] = ms["twin"]
-    ms.pop("twin", None)
+    if "marking" in ms and "staging setup" not in ms:   # converted: staging is set up inline
+        ms["staging setup"] = ms["marking"]
+    ms.pop("marking", None)
     return {"add_remote_agent": timings["add_remote_agent"],
             "first READ": timings["first READ"],
             "phases": ms, "staged": bool(agent and agent.stats.staged_reads),

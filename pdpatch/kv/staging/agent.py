@@ -12,8 +12,8 @@ worker's ``nixl_wrapper`` and
 * remembers the descriptor rows behind every prepared list (``get_xfer_descs`` ->
   ``prep_xfer_dlist``; :mod:`.lists`), so a request's ids can be turned back into addresses;
 * posts a READ whose remote list was marked converted (:meth:`StagingAgent.mark_converted`)
-  against staging slots instead of the local list, with the remote ids in address order
-  (:mod:`.reads`: one such READ);
+  into staging instead of the local list, the peer's rows in address order, each run of them
+  one descriptor (:mod:`.reads`: one such READ);
 * when NIXL reports that READ ``DONE``, launches the gather staging -> KV cache (a side CUDA
   stream on GPU) and keeps answering ``PROC`` until it has finished: vLLM counts a request's
   blocks as received on ``DONE``, so they are complete by then.  A failed gather answers
@@ -44,9 +44,8 @@ from pdpatch.kv.staging.buffer import StagingBuffer
 from pdpatch.kv.staging.chunked import LANES, ChunkedRead, ChunkedReads, SerialAgent
 from pdpatch.kv.staging.lists import PreparedLists
 from pdpatch.kv.staging.nixl_states import DONE, ERR, PROC
-from pdpatch.kv.staging.plans import range_ids
 from pdpatch.kv.staging.reads import NotStaged, ReadPlanner, StagedRead, StagingStats
-from pdpatch.kv.staging.rows import RowTable, SortedTwin
+from pdpatch.kv.staging.rows import StagedPeer
 from pdpatch.log import logger
 
 
@@ -95,10 +94,11 @@ class StagingAgent(AgentProxy):
                                       memory=memory, setting=capacity_setting)
         self._lists = PreparedLists()
         self._lock = threading.Lock()
-        self._converted: dict[Any, SortedTwin] = {}      # remote dlist handle -> sorted twin
+        self._converted: dict[Any, StagedPeer] = {}      # remote dlist handle -> its peer
         self._reads: dict[Any, StagedRead] = {}         # xfer handle -> staged READ
         self.stats = StagingStats() if stats is None else stats
-        self._chunked = ChunkedReads(self._nixl, self._staging, self._lock, self.stats)
+        self._chunked = ChunkedReads(self._nixl, self._staging, self._lock, self.stats,
+                                     mem_type)
         self._planner = ReadPlanner(self._nixl, mem_type=mem_type, staging=self._staging,
                                     lists=self._lists, lock=self._lock, stats=self.stats,
                                     gap=gap, capacity_setting=capacity_setting,
@@ -132,9 +132,9 @@ class StagingAgent(AgentProxy):
     def release_dlist_handle(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
         self._lists.released(handle)
         with self._lock:
-            twin = self._converted.pop(handle, None)
-        if twin is not None:
-            self._nixl.release_dlist_handle(twin.handle)
+            peer = self._converted.pop(handle, None)
+        if peer is not None and peer.twin is not None:
+            self._nixl.release_dlist_handle(peer.twin.handle)
         return self._nixl.release_dlist_handle(handle, *args, **kwargs)
 
     def mark_converted(self, remote_handle: Any, peer: str,
@@ -142,15 +142,12 @@ class StagingAgent(AgentProxy):
         """READs against ``remote_handle`` (a converted peer's prepared list) are staged from
         now on.  False (and a log line) when staging is off or cannot be set up.
 
-        ``read_ranges``: the peer's memory a READ may cross whole, unrequested bytes
-        included (:meth:`pdpatch.kv.geometry.KVGeometry.read_ranges`); without them, no gap
-        reads from this peer.
+        ``read_ranges``: the peer's memory one descriptor may cover, unrequested bytes
+        included (:meth:`pdpatch.kv.geometry.KVGeometry.read_ranges`).  With them a READ
+        posts lists of its own runs of the peer's rows, and gap reads; without them, ids into
+        the peer's twin (:class:`~.rows.SortedTwin`), where NIXL merges what it may.
 
-        NIXL merges two pairs only when their ids are consecutive on both sides, and vLLM's
-        lists order a peer's rows by layer, then K or V, then block: a fused peer's K and V
-        of one block sit side by side in memory but far apart in the list.  So the peer's
-        rows are prepared a second time sorted by address (the twin), and staged READs use
-        the twin: neighbours in memory are neighbours in the list."""
+        Nothing is prepared here: this runs in the peer's first request."""
         if self._staging.capacity <= 0:
             return False
         entry = self._lists.entry(remote_handle)
@@ -163,65 +160,39 @@ class StagingAgent(AgentProxy):
             logger.info("pdpatch kv_segments: peer %s's descriptors differ in length; its "
                         "READs go per segment", peer)
             return False
-        try:
-            twin = self._sorted_twin(peer, entry[0], table)
-            if read_ranges:
-                end = twin.table.addr + table.length
-                twin.range_id = range_ids(twin.table.addr, end, read_ranges)
-        except Exception as exc:
-            logger.warning("pdpatch kv_segments: no staging for peer %s (%s: %s); converted "
-                           "READs go per segment (%s=0 silences this)", peer,
-                           type(exc).__name__, exc, self._capacity_setting)
-            return False
+        ranges = sorted((int(s), int(e)) for s, e in read_ranges) if read_ranges else None
         with self._lock:
-            self._converted[remote_handle] = twin
+            self._converted[remote_handle] = StagedPeer(peer, entry[0], table, ranges)
         return True
-
-    def _sorted_twin(self, peer: str, agent_name: Any, table: RowTable) -> SortedTwin:
-        order = np.argsort(table.addr, kind="stable")
-        position = np.empty_like(order)
-        position[order] = np.arange(order.size)
-        sorted_rows = np.column_stack([table.addr[order], np.full(order.size, table.length),
-                                       np.full(order.size, table.dev)]).astype(np.uint64)
-        handle = self._nixl.prep_xfer_dlist(
-            agent_name, self._nixl.get_xfer_descs(sorted_rows, self._mem_type))
-        return SortedTwin(peer, agent_name, handle, position, RowTable(sorted_rows))
 
     # -------------------------------------------------------------------------- transfers
     def make_prepped_xfer(self, op: str, local_handle: Any, local_ids: Any, remote_handle: Any,
                           remote_ids: Any, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
-            twin = self._converted.get(remote_handle) if op == "READ" else None
-        if twin is None:
+            peer = self._converted.get(remote_handle) if op == "READ" else None
+        if peer is None:
             return self._nixl.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
                                                  remote_ids, *args, **kwargs)
         t0 = time.perf_counter()
         try:
-            planned = self._planner.plan(local_handle, local_ids, twin, remote_handle,
-                                         remote_ids)
+            planned = self._planner.plan(local_handle, local_ids, peer, remote_ids)
         except NotStaged as why:
             self._not_staged(str(why))
             return self._nixl.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
                                                  remote_ids, *args, **kwargs)
+        try:
+            self._planner.own_lists(peer, planned)
+        except Exception as exc:     # a span NIXL refused: plan this READ again without
+            self._refused(peer, planned, exc)
+            return self.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
+                                          remote_ids, *args, **kwargs)
         planning_ms = (time.perf_counter() - t0) * 1e3    # the first one sets staging up
         if isinstance(planned, ChunkedRead):
             return self._post_chunked(planned, args, kwargs, planning_ms)
-        read, slot_handle, slot_ids, r_ids = planned
-        if read.spans is not None:
-            try:
-                read.dlists = self._planner.span_lists(twin, read)
-            except Exception as exc:     # NIXL refused a span: this peer gets no gap reads
-                self._release(read)
-                twin.gap = 0
-                logger.warning("pdpatch kv_segments: no gap reads from %s: NIXL refused a "
-                               "span of its memory (%s: %s); its READs are staged without "
-                               "them", twin.peer, type(exc).__name__, exc)
-                return self.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
-                                              remote_ids, *args, **kwargs)
+        read = planned
         try:
-            if read.spans is None:
-                handle = self._nixl.make_prepped_xfer("READ", slot_handle, slot_ids,
-                                                       twin.handle, r_ids, *args, **kwargs)
+            if read.ids is not None:
+                handle = self._nixl.make_prepped_xfer("READ", *read.ids, *args, **kwargs)
             else:
                 local, remote = read.dlists
                 ids = np.arange(read.spans.start.size, dtype=np.int64)
@@ -236,10 +207,30 @@ class StagingAgent(AgentProxy):
         (logger.info if first else logger.debug)(
             "pdpatch kv_segments: staged READ from %s: %d KiB in %d descriptors instead of "
             "%d%s (planned in %.1f ms)", read.peer, read.requested >> 10, read.staged,
-            read.stock, "" if read.spans is None else
+            read.stock, "" if read.nbytes == read.requested else
             f", reading {(read.nbytes - read.requested) >> 10} KiB between requested blocks",
             planning_ms)
         return handle
+
+    def _refused(self, peer: StagedPeer, read: StagedRead | ChunkedRead,
+                 exc: Exception) -> None:
+        """NIXL refused a span of the peer's memory (one that crosses a registration: the
+        peer's read ranges were wrong).  Gap reads from the peer stop; if the span was a run
+        of requested rows, its READs go through its twin from now on, where NIXL merges."""
+        if isinstance(read, ChunkedRead):
+            self._chunked.discard(read)
+        else:
+            self._release(read)
+        if isinstance(read, StagedRead) and read.nbytes > read.requested:
+            peer.gap = 0
+            logger.warning("pdpatch kv_segments: no gap reads from %s: NIXL refused a span "
+                           "of its memory (%s: %s); its READs are staged without them",
+                           peer.name, type(exc).__name__, exc)
+            return
+        peer.ranges = None
+        logger.warning("pdpatch kv_segments: NIXL refused a run of %s's memory (%s: %s); its "
+                       "READs are staged through a copy of its list in address order",
+                       peer.name, type(exc).__name__, exc)
 
     def _post_chunked(self, read: ChunkedRead, args: tuple, kwargs: dict,
                       planning_ms: float) -> Any:
@@ -345,7 +336,7 @@ class StagingAgent(AgentProxy):
     def close(self) -> None:
         """Release the staging lists and registration (the worker's shutdown, or a test's)."""
         with self._lock:
-            twins = [t.handle for t in self._converted.values()]
+            twins = [p.twin.handle for p in self._converted.values() if p.twin is not None]
             self._converted.clear()
         self._staging.turn_off()
         self._chunked.close()

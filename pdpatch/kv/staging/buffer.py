@@ -1,8 +1,8 @@
 """A staging agent's memory: ``capacity`` bytes on the KV cache's device, made at the first READ
 to stage (a worker that only writes to a converted peer never pays for it), registered with
-NIXL once per device id the local lists use and prepared as a list of equal slots per slot
-length, shared out by a first-fit allocator, and copied into the KV memory by a
-:class:`~pdpatch.kv.staging.copier.ByteCopier`.  Needs torch once made."""
+NIXL once per device id the local lists use (and, for READs through a peer's twin, prepared as
+a list of equal slots per slot length), shared out by a first-fit allocator, and copied into
+the KV memory by a :class:`~pdpatch.kv.staging.copier.ByteCopier`.  Needs torch once made."""
 
 from __future__ import annotations
 
@@ -95,11 +95,9 @@ class StagingBuffer:
         key = (slot, dev)
         with self._lock:
             handle = self._slot_lists.get(key)
-            registered = dev in self._registered
         if handle is not None:
             return handle
-        if not registered:
-            self._register(dev)
+        self.register(dev)
         table = staging_table(self.base, slot, self.capacity // slot, dev)
         handle = self._agent.prep_xfer_dlist(INIT_AGENT,
                                              self._agent.get_xfer_descs(table, self._mem_type))
@@ -107,7 +105,11 @@ class StagingBuffer:
             self._slot_lists[key] = handle
         return handle
 
-    def _register(self, dev: int) -> None:
+    def register(self, dev: int) -> None:
+        """Register the buffer with NIXL under device id ``dev`` (once per id)."""
+        with self._lock:
+            if dev in self._registered:
+                return
         descs = self._agent.get_reg_descs([(self.base, self.capacity, dev, "")], self._mem_type)
         reg = self._agent.register_memory(descs)
         with self._lock:

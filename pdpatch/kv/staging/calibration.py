@@ -9,9 +9,10 @@ from typing import Any
 
 import numpy as np
 
+from pdpatch.kv.staging.lists import prep_rows
 from pdpatch.kv.staging.nixl_states import DONE, INIT_AGENT, PROC
 from pdpatch.kv.staging.plans import TransportCost
-from pdpatch.kv.staging.rows import SortedTwin, longest_run
+from pdpatch.kv.staging.rows import StagedPeer
 from pdpatch.log import logger
 
 # Calibration READs: descriptors of the many-descriptor READ, the bytes of the big one (more
@@ -25,28 +26,29 @@ SLOW_READ_S = 0.01
 class GapCalibration:
     """The calibration half of the staging agent's READ planning
     (:class:`~pdpatch.kv.staging.reads.ReadPlanner`), kept apart because it is a measurement,
-    not the READ path.  It runs inside the planner: its NIXL agent, staging buffer, lock and
-    stats, and its ``_prep``."""
+    not the READ path.  It runs inside the planner: its NIXL agent, memory type, staging
+    buffer, lock and stats."""
 
     _agent: Any
+    _mem_type: str
     _staging: Any
     _gap: int | None
     _gap_setting: str
     _lock: Any
     stats: Any
 
-    def _gap_for(self, twin: SortedTwin, slot: int, dev: int) -> int:
-        """The twin's gap budget: the agent's setting, else measured at the peer's first
-        staged READ (0 until it could be)."""
-        if twin.range_id is None:
+    def _gap_for(self, peer: StagedPeer, slot: int, dev: int) -> int:
+        """The peer's gap budget: the agent's setting, else measured at the first READ from
+        the peer that a gap could shorten (0 until it could be)."""
+        if not peer.ranges:
             return 0
-        if twin.gap is None and self._gap is not None:
-            twin.gap = self._gap
-        if twin.gap is None:
-            twin.gap = self._calibrate(twin, slot, dev)
-        return twin.gap or 0
+        if peer.gap is None and self._gap is not None:
+            peer.gap = self._gap
+        if peer.gap is None:
+            peer.gap = self._calibrate(peer, slot, dev)
+        return peer.gap or 0
 
-    def _calibrate(self, twin: SortedTwin, slot: int, dev: int) -> int | None:
+    def _calibrate(self, peer: StagedPeer, slot: int, dev: int) -> int | None:
         """The most bytes worth reading to save one descriptor, measured on this peer: three
         READs of its memory into staging -- :data:`CALIBRATION_DESCS` rows one apart, the
         same bytes as one descriptor, and one descriptor of up to
@@ -55,53 +57,56 @@ class GapCalibration:
 
         Why measure: the budget is ``cost x bandwidth``, a few MiB over cuda_ipc on one node,
         tens of KiB over host memory, a few KiB over TCP: no default fits every transport.
-        None (try again at the next READ) while other READs hold the staging it needs."""
-        run_start, run_len = longest_run(twin)
+        None (try again at the next READ) while other READs hold the staging it needs.
+        The READs stay inside the peer's largest read range (one registration)."""
+        base, end = max(peer.ranges, key=lambda r: r[1] - r[0])
+        run_len = (end - base) // slot
         room = min(CALIBRATION_MAX_BYTES, self._staging.capacity, run_len * slot) // (2 * slot)
         descs = min(CALIBRATION_DESCS, run_len // 2, 2 * room)
         if descs < 2:
-            logger.info("pdpatch kv_segments: no gap reads from %s: no run of its rows, or "
-                        "no staging, large enough to measure the transport with", twin.peer)
+            logger.info("pdpatch kv_segments: no gap reads from %s: no range of its memory, "
+                        "or no staging, large enough to measure the transport with", peer.name)
             return 0
         start = self._staging.reserve(2 * room * slot, slot)
         if start is None:
             return None
-        addr = twin.table.addr
+        first = np.array([base], dtype=np.int64)
         try:
-            spaced = self._timed(twin, start, addr[run_start:run_start + 2 * descs:2], slot,
+            spaced = self._timed(peer, start, base + np.arange(0, 2 * descs, 2) * slot, slot,
                                  dev)
-            one = self._timed(twin, start, addr[run_start:run_start + 1], descs * slot, dev)
-            big = self._timed(twin, start, addr[run_start:run_start + 1], 2 * room * slot, dev)
+            one = self._timed(peer, start, first, descs * slot, dev)
+            big = self._timed(peer, start, first, 2 * room * slot, dev)
             cost = TransportCost.from_reads(spaced, one, big)
         except Exception as exc:
             logger.warning("pdpatch kv_segments: no gap reads from %s: measuring its "
-                           "transport failed (%s: %s); set %s to choose a gap", twin.peer,
+                           "transport failed (%s: %s); set %s to choose a gap", peer.name,
                            type(exc).__name__, exc, self._gap_setting)
             return 0
         finally:
             self._staging.free(start, 2 * room * slot)
         gap = cost.gap_budget()
         with self._lock:
-            self.stats.gap_budgets[twin.peer] = gap
+            self.stats.gap_budgets[peer.name] = gap
         logger.info("pdpatch kv_segments: READs from %s cost %.1f us per descriptor at %.1f "
                     "GB/s: staged READs read up to %d KiB between requested blocks rather than "
-                    "post another descriptor (%s overrides; 0 turns it off)", twin.peer,
+                    "post another descriptor (%s overrides; 0 turns it off)", peer.name,
                     cost.desc_cost_s * 1e6, cost.bandwidth_bps / 1e9, gap >> 10, self._gap_setting)
         return gap
 
-    def _timed(self, twin: SortedTwin, start: int, remote: np.ndarray, length: int, dev: int
+    def _timed(self, peer: StagedPeer, start: int, remote: np.ndarray, length: int, dev: int
                ) -> tuple[int, int, float]:
         """``(descs, bytes, best seconds)`` of READing ``length`` bytes at each of ``remote``
         into staging at ``start``, posted and polled as vLLM does."""
         n = remote.size
         lens = np.full(n, length, dtype=np.int64)
         local = self._staging.base + start + np.arange(n, dtype=np.int64) * length
-        lh = self._prep(INIT_AGENT, local, lens, dev)
+        lh = prep_rows(self._agent, INIT_AGENT, local, lens, dev, self._mem_type)
         ids = np.arange(n, dtype=np.int64)
         best = math.inf
         rh = None
         try:
-            rh = self._prep(twin.agent_name, remote, lens, twin.table.dev)
+            rh = prep_rows(self._agent, peer.agent_name, remote, lens, peer.table.dev,
+                           self._mem_type)
             for rep in range(CALIBRATION_REPS):
                 t0 = time.perf_counter()
                 handle = self._agent.make_prepped_xfer("READ", lh, ids, rh, ids)

@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pdpatch.kv.staging.nixl_states import DONE, ERR, PROC
+from pdpatch.kv.staging.lists import prep_rows
+from pdpatch.kv.staging.nixl_states import DONE, ERR, INIT_AGENT, PROC
 from pdpatch.kv.staging.plans import CopyPlan
 from pdpatch.log import logger
 
@@ -89,15 +90,46 @@ class Chunk:
     end: int
     lane: int
     handle: Any = None         # its NIXL READ, once posted
+    dlist: Any = None          # its lane's list of the READ's runs (a READ of runs)
     landed: bool = False
     ops: list = field(default_factory=list)     # its gather, prepared while NIXL reads
     event: Any = None
     gathered: bool = False
 
 
+@dataclass(eq=False)
+class ChunkRuns:
+    """A chunked READ's runs of the peer, cut at its chunk edges: one list of the peer's side
+    for the whole READ (``handle``, prepared before it is posted); each chunk prepares a list
+    of its lane of the same lengths when it is posted."""
+
+    first: np.ndarray          # each run's first row (rows in the peer's address order)
+    start: np.ndarray          # the peer's address of each run
+    length: np.ndarray         # bytes
+    handle: Any = None
+
+    @classmethod
+    def of(cls, start: np.ndarray, slot: int, joins: np.ndarray, bounds: np.ndarray
+           ) -> ChunkRuns:
+        """``joins[i]``: row ``i + 1`` continues row ``i``'s run (rows at ``start``,
+        address-sorted, ``slot`` bytes each); chunk ``c`` is rows ``[bounds[c],
+        bounds[c + 1])``."""
+        cut = joins.copy()
+        cut[bounds[1:-1] - 1] = False
+        first = np.flatnonzero(np.concatenate(([True], ~cut)))
+        last = np.append(first[1:], start.size) - 1
+        return cls(first, start[first], (last - first + 1) * slot)
+
+    def of_chunk(self, chunk: Chunk) -> tuple[int, int]:
+        """The runs ``[lo, hi)`` of one chunk."""
+        return (int(np.searchsorted(self.first, chunk.first)),
+                int(np.searchsorted(self.first, chunk.end)))
+
+
 @dataclass(eq=False)      # identity: its arrays have no truth value to compare by
 class ChunkedRead:
-    """One vLLM READ staged in chunks (planned by :meth:`ReadPlanner.plan`)."""
+    """One vLLM READ staged in chunks (planned by :meth:`ReadPlanner.plan`): its chunks read
+    lists of their runs (``runs``), or ids into the peer's twin (``twin_ids``)."""
 
     peer: str
     agent_name: Any            # the peer's NIXL agent (the notification goes there)
@@ -105,13 +137,12 @@ class ChunkedRead:
     dev: int
     stock: int                 # descriptors vLLM's own READ would have posted
     staged: int                # descriptors of all chunks together
-    r_ids: np.ndarray          # the peer's rows in the twin, address order
-    local_addr: np.ndarray     # where each of those rows goes in the KV cache
+    local_addr: np.ndarray     # where each row (the peer's address order) goes in the KV cache
     lanes: list[int]           # staging offset of each lane
     lane_bytes: int
     bounds: np.ndarray         # chunk c = rows [bounds[c], bounds[c + 1])
-    slot_handle: Any           # the staging slot list
-    twin_handle: Any           # the peer's address-sorted list
+    runs: ChunkRuns | None = None
+    twin_ids: tuple | None = None    # (staging slot list, the peer's twin, rows in the twin)
     notif: bytes = b""
     xfer_kwargs: dict = field(default_factory=dict)
     chunks: list[Chunk] = field(default_factory=list)
@@ -133,10 +164,6 @@ class ChunkedRead:
 
     def chunk(self, c: int, lane: int) -> Chunk:
         return Chunk(int(self.bounds[c]), int(self.bounds[c + 1]), lane)
-
-    def slot_ids(self, chunk: Chunk) -> np.ndarray:
-        return self.lanes[chunk.lane] // self.slot + np.arange(chunk.end - chunk.first,
-                                                               dtype=np.int64)
 
     def gather(self, chunk: Chunk, base: int) -> CopyPlan:
         """Lane -> KV cache for one chunk's rows."""
@@ -165,8 +192,9 @@ class ChunkedReads:
     ``lock``/``stats``: the agent's."""
 
     def __init__(self, agent: Any, staging: StagingBuffer, lock: Any,
-                 stats: StagingStats) -> None:
+                 stats: StagingStats, mem_type: str) -> None:
         self._agent = agent
+        self._mem_type = mem_type
         self._staging = staging
         self._lock = lock
         self.stats = stats
@@ -185,11 +213,9 @@ class ChunkedReads:
         """The first chunk's NIXL READ, which is the handle vLLM gets."""
         first = read.chunk(0, 0)
         try:
-            first.handle = self._agent.make_prepped_xfer(
-                "READ", read.slot_handle, read.slot_ids(first), read.twin_handle,
-                read.r_ids[first.first:first.end], **read.xfer_kwargs)
+            first.handle = self._xfer(read, first)
         except BaseException:
-            self._free_lanes(read)
+            self.discard(read)
             raise
         read.chunks.append(first)
         with self._lock:
@@ -247,7 +273,7 @@ class ChunkedReads:
             for chunk in read.chunks:
                 held |= not self._end(read, chunk)
             if not held:
-                self._free_lanes(read)
+                self.discard(read)
             else:
                 logger.error("pdpatch kv_segments: a chunk READ from %s would not end; its "
                              "%d KiB of staging stay reserved", read.peer,
@@ -265,14 +291,35 @@ class ChunkedReads:
 
     def _post(self, read: ChunkedRead, chunk: Chunk) -> None:
         if chunk.handle is None:
-            chunk.handle = self._agent.make_prepped_xfer(
-                "READ", read.slot_handle, read.slot_ids(chunk), read.twin_handle,
-                read.r_ids[chunk.first:chunk.end], **read.xfer_kwargs)
+            chunk.handle = self._xfer(read, chunk)
             read.chunks.append(chunk)
         state = self._agent.transfer(chunk.handle)
         if state not in (PROC, DONE):
             raise RuntimeError(f"NIXL answered {state}")
         chunk.ops = self._staging.prepare(read.gather(chunk, self._staging.base))
+
+    def _xfer(self, read: ChunkedRead, chunk: Chunk) -> Any:
+        """The chunk's NIXL READ into its lane (rows back to back in the peer's order)."""
+        n = chunk.end - chunk.first
+        lane = self._staging.base + read.lanes[chunk.lane]
+        if read.runs is None:
+            slots, twin, r_ids = read.twin_ids
+            ids = read.lanes[chunk.lane] // read.slot + np.arange(n, dtype=np.int64)
+            return self._agent.make_prepped_xfer("READ", slots, ids, twin,
+                                                 r_ids[chunk.first:chunk.end],
+                                                 **read.xfer_kwargs)
+        lo, hi = read.runs.of_chunk(chunk)
+        chunk.dlist = prep_rows(self._agent, INIT_AGENT,
+                                lane + (read.runs.first[lo:hi] - chunk.first) * read.slot,
+                                read.runs.length[lo:hi], read.dev, self._mem_type)
+        try:
+            return self._agent.make_prepped_xfer(
+                "READ", chunk.dlist, np.arange(hi - lo, dtype=np.int64), read.runs.handle,
+                np.arange(lo, hi, dtype=np.int64), **read.xfer_kwargs)
+        except BaseException:
+            self._agent.release_dlist_handle(chunk.dlist)
+            chunk.dlist = None
+            raise
 
     def _step(self, read: ChunkedRead) -> bool:
         """Advance ``read`` as far as it goes without waiting (its lock held); True when
@@ -366,18 +413,25 @@ class ChunkedReads:
             chunk.event.synchronize()
         try:
             self._agent.release_xfer_handle(chunk.handle)
-            return True
         except Exception:
             deadline = time.monotonic() + END_WAIT_S
             while time.monotonic() < deadline and \
                     self._agent.check_xfer_state(chunk.handle) == PROC:
                 time.sleep(POLL_S)
-        try:
-            self._agent.release_xfer_handle(chunk.handle)
-            return True
-        except Exception:
-            return False
+            try:
+                self._agent.release_xfer_handle(chunk.handle)
+            except Exception:
+                return False
+        if chunk.dlist is not None:
+            self._agent.release_dlist_handle(chunk.dlist)
+            chunk.dlist = None
+        return True
 
-    def _free_lanes(self, read: ChunkedRead) -> None:
+    def discard(self, read: ChunkedRead) -> None:
+        """Give back what the READ holds beside its chunks: its lanes, and the list of the
+        peer's runs."""
+        if read.runs is not None and read.runs.handle is not None:
+            self._agent.release_dlist_handle(read.runs.handle)
+            read.runs.handle = None
         for start in read.lanes:
             self._staging.free(start, read.lane_bytes)

@@ -60,3 +60,11 @@ class PreparedLists:
             with self._lock:
                 self._arrays[handle] = table
         return table
+
+
+def prep_rows(agent: Any, agent_name: Any, addr: np.ndarray, length: np.ndarray, dev: int,
+              mem_type: str) -> Any:
+    """A list of its own for one READ (rows ``addr``/``length`` on device ``dev`` of
+    ``agent_name``'s memory), prepared; the caller releases it."""
+    rows = np.column_stack([addr, length, np.full(addr.size, dev)]).astype(np.uint64)
+    return agent.prep_xfer_dlist(agent_name, agent.get_xfer_descs(rows, mem_type))

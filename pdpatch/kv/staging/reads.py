@@ -4,6 +4,7 @@ an agent's staged READs did (:class:`StagingStats`)."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,17 +14,27 @@ import numpy as np
 
 from pdpatch import metrics
 from pdpatch.kv.staging.calibration import GapCalibration
-from pdpatch.kv.staging.chunked import LANES, ChunkedRead
+from pdpatch.kv.staging.chunked import LANES, ChunkedRead, ChunkRuns
+from pdpatch.kv.staging.lists import prep_rows
 from pdpatch.kv.staging.nixl_states import INIT_AGENT
 from pdpatch.kv.staging.plans import (
     CopyPlan,
     chunk_bounds,
     chunk_descriptors,
     lane_rows_to_try,
+    range_ids,
     read_spans,
     span_layout,
 )
-from pdpatch.kv.staging.rows import SortedTwin, Spans, address_order, posted_descriptors
+from pdpatch.kv.staging.rows import (
+    SortedTwin,
+    Spans,
+    StagedPeer,
+    address_order,
+    posted_descriptors,
+    run_spans,
+)
+from pdpatch.log import logger
 
 if TYPE_CHECKING:
     from pdpatch.kv.staging.buffer import StagingBuffer
@@ -36,6 +47,10 @@ MAX_STAGED_FRACTION = 0.75
 # that while other READs hold staging, no further: each chunk is one more NIXL READ.
 CHUNKED_SHARE = 2
 LANE_SHRINK = 16
+# A READ of more runs than this takes ids into the peer's address-ordered twin rather than
+# lists of its own runs: preparing a list costs ~0.3 us per row and side (NIXL, CPU), so a
+# READ of a run per row (head slices) would prepare as many rows as it posts, every time.
+RUN_LIST_MAX = 4096
 
 
 class NotStaged(Exception):
@@ -54,8 +69,9 @@ class StagedRead:
     stock: int                 # descriptors vLLM's own READ would have posted
     staged: int                # descriptors the staged READ posts
     dev: int                   # the device id of the local lists (and of staging)
-    spans: Spans | None = None                  # a gap READ: its spans of the peer
-    dlists: tuple = ()                           # a gap READ's own lists, freed with it
+    spans: Spans | None = None                  # its runs (or gap spans) of the peer
+    dlists: tuple = ()                           # the spans' own lists, freed with it
+    ids: tuple | None = None                     # else: slot list, slot ids, twin, twin ids
     ops: list = field(default_factory=list)      # prepared gather, alive until it has run
     failure: Exception | None = None             # planning the gather failed
     event: Any = None
@@ -108,7 +124,7 @@ class StagingStats:
             self.chunks += read.bounds.size - 1
             return first
         self.staged_bytes += read.requested
-        if read.spans is not None:
+        if read.nbytes > read.requested:
             self.gap_reads += 1
             self.gap_bytes += read.nbytes - read.requested
         return first
@@ -136,17 +152,18 @@ class ReadPlanner(GapCalibration):
         self._capacity_setting = capacity_setting
         self._gap_setting = gap_setting
 
-    def plan(self, lh: Any, local_ids: Any, twin: SortedTwin, rh: Any, remote_ids: Any
-             ) -> tuple[StagedRead, Any, np.ndarray, np.ndarray] | ChunkedRead:
-        """Staging slots and the peer's rows in address order: all NIXL needs to start.
-        For a gap READ the read carries its spans and own lists, and the slot list and ids
-        are unused.  A request larger than the free staging is a :class:`ChunkedRead`.
-        :class:`NotStaged` says why a request cannot be staged."""
+    def plan(self, lh: Any, local_ids: Any, peer: StagedPeer, remote_ids: Any
+             ) -> StagedRead | ChunkedRead:
+        """The peer's rows in address order and where each lands in staging: all NIXL needs
+        to start.  A READ of few runs (and a gap READ) posts lists of its own spans
+        (:meth:`own_lists`), one of many runs ids into the peer's twin.  A request larger
+        than the free staging is a :class:`ChunkedRead`.  :class:`NotStaged` says why a
+        request cannot be staged."""
         capacity = self._staging.capacity
         if capacity <= 0:
             raise NotStaged("no staging buffer could be made")
-        ltab, rtab = self._lists.table(lh), self._lists.table(rh)
-        if ltab is None or rtab is None:
+        ltab, rtab = self._lists.table(lh), peer.table
+        if ltab is None:
             raise NotStaged("the local descriptor list was prepared before staging was set up")
         lid = np.asarray(local_ids, dtype=np.int64).reshape(-1)
         rid = np.asarray(remote_ids, dtype=np.int64).reshape(-1)
@@ -162,18 +179,29 @@ class ReadPlanner(GapCalibration):
         self._staging.ensure()
         if not self._staging.covers(ltab.addr[lid], slot):
             raise NotStaged("the local list points outside the KV memory staging copies into")
-        position = twin.position[rid]
-        order = address_order(position, rid)
-        r_ids = position[order]
+        addr = rtab.addr[rid]
+        order = address_order(addr, rid)
+        start = addr[order]
         stock = posted_descriptors(lid, rid, ltab, rtab)
-        joins = (r_ids[1:] == r_ids[:-1] + 1) & twin.table.contiguous_next[r_ids[:-1]]
+        rng = None if peer.ranges is None else range_ids(start, start + slot, peer.ranges)
+        joins = start[1:] == start[:-1] + slot
+        if rng is not None:
+            joins &= (rng[1:] == rng[:-1]) & (rng[1:] >= 0)
         runs = lid.size - int(np.count_nonzero(joins))
-        slot_handle = self._staging.slot_list(slot, ltab.dev)     # registers staging, too
-        spans = self._spans(twin, r_ids, slot, runs, ltab.dev) if need <= capacity else None
-        start = None
+        r_ids = None
+        if rng is None or runs > RUN_LIST_MAX:
+            # NIXL merges what it may itself (it knows the registrations), in the twin
+            r_ids = self._twin(peer).position[rid[order]]
+            joins = (start[1:] == start[:-1] + slot) & (r_ids[1:] == r_ids[:-1] + 1)
+            runs = lid.size - int(np.count_nonzero(joins))
+        self._staging.register(ltab.dev)
+        spans = None
+        if r_ids is None and need <= capacity:
+            spans = self._gap_spans(peer, start, rng, slot, runs, ltab.dev)
+        at = None
         if spans is not None and spans.posted <= MAX_STAGED_FRACTION * stock:
-            start = self._staging.reserve(spans.nbytes, slot)
-        if start is None:           # no gap READ, or other READs hold the room its gaps need
+            at = self._staging.reserve(spans.nbytes, slot)
+        if at is None:              # no gap READ, or other READs hold the room its gaps need
             spans = None
             if runs > MAX_STAGED_FRACTION * stock and not self.direct_slow():
                 # the gather would cost more than the few descriptors it saves (measured:
@@ -181,30 +209,35 @@ class ReadPlanner(GapCalibration):
                 raise NotStaged("staging saves under a quarter of the descriptors (blocks "
                                 "far apart, or head slices of K and V)")
             if need <= capacity:
-                start = self._staging.reserve(need, slot)
-            if start is None:       # larger than the buffer, or than its free room: chunks
-                return self._chunked(twin, joins, r_ids, ltab.addr[lid[order]], slot,
-                                     ltab.dev, stock, slot_handle)
-        staged = runs if spans is None else spans.posted
-        slot_ids = start // slot + np.arange(lid.size, dtype=np.int64)
-        read = StagedRead(start, need if spans is None else spans.nbytes, ltab.addr[lid[order]],
-                          slot, twin.peer, stock, staged, ltab.dev, spans)
-        return read, slot_handle, slot_ids, r_ids
+                at = self._staging.reserve(need, slot)
+            if at is None:          # larger than the buffer, or than its free room: chunks
+                return self._chunked(peer, joins, start, r_ids, ltab.addr[lid[order]], slot,
+                                     ltab.dev, stock)
+            if r_ids is None:
+                spans = run_spans(start, slot, joins)
+        read = StagedRead(at, need if spans is None else spans.nbytes, ltab.addr[lid[order]],
+                          slot, peer.name, stock, runs if spans is None else spans.posted,
+                          ltab.dev, spans)
+        if r_ids is not None:
+            read.ids = (self._staging.slot_list(slot, ltab.dev),
+                        at // slot + np.arange(lid.size, dtype=np.int64),
+                        peer.twin.handle, r_ids)
+        return read
 
-    def _chunked(self, twin: SortedTwin, joins: np.ndarray, r_ids: np.ndarray,
-                 local_addr: np.ndarray, slot: int, dev: int, stock: int, slot_handle: Any
-                 ) -> ChunkedRead:
+    def _chunked(self, peer: StagedPeer, joins: np.ndarray, start: np.ndarray,
+                 r_ids: np.ndarray | None, local_addr: np.ndarray, slot: int, dev: int,
+                 stock: int) -> ChunkedRead:
         """A READ staged in chunks through :data:`~.chunked.LANES` lanes of the staging
         buffer, as large as the free room allows (:func:`~.plans.lane_rows_to_try`)."""
         rows, lanes = 0, None
-        for rows in lane_rows_to_try(r_ids.size, slot, self._staging.capacity, LANES,
+        for rows in lane_rows_to_try(start.size, slot, self._staging.capacity, LANES,
                                      LANE_SHRINK, CHUNKED_SHARE):
             lanes = self._reserve_lanes(rows * slot, slot)
             if lanes is not None:
                 break
         if lanes is None:
             raise NotStaged("the staging buffer is full with other requests' READs")
-        bounds = chunk_bounds(r_ids.size, rows)
+        bounds = chunk_bounds(start.size, rows)
         staged = int(chunk_descriptors(joins, bounds).sum())
         if staged > MAX_STAGED_FRACTION * stock and not self.direct_slow():
             # chunks too small to hold the runs
@@ -212,8 +245,13 @@ class ReadPlanner(GapCalibration):
                 self._staging.free(held, rows * slot)
             raise NotStaged("staging saves under a quarter of the descriptors (chunks of "
                             "the staging buffer cut the runs of blocks)")
-        return ChunkedRead(twin.peer, twin.agent_name, slot, dev, stock, staged, r_ids,
-                           local_addr, lanes, rows * slot, bounds, slot_handle, twin.handle)
+        read = ChunkedRead(peer.name, peer.agent_name, slot, dev, stock, staged, local_addr,
+                           lanes, rows * slot, bounds)
+        if r_ids is None:
+            read.runs = ChunkRuns.of(start, slot, joins, bounds)
+        else:
+            read.twin_ids = (self._staging.slot_list(slot, dev), peer.twin.handle, r_ids)
+        return read
 
     def direct_slow(self) -> bool:
         """Whether READs straight into the local memory cross a slower transport than READs
@@ -236,36 +274,73 @@ class ReadPlanner(GapCalibration):
             lanes.append(start)
         return lanes
 
-    def _spans(self, twin: SortedTwin, r_ids: np.ndarray, slot: int, runs: int, dev: int
-               ) -> Spans | None:
-        """The gap READ for rows ``r_ids`` of the twin (address order), when it posts fewer
-        descriptors than the twin's runs and fits the staging buffer; else None."""
-        gap = self._gap_for(twin, slot, dev)
-        if gap <= 0 or twin.range_id is None:
+    def _twin(self, peer: StagedPeer) -> SortedTwin:
+        """The peer's twin, prepared at the first READ that needs it (:class:`NotStaged`
+        for good when NIXL would not prepare it)."""
+        if peer.twin is not None:
+            return peer.twin
+        if peer.twin_failure is not None:
+            raise NotStaged(peer.twin_failure)
+        t0 = time.perf_counter()
+        table = peer.table
+        order = np.argsort(table.addr, kind="stable")
+        position = np.empty_like(order)
+        position[order] = np.arange(order.size)
+        try:
+            handle = prep_rows(self._agent, peer.agent_name, table.addr[order],
+                               np.full(order.size, table.length), table.dev, self._mem_type)
+        except Exception as exc:
+            peer.twin_failure = (f"the peer's list could not be prepared in address order "
+                                 f"({type(exc).__name__}: {exc})")
+            logger.warning("pdpatch kv_segments: READs from %s go per segment: %s", peer.name,
+                           peer.twin_failure)
+            raise NotStaged(peer.twin_failure) from None
+        peer.twin = SortedTwin(handle, position)
+        logger.info("pdpatch kv_segments: %s's %d descriptors prepared in address order for "
+                    "READs of many runs%s, in %.0f ms", peer.name, order.size,
+                    "" if peer.ranges is not None else " (its memory's ranges are unknown)",
+                    (time.perf_counter() - t0) * 1e3)
+        return peer.twin
+
+    def _gap_spans(self, peer: StagedPeer, start: np.ndarray, rng: np.ndarray | None,
+                   slot: int, runs: int, dev: int) -> Spans | None:
+        """The gap READ for address-sorted rows at ``start`` (read ranges ``rng``), when it
+        posts fewer descriptors than their ``runs`` and fits the staging buffer; else None."""
+        if rng is None:
             return None
-        start = twin.table.addr[r_ids]
+        # a gap READ still posts one descriptor per read range it touches (and per row outside
+        # them): where the runs are no more, the transport need not even be measured
+        apart = (rng[1:] != rng[:-1]) | (rng[1:] < 0)
+        if runs <= 1 + int(np.count_nonzero(apart)):
+            return None
+        gap = self._gap_for(peer, slot, dev)
+        if gap <= 0:
+            return None
         end = start + slot
-        rng = twin.range_id[r_ids]
-        joinable = (rng[1:] == rng[:-1]) & (rng[1:] >= 0)
         # (the gap is halved until the spans fit; at 0 they are the request, which fits)
-        first, last, _ = read_spans(start, end, joinable, gap, self._staging.capacity)
+        first, last, _ = read_spans(start, end, ~apart, gap, self._staging.capacity)
         if first.size >= runs:
             return None
         return Spans(start[first], *span_layout(start, end, first, last))
 
-    def span_lists(self, twin: SortedTwin, read: StagedRead) -> tuple[Any, Any]:
-        """A gap READ's own lists: its spans of the peer, and back-to-back staging ranges of
-        the same lengths (ids into prepared tables cannot describe a span that no row is)."""
+    def own_lists(self, peer: StagedPeer, read: StagedRead | ChunkedRead) -> None:
+        """Prepare the lists of a READ's own spans: for a staged READ both sides (the peer's
+        spans, and back-to-back staging ranges of the same lengths), for a chunked one the
+        peer's side (each chunk prepares its lane's when posted).  NIXL checks each span
+        against the peer's registrations here: an exception means a span crosses one."""
+        if isinstance(read, ChunkedRead):
+            if read.runs is not None:
+                read.runs.handle = prep_rows(self._agent, peer.agent_name, read.runs.start,
+                                             read.runs.length, peer.table.dev, self._mem_type)
+            return
         sp = read.spans
-        lh = self._prep(INIT_AGENT, self._staging.base + read.start + sp.span_off, sp.length,
-                        read.dev)
+        if sp is None:
+            return
+        lh = prep_rows(self._agent, INIT_AGENT, self._staging.base + read.start + sp.span_off,
+                       sp.length, read.dev, self._mem_type)
         try:
-            return lh, self._prep(twin.agent_name, sp.start, sp.length, twin.table.dev)
+            read.dlists = (lh, prep_rows(self._agent, peer.agent_name, sp.start, sp.length,
+                                         peer.table.dev, self._mem_type))
         except BaseException:
             self._agent.release_dlist_handle(lh)
             raise
-
-    def _prep(self, agent_name: Any, addr: np.ndarray, length: np.ndarray, dev: int) -> Any:
-        rows = np.column_stack([addr, length, np.full(addr.size, dev)]).astype(np.uint64)
-        return self._agent.prep_xfer_dlist(agent_name,
-                                           self._agent.get_xfer_descs(rows, self._mem_type))

@@ -47,21 +47,39 @@ class RowTable:
         self.contiguous_next = np.append(self.addr[1:] == self.addr[:-1] + lens[:-1], False)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SortedTwin:
-    """A converted peer's rows prepared once more in address order."""
+    """A peer's whole list prepared once more in address order, for READs of many runs.
 
-    peer: str
-    agent_name: Any
+    Why: NIXL merges two descriptors of a READ only when they follow each other in the
+    prepared list (tests/test_nixl_transfer.py), and vLLM lists a peer's rows by layer, then
+    K or V, then block.  A READ of few runs posts lists of its own runs instead
+    (:class:`Spans`); one of a run per row (head slices) would prepare as many rows per READ
+    as it posts, so it takes ids into this twin, prepared at the first such READ (~150 ms
+    per 500k rows) rather than at the peer's first contact."""
+
     handle: Any
-    position: np.ndarray       # row id in vLLM's list -> row id in the sorted twin
-    table: RowTable              # the twin's rows
-    range_id: np.ndarray | None = None   # the peer's read range holding each row (-1: none)
-    gap: int | None = None     # bytes a READ may read between requested rows (None: unknown)
+    position: np.ndarray       # row id in vLLM's list -> row id in the twin
 
 
-def address_order(position: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """``np.argsort(position, kind="stable")``, cheaper for the requests vLLM builds.
+@dataclass
+class StagedPeer:
+    """A peer whose READs are staged: its list's rows (vLLM's order), the ranges one
+    descriptor may cover (None: unknown, so only NIXL may merge rows, through the twin), its
+    gap budget once known, and its twin once a READ needed it."""
+
+    name: str
+    agent_name: Any
+    table: RowTable
+    ranges: list[tuple[int, int]] | None
+    gap: int | None = None
+    twin: SortedTwin | None = None
+    twin_failure: str | None = None
+
+
+def address_order(key: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``np.argsort(key, kind="stable")`` (``key``: the rows' addresses), cheaper for the
+    requests vLLM builds.
 
     Why: sorting a request's 10^4-10^5 rows costs more host time than NIXL spends on the
     descriptors staging saves (6 ms for 65 536 rows on an H200 host).  vLLM's ids are
@@ -73,10 +91,10 @@ def address_order(position: np.ndarray, ids: np.ndarray) -> np.ndarray:
     n = ids.size
     chunk = _period(ids)
     if chunk >= n:
-        return np.argsort(position, kind="stable")
-    first = np.argsort(position[:chunk], kind="stable")
+        return np.argsort(key, kind="stable")
+    first = np.argsort(key[:chunk], kind="stable")
     hint = (np.arange(0, n, chunk, dtype=np.int64)[:, None] + first[None, :]).reshape(-1)
-    return hint[np.argsort(position[hint], kind="stable")]
+    return hint[np.argsort(key[hint], kind="stable")]
 
 
 def _period(ids: np.ndarray) -> int:
@@ -137,18 +155,15 @@ def row_columns(rows: Any) -> tuple[np.ndarray, np.ndarray, int]:
         int(arr[0, 2]) if arr.size else 0
 
 
-def longest_run(twin: SortedTwin) -> tuple[int, int]:
-    """``(first row, rows)`` of the twin's longest run of back-to-back rows in one read
-    range: memory a single READ of the peer may cover."""
-    rng = twin.range_id
-    if rng is None or rng.size == 0:
-        return 0, 0
-    joins = twin.table.contiguous_next[:-1] & (rng[1:] == rng[:-1]) & (rng[1:] >= 0)
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    lengths = np.diff(np.append(starts, rng.size))
-    lengths[rng[starts] < 0] = 0
-    best = int(np.argmax(lengths))
-    return int(starts[best]), int(lengths[best])
+def run_spans(start: np.ndarray, slot: int, joins: np.ndarray) -> Spans:
+    """The READ of address-sorted rows ``start`` (``slot`` bytes each) in one descriptor per
+    run: row ``i + 1`` continues row ``i``'s run where ``joins[i]``."""
+    n = start.size
+    first = np.flatnonzero(np.concatenate(([True], ~joins)))
+    last = np.append(first[1:], n) - 1
+    length = (last - first + 1) * slot
+    span_off = np.cumsum(length) - length
+    return Spans(start[first], length, span_off, np.arange(n, dtype=np.int64) * slot)
 
 
 def posted_descriptors(lid: np.ndarray, rid: np.ndarray, ltab: RowTable, rtab: RowTable) -> int:
