@@ -287,6 +287,56 @@ def test_a_run_stopped_by_timeout_writes_the_scenarios_it_finished(tmp_path, mon
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+def test_a_speed_run_stopped_by_timeout_writes_the_rounds_it_finished(tmp_path, monkeypatch):
+    """SIGTERM midway through ``--speed``: the paired rounds measured so far are written to
+    ``gpu_speed.json``, marked stopped (two crossed speed runs cut by their limits returned
+    nothing, 570 s of device time, 2026-11-29), and both pairs are stopped."""
+    import signal
+
+    import torch
+
+    from lab.rig.proxy import Completion, PDResult
+
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("")
+    stopped: list[str] = []
+
+    class Side:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def stop(self) -> None:
+            stopped.append(self.name)
+
+    def fake_start_pair(name, sc, paths, two_gpus=False):
+        return Side(f"{name}-P"), Side(f"{name}-D"), 1.0
+
+    sent: list[int] = []
+
+    def fake_request(p, d, prompt, max_tokens, timeout_s):
+        sent.append(len(prompt))
+        if len(sent) == 2 * (3 + 2) * 2 + 1:     # 3 warm-up rounds and 2 measured, 2 lengths
+            os.kill(os.getpid(), signal.SIGTERM)
+        done = Completion([1, 2, 3], [0.0] * 3, 0.1, 0.05, [0.05, 0.06, 0.07])
+        return PDResult(done, done, 0.05 if "on" in p.name else 0.04, None)
+
+    monkeypatch.setattr(gpu_pd, "start_pair", fake_start_pair)
+    monkeypatch.setattr(gpu_pd, "streamed_pd_request", fake_request)
+    monkeypatch.setattr(gpu_pd, "build_encoder", lambda: "skipped")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "no GPU")
+    out = tmp_path / "out"
+    assert gpu_pd.main(["--stage", str(tmp_path), "--site", str(site), "--out", str(out),
+                        "--work", str(tmp_path / "work"), "--speed", "12",
+                        "--speed-lengths", "20,40"]) == 0
+    timed = json.loads((out / "gpu_speed.json").read_text())
+    assert timed["rounds"] == 4 and len(timed["paired"]["ttft_on_off"]) == 4
+    assert timed["stopped"] == "stopped (signal 15) after 4 paired rounds"
+    assert timed["ratio_ttft_on_off"][0] == 1.25
+    assert sorted(stopped) == ["speed-off-D", "speed-off-P", "speed-on-D", "speed-on-P"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
 def test_speed_alone_and_unknown_scenarios_are_parsed_on_every_python(tmp_path, capsys):
     """``--speed`` with no scenario parses (argparse of Python 3.11 refused an empty scenario
     list checked by ``choices``); an unknown scenario is still refused by name."""

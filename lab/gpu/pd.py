@@ -54,6 +54,7 @@ import subprocess
 import sysconfig
 import tarfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from lab.gpu import oracle, unpack
@@ -349,6 +350,26 @@ def _xfer_s(r: PDResult) -> float | None:
     return r.transfer.xfer_time_s if r.transfer and r.transfer.transfers else None
 
 
+def _speed_rounds(pairs: dict[str, tuple[Engine, Engine, float]], sides: list[str],
+                  lengths: tuple[int, ...], rounds: int, rng: random.Random, errors: list[str]
+                  ) -> Iterator[tuple[int, int, dict[str, PDResult]]]:
+    """``(round, prompt length, {side: result})`` for every prompt of every round, the same
+    prompt sent to both pairs back to back, in an order that alternates; a request that fails
+    is recorded in ``errors`` and missing from its round."""
+    for rnd in range(rounds):
+        for n in lengths:
+            prompt = [rng.randrange(3, 512) for _ in range(n)]
+            order = sides if (rnd + n) % 2 == 0 else sides[::-1]
+            outs = {}
+            for k in order:
+                p, d, _ = pairs[k]
+                try:
+                    outs[k] = streamed_pd_request(p, d, prompt, SPEED_TOKENS, timeout_s=120)
+                except (OSError, RuntimeError) as e:      # recorded; the round is skipped
+                    errors.append(f"{k} len{n}: {type(e).__name__}: {e}"[:200])
+            yield rnd, n, outs
+
+
 def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False,
           on_first: bool = False, lengths: tuple[int, ...] = SPEED_LENGTHS,
           on_env: dict[str, str] | None = None) -> dict:
@@ -368,38 +389,38 @@ def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False,
     tput: dict[str, list[float]] = {k: [] for k in sides}
     xfer: dict[str, list[float]] = {k: [] for k in sides}
     ratio_ttft, ratio_tput, ratio_xfer, errors, same = [], [], [], [], 0
+    stopped = ""
     try:
-        for rnd in range(warmup + reps):
-            for n in lengths:
-                prompt = [rng.randrange(3, 512) for _ in range(n)]
-                order = list(sides) if (rnd + n) % 2 == 0 else list(sides)[::-1]
-                outs = {}
-                for k in order:
-                    p, d, _ = pairs[k]
-                    try:
-                        outs[k] = streamed_pd_request(p, d, prompt, SPEED_TOKENS, timeout_s=120)
-                    except (OSError, RuntimeError) as e:  # recorded; the round is skipped
-                        errors.append(f"{k} len{n}: {type(e).__name__}: {e}"[:200])
-                if rnd < warmup or len(outs) < 2:
-                    continue
-                for k, r in outs.items():
-                    ttft_by_len[k].setdefault(n, []).append(r.ttft_s)
-                    if r.decode.decode_tok_per_s:
-                        tput[k].append(r.decode.decode_tok_per_s)
-                    if _xfer_s(r) is not None:
-                        xfer[k].append(_xfer_s(r))
-                on, off = outs["on"], outs["off"]
-                ratio_ttft.append(on.ttft_s / off.ttft_s)
-                if on.decode.decode_tok_per_s and off.decode.decode_tok_per_s:
-                    ratio_tput.append(off.decode.decode_tok_per_s / on.decode.decode_tok_per_s)
-                if _xfer_s(on) is not None and _xfer_s(off):
-                    ratio_xfer.append(_xfer_s(on) / _xfer_s(off))
-                same += on.decode.token_ids == off.decode.token_ids
+        rounds = _speed_rounds(pairs, list(sides), lengths, warmup + reps, rng, errors)
+        while True:
+            try:
+                rnd, n, outs = next(rounds)
+            except StopIteration:
+                break
+            except Stopped as exc:     # `timeout`'s SIGTERM: the rounds so far are kept
+                stopped = f"stopped ({exc}) after {len(ratio_ttft)} paired rounds"
+                break
+            if rnd < warmup or len(outs) < 2:
+                continue
+            for k, r in outs.items():
+                ttft_by_len[k].setdefault(n, []).append(r.ttft_s)
+                if r.decode.decode_tok_per_s:
+                    tput[k].append(r.decode.decode_tok_per_s)
+                if _xfer_s(r) is not None:
+                    xfer[k].append(_xfer_s(r))
+            on, off = outs["on"], outs["off"]
+            ratio_ttft.append(on.ttft_s / off.ttft_s)
+            if on.decode.decode_tok_per_s and off.decode.decode_tok_per_s:
+                ratio_tput.append(off.decode.decode_tok_per_s / on.decode.decode_tok_per_s)
+            if _xfer_s(on) is not None and _xfer_s(off):
+                ratio_xfer.append(_xfer_s(on) / _xfer_s(off))
+            same += on.decode.token_ids == off.decode.token_ids
     finally:
         for p, d, _ in pairs.values():
             p.stop()
             d.stop()
-    worst, said = verdict({"ttft": ratio_ttft, "tput": ratio_tput}, SPEED_GOAL)
+    worst, said = (verdict({"ttft": ratio_ttft, "tput": ratio_tput}, SPEED_GOAL)
+                   if ratio_ttft and ratio_tput else (float("nan"), "no paired round finished"))
 
     def med(xs: list[float]) -> float | None:
         return round(statistics.median(xs), 5) if xs else None
@@ -421,7 +442,7 @@ def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False,
             "paired": {"ttft_on_off": ratio_ttft, "tput_off_on": ratio_tput,
                        "xfer_on_off": ratio_xfer},
             "outputs_identical": f"{same}/{len(ratio_ttft)}", "errors": errors[:10],
-            "worst": round(worst, 4), "verdict": said}
+            "worst": round(worst, 4), "verdict": said, **({"stopped": stopped} if stopped else {})}
 
 
 def run_scenario(name: str, sc: Scenario, prompts: dict[str, list[int]], paths: Paths,
