@@ -239,7 +239,9 @@ def staged_once(staging: dict[str, Any] | None) -> None:
     assert staging["descriptors_staged"] < staging["descriptors_stock"]
     assert staging["gather_failures"] == 0
     assert staging["free"] == staging["allocated"] == 128 << 20   # the slots came back
-    assert staging["calibration_bytes"] > 0      # the gap budget is measured by default
+    # one run per layer and pool: no gap could shorten the READ, so the peer's transport is
+    # not measured in its first request (test_nixl_transfer: measured where a gap could)
+    assert staging["calibration_bytes"] == 0 and staging["gap_budgets"] == {}
 
 
 @pytest.mark.parametrize("ver", [x for x in VERSIONS if v(x) < SPLIT_ERA])

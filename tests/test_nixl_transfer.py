@@ -416,11 +416,43 @@ def test_staged_read_is_byte_exact_with_the_predicted_descriptors(pair: NixlPair
             assert run.peer_rows == [whole, whole]
             assert run.desc_count == run.stats.descriptors_staged
     else:
-        # head slices of the peer's K and V are apart: nothing to merge, no staging
+        # head slices of the peer's K and V are apart: nothing to merge, no staging, and no
+        # list prepared for it (the twin neither: it would merge no more than addresses do)
         assert run.stats.staged_reads == 0
         assert [r for r in run.stats.not_staged if "under a quarter" in r]
         assert run.desc_count == stock
+        assert run.peer_rows == [len(s.plan.remote_table())]
     assert run.free_after == STAGING
+
+
+class LateEvent:
+    """A gather that has not finished when it is first polled (a CUDA kernel just launched):
+    ``query()`` is False until ``synchronize()`` waits for it."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_a_small_gather_ends_in_the_poll_that_sees_its_read_land(pair: NixlPair,
+                                                                 monkeypatch) -> None:
+    """vLLM polls a READ once per engine step.  A staged READ whose gather is still running
+    when its bytes land in staging would end one step after vLLM's own READ (one block at 8B
+    geometry: 4.06 vs 1.00 ms on an H200); a gather of up to GATHER_WAIT_BYTES is waited for
+    in that poll instead."""
+    launch = ByteCopier.launch
+    monkeypatch.setattr(ByteCopier, "launch",
+                        lambda self, ops, sync=True: launch(self, ops) or LateEvent())
+    s = set_up(pair, "fused->split")
+    run = staged_read(pair, s, LIDS, remote_ids(s.case),
+                      read_ranges=s.plan.remote.read_ranges())
+    assert run.state == "DONE" and run.stats.staged_reads == 1
+    assert np.array_equal(s.lbuf, expected_read(s, LIDS, remote_ids(s.case)))
 
 
 @pytest.mark.parametrize("name", [n for n in READS if CASES[n].remote_slice.parts > 1])

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 # Stage a READ only when it posts at most this fraction of vLLM's descriptors.
 MAX_STAGED_FRACTION = 0.75
+FEW_SAVED = ("staging saves under a quarter of the descriptors (blocks far apart, or head "
+             "slices of K and V)")
 # A chunked READ takes at most 1/CHUNKED_SHARE of the staging buffer, so that as many run at
 # once (vLLM posts every request of a step together); its lanes shrink to 1/LANE_SHRINK of
 # that while other READs hold staging, no further: each chunk is one more NIXL READ.
@@ -190,6 +192,8 @@ class ReadPlanner(GapCalibration):
         runs = lid.size - int(np.count_nonzero(joins))
         r_ids = None
         if rng is None or runs > RUN_LIST_MAX:
+            if runs > MAX_STAGED_FRACTION * stock and not self.direct_slow():
+                raise NotStaged(FEW_SAVED)      # before the twin: it would merge no more
             # NIXL merges what it may itself (it knows the registrations), in the twin
             r_ids = self._twin(peer).position[rid[order]]
             joins = (start[1:] == start[:-1] + slot) & (r_ids[1:] == r_ids[:-1] + 1)
@@ -206,8 +210,7 @@ class ReadPlanner(GapCalibration):
             if runs > MAX_STAGED_FRACTION * stock and not self.direct_slow():
                 # the gather would cost more than the few descriptors it saves (measured:
                 # 256 KiB isolated blocks from a split peer, 881 of 1024 descriptors, 0.6x)
-                raise NotStaged("staging saves under a quarter of the descriptors (blocks "
-                                "far apart, or head slices of K and V)")
+                raise NotStaged(FEW_SAVED)
             if need <= capacity:
                 at = self._staging.reserve(need, slot)
             if at is None:          # larger than the buffer, or than its free room: chunks
