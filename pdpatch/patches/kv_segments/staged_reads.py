@@ -9,13 +9,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pdpatch import agent_layers, metrics
+from pdpatch import agent_layers, kvcached, metrics
 from pdpatch.installer import state_of
 from pdpatch.log import logger
 from pdpatch.patches.kv_segments.settings import (
     GAP_ENV,
     NAME,
     STAGING_ENV,
+    coalesce,
     gap_kib,
     staging_mib,
 )
@@ -62,7 +63,8 @@ def install_staging(worker: Any, kv_caches: Any) -> None:
         capacity=mib << 20, memory=lambda: _kv_memory(worker, kv_caches),
         gap=None if gap is None else gap << 10, capacity_setting=STAGING_ENV,
         gap_setting=GAP_ENV, stats=state_of(NAME).staging_stats(),
-        direct_slow=lambda: _direct_reads_slow(worker, kv_caches))
+        direct_slow=lambda: _direct_reads_slow(worker, kv_caches),
+        eager=coalesce() or kvcached.read_state().in_deployment)
     metrics.attribute(agent, worker)      # its staged READs reach /metrics as the worker's
 
 
