@@ -253,16 +253,37 @@ def _intact_result(name: str, sc, prompts: dict) -> dict:
                          for n in prompts}}
 
 
-def test_a_run_stopped_by_timeout_writes_the_scenarios_it_finished(tmp_path, monkeypatch):
-    """``timeout`` sends SIGTERM: the finished scenarios are judged and written with the logs
-    (a device run that hit its time limit returned nothing before)."""
-    import signal
-
+def _run_rig(monkeypatch, tmp_path: Path, *argv: str) -> Path:
+    """``gpu_pd.main`` on this CPU machine: a stage already unpacked into ``--site`` (so the
+    rig skips unpacking it), no block-key encoder build, no GPU name; returns ``--out``."""
     import torch
 
     site = tmp_path / "site"
     (site / "vllm").mkdir(parents=True)
     (site / "vllm" / "__init__.py").write_text("")
+    monkeypatch.setattr(gpu_pd, "build_encoder", lambda: "skipped")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "no GPU")
+    out = tmp_path / "out"
+    assert gpu_pd.main(["--stage", str(tmp_path), "--site", str(site), "--out", str(out),
+                        "--work", str(tmp_path / "work"), *argv]) == 0
+    return out
+
+
+class _Side:
+    """An engine of a pair that only records being stopped, into ``stopped``."""
+
+    def __init__(self, name: str, stopped: list[str]) -> None:
+        self.name, self._stopped = name, stopped
+
+    def stop(self) -> None:
+        self._stopped.append(self.name)
+
+
+def test_a_run_stopped_by_timeout_writes_the_scenarios_it_finished(tmp_path, monkeypatch):
+    """``timeout`` sends SIGTERM: the finished scenarios are judged and written with the logs
+    (a device run that hit its time limit returned nothing before)."""
+    import signal
+
     ran: list[str] = []
 
     def fake_run(name, sc, prompts, paths, two_gpus, started=None):
@@ -272,12 +293,8 @@ def test_a_run_stopped_by_timeout_writes_the_scenarios_it_finished(tmp_path, mon
         return _intact_result(name, sc, prompts)
 
     monkeypatch.setattr(gpu_pd, "run_scenario", fake_run)
-    monkeypatch.setattr(gpu_pd, "build_encoder", lambda: "skipped")
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "no GPU")
-    out = tmp_path / "out"
-    assert gpu_pd.main(["--stage", str(tmp_path), "--site", str(site), "--out", str(out),
-                        "--work", str(tmp_path / "work"), "--prompt-lengths", "20,40",
-                        "ref", "coalesce", "fa-triton"]) == 0
+    out = _run_rig(monkeypatch, tmp_path, "--prompt-lengths", "20,40", "ref", "coalesce",
+                   "fa-triton")
     record = json.loads((out / "gpu_pd.json").read_text())
     assert ran == ["ref", "coalesce"]
     assert [r["scenario"] for r in record["results"]] == ["ref"]
@@ -293,24 +310,12 @@ def test_a_speed_run_stopped_by_timeout_writes_the_rounds_it_finished(tmp_path, 
     nothing, 570 s of device time, 2026-11-29), and both pairs are stopped."""
     import signal
 
-    import torch
-
     from lab.rig.proxy import Completion, PDResult
 
-    site = tmp_path / "site"
-    (site / "vllm").mkdir(parents=True)
-    (site / "vllm" / "__init__.py").write_text("")
     stopped: list[str] = []
 
-    class Side:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def stop(self) -> None:
-            stopped.append(self.name)
-
     def fake_start_pair(name, sc, paths, two_gpus=False):
-        return Side(f"{name}-P"), Side(f"{name}-D"), 1.0
+        return _Side(f"{name}-P", stopped), _Side(f"{name}-D", stopped), 1.0
 
     sent: list[int] = []
 
@@ -323,12 +328,7 @@ def test_a_speed_run_stopped_by_timeout_writes_the_rounds_it_finished(tmp_path, 
 
     monkeypatch.setattr(gpu_pd, "start_pair", fake_start_pair)
     monkeypatch.setattr(gpu_pd, "streamed_pd_request", fake_request)
-    monkeypatch.setattr(gpu_pd, "build_encoder", lambda: "skipped")
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "no GPU")
-    out = tmp_path / "out"
-    assert gpu_pd.main(["--stage", str(tmp_path), "--site", str(site), "--out", str(out),
-                        "--work", str(tmp_path / "work"), "--speed", "12",
-                        "--speed-lengths", "20,40"]) == 0
+    out = _run_rig(monkeypatch, tmp_path, "--speed", "12", "--speed-lengths", "20,40")
     timed = json.loads((out / "gpu_speed.json").read_text())
     assert timed["rounds"] == 4 and len(timed["paired"]["ttft_on_off"]) == 4
     assert timed["stopped"] == "stopped (signal 15) after 4 paired rounds"
@@ -355,23 +355,11 @@ def test_together_starts_the_pairs_first_and_stops_those_a_stopped_run_left(tmp_
     runs and handed to its scenario; a run stopped midway stops the pairs it never used."""
     import signal
 
-    import torch
-
-    site = tmp_path / "site"
-    (site / "vllm").mkdir(parents=True)
-    (site / "vllm" / "__init__.py").write_text("")
     stopped: list[str] = []
-
-    class Side:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def stop(self) -> None:
-            stopped.append(self.name)
 
     def fake_start_pairs(scenarios, paths, two_gpus):
         assert paths.kv_cache_bytes == 6 << 30 and two_gpus
-        return {n: (Side(f"{n}-P"), Side(f"{n}-D"), 1.0)
+        return {n: (_Side(f"{n}-P", stopped), _Side(f"{n}-D", stopped), 1.0)
                 for n, sc in scenarios.items() if not sc.d_kvcached}
 
     ran: list[tuple[str, object]] = []
@@ -386,13 +374,8 @@ def test_together_starts_the_pairs_first_and_stops_those_a_stopped_run_left(tmp_
     monkeypatch.setattr(gpu_pd, "start_pairs", fake_start_pairs)
     monkeypatch.setattr(gpu_pd, "install_kvcached", lambda stage, dest: dest)
     monkeypatch.setattr(gpu_pd, "run_scenario", fake_run)
-    monkeypatch.setattr(gpu_pd, "build_encoder", lambda: "skipped")
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "no GPU")
-    assert gpu_pd.main(["--stage", str(tmp_path), "--site", str(site), "--out",
-                        str(tmp_path / "out"), "--work", str(tmp_path / "work"),
-                        "--prompt-lengths", "20,40", "--two-gpus", "--together",
-                        "--kv-cache-gib", "6", "--no-load", "ref-tp12", "kvc", "tp12",
-                        "ref-tp21"]) == 0
+    _run_rig(monkeypatch, tmp_path, "--prompt-lengths", "20,40", "--two-gpus", "--together",
+             "--kv-cache-gib", "6", "--no-load", "ref-tp12", "kvc", "tp12", "ref-tp21")
     assert ran == [("ref-tp12", "ref-tp12-P"), ("kvc", None)]
     assert sorted(stopped) == ["ref-tp21-D", "ref-tp21-P", "tp12-D", "tp12-P"]
 
