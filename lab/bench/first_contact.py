@@ -12,7 +12,8 @@ path, per phase:
   (``PDPATCH_KV_COALESCE``) and the rows of vLLM's list of it (``mark_converted``; nothing is
   prepared for NIXL there: a READ prepares lists of its own runs);
 * ``first READ planning`` -- the staging agent planning its first READ from the peer
-  (``ReadPlanner.plan``: the local list's rows, the staging buffer, the gap budget).
+  (``ReadPlanner.plan``: the staging buffer, its runs' lists; the local list's rows were read
+  at start-up, since a worker that coalesces stages eagerly).
 
 The workers are the release's real ``NixlConnectorWorker`` objects built the way
 ``tests/test_kv_segments_harness.py`` builds them (real attention-backend layouts, real
