@@ -673,7 +673,8 @@ SCENARIOS = {
     # blocks apart (what NIXL cannot merge), TP both ways, a READ larger than 1 MiB of staging
     "pair_coalesced": coalesced(
         lambda: scenario_pair(P_BACKEND, P_BACKEND, d_blocks=(1, 3, 5))),
-    "tp_up_coalesced": coalesced(lambda: scenario_tp_up(P_BACKEND)),
+    # D's head of each of P's blocks: merged only by gap reads, across the other head's bytes
+    "tp_up_coalesced": coalesced(lambda: scenario_tp_up(P_BACKEND), {"PDPATCH_KV_GAP_KIB": "1024"}),
     "tp_down_coalesced": coalesced(lambda: scenario_tp_down(P_BACKEND)),
     "pair_coalesced_chunked": coalesced(
         lambda: scenario_pair(P_BACKEND, P_BACKEND, block_size=256, p_blocks=(2, 3, 4, 5, 6, 7),
