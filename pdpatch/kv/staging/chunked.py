@@ -42,7 +42,7 @@ import numpy as np
 
 from pdpatch.kv.staging.lists import prep_rows
 from pdpatch.kv.staging.nixl_states import DONE, ERR, INIT_AGENT, PROC
-from pdpatch.kv.staging.plans import CopyPlan
+from pdpatch.kv.staging.plans import CopyPlan, read_spans
 from pdpatch.log import logger
 
 if TYPE_CHECKING:
@@ -116,9 +116,8 @@ class ChunkRuns:
         bounds[c + 1])``."""
         cut = joins.copy()
         cut[bounds[1:-1] - 1] = False
-        first = np.flatnonzero(np.concatenate(([True], ~cut)))
-        last = np.append(first[1:], start.size) - 1
-        return cls(first, start[first], (last - first + 1) * slot)
+        first, last, _ = read_spans(start, start + slot, cut, 0, None)
+        return cls(first, start[first], start[last] + slot - start[first])
 
     def of_chunk(self, chunk: Chunk) -> tuple[int, int]:
         """The runs ``[lo, hi)`` of one chunk."""

@@ -32,7 +32,6 @@ from pdpatch.kv.staging.rows import (
     StagedPeer,
     address_order,
     posted_descriptors,
-    run_spans,
 )
 from pdpatch.log import logger
 
@@ -53,6 +52,15 @@ LANE_SHRINK = 16
 # lists of its own runs: preparing a list costs ~0.3 us per row and side (NIXL, CPU), so a
 # READ of a run per row (head slices) would prepare as many rows as it posts, every time.
 RUN_LIST_MAX = 4096
+
+
+def spans_of(start: np.ndarray, slot: int, joinable: np.ndarray, gap: int,
+             limit: int | None) -> Spans:
+    """The spans of a READ of address-sorted rows at ``start`` (``slot`` bytes each):
+    :func:`~.plans.read_spans` laid out back to back in staging (gap 0: one per run)."""
+    end = start + slot
+    first, last, _ = read_spans(start, end, joinable, gap, limit)
+    return Spans(start[first], *span_layout(start, end, first, last))
 
 
 class NotStaged(Exception):
@@ -186,9 +194,9 @@ class ReadPlanner(GapCalibration):
         start = addr[order]
         stock = posted_descriptors(lid, rid, ltab, rtab)
         rng = None if peer.ranges is None else range_ids(start, start + slot, peer.ranges)
-        joins = start[1:] == start[:-1] + slot
-        if rng is not None:
-            joins &= (rng[1:] == rng[:-1]) & (rng[1:] >= 0)
+        contiguous = start[1:] == start[:-1] + slot
+        joins = contiguous if rng is None else \
+            contiguous & (rng[1:] == rng[:-1]) & (rng[1:] >= 0)
         runs = lid.size - int(np.count_nonzero(joins))
         r_ids = None
         if rng is None or runs > RUN_LIST_MAX:
@@ -196,7 +204,7 @@ class ReadPlanner(GapCalibration):
                 raise NotStaged(FEW_SAVED)      # before the twin: it would merge no more
             # NIXL merges what it may itself (it knows the registrations), in the twin
             r_ids = self._twin(peer).position[rid[order]]
-            joins = (start[1:] == start[:-1] + slot) & (r_ids[1:] == r_ids[:-1] + 1)
+            joins = contiguous & (r_ids[1:] == r_ids[:-1] + 1)
             runs = lid.size - int(np.count_nonzero(joins))
         self._staging.register(ltab.dev)
         spans = None
@@ -216,8 +224,8 @@ class ReadPlanner(GapCalibration):
             if at is None:          # larger than the buffer, or than its free room: chunks
                 return self._chunked(peer, joins, start, r_ids, ltab.addr[lid[order]], slot,
                                      ltab.dev, stock)
-            if r_ids is None:
-                spans = run_spans(start, slot, joins)
+            if r_ids is None:                 # one span per run
+                spans = spans_of(start, slot, joins, 0, None)
         read = StagedRead(at, need if spans is None else spans.nbytes, ltab.addr[lid[order]],
                           slot, peer.name, stock, runs if spans is None else spans.posted,
                           ltab.dev, spans)
@@ -319,12 +327,9 @@ class ReadPlanner(GapCalibration):
         gap = self._gap_for(peer, slot, dev)
         if gap <= 0:
             return None
-        end = start + slot
         # (the gap is halved until the spans fit; at 0 they are the request, which fits)
-        first, last, _ = read_spans(start, end, ~apart, gap, self._staging.capacity)
-        if first.size >= runs:
-            return None
-        return Spans(start[first], *span_layout(start, end, first, last))
+        spans = spans_of(start, slot, ~apart, gap, self._staging.capacity)
+        return spans if spans.posted < runs else None
 
     def own_lists(self, peer: StagedPeer, read: StagedRead | ChunkedRead) -> None:
         """Prepare the lists of a READ's own spans: for a staged READ both sides (the peer's

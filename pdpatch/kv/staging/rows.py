@@ -155,17 +155,6 @@ def row_columns(rows: Any) -> tuple[np.ndarray, np.ndarray, int]:
         int(arr[0, 2]) if arr.size else 0
 
 
-def run_spans(start: np.ndarray, slot: int, joins: np.ndarray) -> Spans:
-    """The READ of address-sorted rows ``start`` (``slot`` bytes each) in one descriptor per
-    run: row ``i + 1`` continues row ``i``'s run where ``joins[i]``."""
-    n = start.size
-    first = np.flatnonzero(np.concatenate(([True], ~joins)))
-    last = np.append(first[1:], n) - 1
-    length = (last - first + 1) * slot
-    span_off = np.cumsum(length) - length
-    return Spans(start[first], length, span_off, np.arange(n, dtype=np.int64) * slot)
-
-
 def posted_descriptors(lid: np.ndarray, rid: np.ndarray, ltab: RowTable, rtab: RowTable) -> int:
     """NIXL's ``descCount`` for ids into two lists: a pair joins the previous one when both
     ids follow the previous ones and both rows continue them in memory."""
