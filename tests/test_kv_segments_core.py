@@ -297,3 +297,19 @@ def test_reads_are_staged_for_transport_only_into_vmm_memory_without_ipc(monkeyp
     assert ("would cross TCP loopback" in caplog.text) is slow
     host = types.SimpleNamespace(use_host_buffer=True, host_xfer_buffers={"layer.0": kv})
     assert staged_reads._direct_reads_slow(host, {"layer.0": kv}) is False
+
+
+@pytest.mark.parametrize(("role", "reads"), [("kv_producer", False), ("kv_consumer", True),
+                                             ("kv_both", True)])
+def test_only_a_worker_that_pulls_kv_builds_its_list_table_at_start_up(role: str,
+                                                                      reads: bool) -> None:
+    """Eager staging (coalescing on, or a kvcached pool) is for a worker that READs: a
+    prefill-only worker's table would be start-up work and memory for nothing."""
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
+
+    from pdpatch.patches.kv_segments.staged_reads import _reads_kv
+
+    cfg = KVTransferConfig(kv_connector="NixlConnector", kv_role=role)
+    assert _reads_kv(SimpleNamespace(kv_transfer_config=cfg)) is reads

@@ -47,6 +47,12 @@ def _direct_reads_slow(worker: Any, kv_caches: Any) -> bool:
     return slow
 
 
+def _reads_kv(worker: Any) -> bool:
+    """Whether the worker pulls KV (a decode engine, or ``kv_both``): a prefill-only worker
+    never READs, so building its own list's table at start-up would be wasted."""
+    return bool(getattr(getattr(worker, "kv_transfer_config", None), "is_kv_consumer", True))
+
+
 def install_staging(worker: Any, kv_caches: Any) -> None:
     """Put a :class:`~pdpatch.kv.staging.StagingAgent` in front of the worker's NIXL agent (its
     ``staging`` layer), before vLLM prepares its local lists (the agent must see them being
@@ -64,7 +70,7 @@ def install_staging(worker: Any, kv_caches: Any) -> None:
         gap=None if gap is None else gap << 10, capacity_setting=STAGING_ENV,
         gap_setting=GAP_ENV, stats=state_of(NAME).staging_stats(),
         direct_slow=lambda: _direct_reads_slow(worker, kv_caches),
-        eager=coalesce() or kvcached.read_state().in_deployment)
+        eager=_reads_kv(worker) and (coalesce() or kvcached.read_state().in_deployment))
     metrics.attribute(agent, worker)      # its staged READs reach /metrics as the worker's
 
 
