@@ -73,7 +73,8 @@ KVCACHED_ENV = {
     "VLLM_USE_V2_MODEL_RUNNER": "0",         # kvcached 0.1.6 patches the V1 runner below 0.29
     "KVCACHED_GPU_UTILIZATION": "0.3",
     # kvcached keeps only 16,000 tokens of freed blocks for prefix hits by default, so the rig's
-    # repeated prompts were pulled again (runs z, aa, ab); no cap, as stock vLLM and README advise
+    # repeated prompts were pulled again (runs z, aa, ab); no cap keeps them until the memory
+    # is needed, as stock vLLM does (README's troubleshooting advice)
     "KVCACHED_MAX_CACHED_TOKENS": "-1",
 }
 
