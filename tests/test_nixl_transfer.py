@@ -455,6 +455,32 @@ def test_a_small_gather_ends_in_the_poll_that_sees_its_read_land(pair: NixlPair,
     assert np.array_equal(s.lbuf, expected_read(s, LIDS, remote_ids(s.case)))
 
 
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "vllm"])
+def test_every_read_logs_its_polls_at_debug(pair: NixlPair, caplog, staged: bool) -> None:
+    """vLLM's transfer time is NIXL's post-to-done span, which for a small READ is the
+    engine's poll cadence: at DEBUG each READ says when it was polled and what NIXL answered
+    (a staged one also when it landed and was gathered), so a GPU run can tell a slow
+    transfer from a slow step.  Silent above DEBUG."""
+    # head slices are not staged (they merge nothing): vLLM's own READ, through the agent
+    s = set_up(pair, "fused->split" if staged else "split->fused tp2 slice1")
+    kwargs = {"read_ranges": s.plan.remote.read_ranges()}
+    with caplog.at_level(logging.INFO, logger="pdpatch"):
+        staged_read(pair, s, LIDS, remote_ids(s.case), **kwargs)
+    assert "poll(s)" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="pdpatch"):
+        run = staged_read(pair, s, LIDS, remote_ids(s.case), **kwargs)
+    assert run.state == "DONE" and run.stats.staged_reads == int(staged)
+    lines = [r.getMessage() for r in caplog.records if "poll(s)" in r.getMessage()]
+    assert len(lines) == 1, caplog.text
+    kind = "staged" if staged else "vLLM's"
+    assert f"{kind} READ DONE after" in lines[0], lines[0]
+    if staged:      # never done in the post: its gather runs in a poll
+        assert "DONE" in lines[0].split("polls at")[1], lines[0]
+    assert ("NIXL done at +" in lines[0]) == staged
+    assert ("gathered by +" in lines[0]) == ("gather planned by +" in lines[0]) == staged
+
+
 @pytest.mark.parametrize("name", [n for n in READS if CASES[n].remote_slice.parts > 1])
 def test_head_slices_are_staged_where_direct_reads_cross_a_slow_transport(pair: NixlPair,
                                                                          name: str) -> None:

@@ -46,6 +46,7 @@ from pdpatch.kv.staging.lists import PreparedLists
 from pdpatch.kv.staging.nixl_states import DONE, ERR, INIT_AGENT, PROC
 from pdpatch.kv.staging.reads import NotStaged, ReadPlanner, StagedRead, StagingStats
 from pdpatch.kv.staging.rows import StagedPeer
+from pdpatch.kv.staging.timeline import ReadTimelines
 from pdpatch.log import logger
 
 GATHER_WAIT_BYTES = 128 << 20
@@ -108,6 +109,7 @@ class StagingAgent(AgentProxy):
         self._lock = threading.Lock()
         self._converted: dict[Any, StagedPeer] = {}      # remote dlist handle -> its peer
         self._reads: dict[Any, StagedRead] = {}         # xfer handle -> staged READ
+        self._timelines = ReadTimelines()               # at DEBUG: every READ's polls
         self.stats = StagingStats() if stats is None else stats
         self._chunked = ChunkedReads(self._nixl, self._staging, self._lock, self.stats,
                                      mem_type)
@@ -270,16 +272,22 @@ class StagingAgent(AgentProxy):
     def transfer(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
         if self._chunked.owns(handle):
             return self._chunked.transfer(handle)
+        began = time.perf_counter()
         state = self._nixl.transfer(handle, *args, **kwargs)
         with self._lock:
             read = self._reads.get(handle)
+        if self._timelines.wanted():
+            self._timelines.posted(handle, "vLLM's" if read is None else "staged", began)
         if read is None:
+            if state != PROC:        # done (or failed) in the post itself
+                self._timelines.ended(handle, state)
             return state
         try:
             # host work while NIXL moves the bytes
             read.ops = self._staging.prepare(read.gather(self._staging.base))
         except Exception as exc:     # fail the request once NIXL is done with the staging slots
             read.failure = exc
+        self._timelines.mark(handle, "gather planned")
         # Landed in staging is not landed in the KV cache: the caller must poll, which copies.
         return PROC if state == DONE else state
 
@@ -289,14 +297,21 @@ class StagingAgent(AgentProxy):
         if read is None:
             if self._chunked.owns(handle):
                 return self._chunked.state(handle)
-            return self._nixl.check_xfer_state(handle)
+            state = self._nixl.check_xfer_state(handle)
+            self._timelines.polled(handle, state)
+            if state != PROC:
+                self._timelines.ended(handle, state)
+            return state
         if not read.landed:
             state = self._nixl.check_xfer_state(handle)
+            self._timelines.polled(handle, state)
             if state != DONE:
                 if state != PROC:
+                    self._timelines.ended(handle, state)
                     self._finish(handle)
                 return state
             read.landed = True
+            self._timelines.landed(handle)
             try:
                 if read.failure is not None:
                     raise read.failure
@@ -308,7 +323,9 @@ class StagingAgent(AgentProxy):
             except Exception as exc:
                 return self._gather_failed(handle, exc)
         if read.event is not None and not read.event.query():
+            self._timelines.polled(handle, "PROC (gather)")
             return PROC
+        self._timelines.ended(handle, DONE)
         self._finish(handle)
         return DONE
 
@@ -318,6 +335,7 @@ class StagingAgent(AgentProxy):
         logger.error("pdpatch kv_segments: copying a staged READ into the KV cache failed "
                      "(%s: %s); the request fails and its blocks are recomputed",
                      type(exc).__name__, exc)
+        self._timelines.ended(handle, ERR)
         self._finish(handle)
         return ERR
 
@@ -332,6 +350,7 @@ class StagingAgent(AgentProxy):
         # NIXL first: should it refuse to let go of a READ in flight, the staging slots stay
         # reserved rather than be handed to another READ while this one still writes them.
         result = self._nixl.release_xfer_handle(handle, *args, **kwargs)
+        self._timelines.ended(handle, "released")       # one vLLM let go of before its end
         self._finish(handle)
         return result
 
