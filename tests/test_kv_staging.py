@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdpatch.kv.staging import ByteAllocator, ByteCopier, address_order, arenas_of
+from pdpatch.kv.staging import copier as copier_module
 from pdpatch.kv.staging.plans import (
     CopyPlan,
     chunk_bounds,
@@ -68,27 +70,38 @@ def _arena(n: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(seg=st.sampled_from([1, 3, 8, 24, 64]), n=st.integers(1, 20),
-       shape=st.sampled_from(["scatter", "gather", "both"]), seed=st.integers(0, 2**16))
-def test_copier_moves_exactly_the_planned_bytes(seg: int, n: int, shape: str,
-                                                seed: int) -> None:
+       shape=st.sampled_from(["scatter", "gather", "both", "runs"]), seed=st.integers(0, 2**16),
+       fused=st.booleans())
+def test_copier_moves_exactly_the_planned_bytes(seg: int, n: int, shape: str, seed: int,
+                                                fused: bool) -> None:
+    """Both ways a gather runs: few copies as one fused copy of views, many as index ops (a
+    limit of 0 copies forces those)."""
     rng = np.random.default_rng(seed)
     src, dst = _arena(64 * 64, seed), torch.zeros(64 * 64 + 8, dtype=torch.uint8)
     copier = ByteCopier(arenas_of([src, dst]))
     slots = 64 * 64 // seg
     picks = rng.choice(slots, size=(2, min(n, slots)), replace=True)
     d_slots = rng.permutation(slots)[:picks.shape[1]]       # destinations never collide
-    s_slots = np.arange(picks.shape[1]) if shape == "scatter" else picks[0]
+    s_slots = np.arange(picks.shape[1]) if shape in ("scatter", "runs") else picks[0]
     if shape == "gather":
         d_slots = np.arange(picks.shape[1])
+    if shape == "runs":          # back to back on both sides: merged into one copy
+        d_slots = (slots - s_slots.size) // 2 + s_slots
     s_addr = src.data_ptr() + s_slots * seg
     d_addr = dst.data_ptr() + d_slots * seg
     plan = CopyPlan(s_addr.astype(np.uint64), d_addr.astype(np.uint64),
                     np.full(s_slots.size, seg, dtype=np.uint64))
-    ops = copier.prepare(plan)
-    if seg % 8 == 0 and s_slots.size > 1:
-        assert {op[0] for op in ops} <= {shape, "both"}
+    with mock.patch.object(copier_module, "FUSED_MAX_COPIES",
+                           copier_module.FUSED_MAX_COPIES if fused else 0):
+        ops = copier.prepare(plan)
+    if fused:
+        assert [op[0] for op in ops] == ["views"]
+        if shape == "runs":
+            assert len(ops[0][1]) == 1
+    elif seg % 8 == 0 and s_slots.size > 1:
+        assert {op[0] for op in ops} <= {"gather" if shape == "gather" else "scatter", "both"}
     assert copier.launch(ops) is None
     expected = np.zeros(dst.numel(), dtype=np.uint8)
     s_np = src.numpy()
@@ -112,19 +125,21 @@ def test_copier_sees_a_tensors_whole_storage() -> None:
     assert not k_only.any()
 
 
-def test_copier_writes_into_inference_tensors_from_any_thread() -> None:
+@pytest.mark.parametrize("fused", [True, False], ids=["views", "index"])
+def test_copier_writes_into_inference_tensors_from_any_thread(fused: bool) -> None:
     """vLLM's model-runner thread runs in ``torch.inference_mode()``: the KV caches, and the
     copies a staged READ prepares there, are inference tensors; the chunk driver launches them
     from its own thread, outside it (every chunked READ failed so on an H200)."""
     src = _arena(2 * 16, 3)
-    with torch.inference_mode():
+    with torch.inference_mode(), mock.patch.object(
+            copier_module, "FUSED_MAX_COPIES", copier_module.FUSED_MAX_COPIES if fused else 0):
         kv = torch.zeros(4 * 16, dtype=torch.uint8)
         copier = ByteCopier(arenas_of([kv, src]))
-        # staging rows 0, 1 -> KV rows 3, 0: an in-place scatter (index_copy_)
+        # staging rows 0, 1 -> KV rows 3, 0: in-place copies (_foreach_copy_, index_copy_)
         ops = copier.prepare(CopyPlan(src.data_ptr() + np.array([0, 16], np.uint64),
                                       kv.data_ptr() + np.array([48, 0], np.uint64),
                                       np.array([16, 16], np.uint64)))
-    assert {op[0] for op in ops} & {"scatter", "both"}
+    assert {op[0] for op in ops} & ({"views"} if fused else {"scatter", "both"})
     errors: list[BaseException] = []
 
     def launch() -> None:

@@ -58,6 +58,20 @@ class CopyPlan:
     def total_bytes(self) -> int:
         return int(self.length.sum(dtype=_U64))
 
+    def merged(self) -> CopyPlan:
+        """The same bytes in fewer copies: a copy that continues its predecessor on both sides
+        joins it (a run of blocks lands as one copy per layer and side, not one per block)."""
+        n = len(self)
+        if n < 2:
+            return self
+        src, dst, ln = (np.asarray(a, dtype=np.int64) for a in (self.src, self.dst,
+                                                               self.length))
+        joins = (src[1:] == src[:-1] + ln[:-1]) & (dst[1:] == dst[:-1] + ln[:-1])
+        if not bool(joins.any()):
+            return self
+        first = np.flatnonzero(np.r_[True, ~joins])
+        return CopyPlan(src[first], dst[first], np.add.reduceat(ln, first))
+
     def chunks(self, max_bytes: int) -> CopyPlan:
         """The same copies cut into pieces of at most ``max_bytes`` (in order), so a kernel can
         give every piece one thread block however long the merged runs are."""
