@@ -259,22 +259,30 @@ def test_an_eager_agent_builds_its_own_lists_tables_when_they_are_prepared(monke
     """``eager`` (coalescing on, or a kvcached pool: READs will be staged): the table of the
     worker's own list is built when vLLM prepares the list at start-up, not in a peer's
     first READ (bench_first_contact, 0.25.1, 32 layers: that READ's planning 35 -> 1 ms); a
-    peer's list is left to its first READ, and nothing is built when not eager."""
+    peer's list is left to its first READ, and nothing is built when not eager.  The gather's
+    CUDA kernels are loaded then too (once; 14.5 ms of the first staged READ on an H200)."""
     from pdpatch.kv.staging import StagingAgent
     from pdpatch.kv.staging import lists as lists_mod
 
     built: list[int] = []
     real = lists_mod.RowTable
     monkeypatch.setattr(lists_mod, "RowTable", lambda rows: built.append(len(rows)) or real(rows))
+    warmed: list = []
+    monkeypatch.setattr(ByteCopier, "warm", staticmethod(warmed.append))
+
+    class KVCache:        # where the worker's KV lives: only its device is asked for
+        device = torch.device("cuda", 3)
 
     class Agent:          # the bookkeeping calls only: nothing is transferred here
         def prep_xfer_dlist(self, agent_name, descs, *args, **kwargs):
             return (agent_name, len(descs))
 
-    agent = StagingAgent(Agent(), mem_type="DRAM", capacity=1 << 20, memory=lambda: [],
-                         eager=eager)
+    agent = StagingAgent(Agent(), mem_type="VRAM", capacity=1 << 20,
+                         memory=lambda: [KVCache()], eager=eager)
     local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(4096 * i, 4096, 0) for i in range(64)])
     agent.prep_xfer_dlist("peer", [(4096 * i, 4096, 0) for i in range(32)])
-    assert built == ([64] if eager else [])
+    agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(4096 * i, 4096, 0) for i in range(8)])
+    assert built == ([64, 8] if eager else [])
+    assert warmed == ([torch.device("cuda", 3)] if eager else [])
     agent._lists.table(local)                # the first READ's lookup builds nothing more
-    assert built == [64]
+    assert built == [64, 8] if eager else [64]

@@ -81,7 +81,8 @@ class StagingAgent(AgentProxy):
 
     ``eager``: the worker will stage READs (coalescing on, or a kvcached pool): the table of
     each of its own lists is built when the list is prepared -- at start-up, for the list
-    vLLM registers with its KV caches -- not in a peer's first READ (~35 ms per 500k rows).
+    vLLM registers with its KV caches -- not in a peer's first READ (~35 ms per 500k rows);
+    the gather's copy kernels are loaded then too.
     """
 
     kind = "staging"
@@ -143,6 +144,7 @@ class StagingAgent(AgentProxy):
         self._lists.prepared(handle, agent_name, descs)
         if self._eager and agent_name == INIT_AGENT:
             self._lists.table(handle)
+            self._staging.warm()
         return handle
 
     def release_dlist_handle(self, handle: Any, *args: Any, **kwargs: Any) -> Any:

@@ -40,6 +40,7 @@ class StagingBuffer:
         self._copier: ByteCopier | None = None
         self._registered: dict[int, Any] = {}         # dev -> NIXL registration
         self._slot_lists: dict[tuple[int, int], Any] = {}   # (slot len, dev) -> dlist
+        self._warm = False
 
     @property
     def allocated(self) -> int:
@@ -88,6 +89,25 @@ class StagingBuffer:
         logger.info("pdpatch kv_segments: %d MiB staging buffer on %s for converted READs "
                     "(%s), made in %.0f ms", self.capacity >> 20, device, self._setting,
                     (time.perf_counter() - t0) * 1e3)
+
+    def warm(self) -> None:
+        """Load the gather's copy kernels on the KV memory's GPU now (once): CUDA loads a
+        kernel's module at its first launch, and that was 14.5 ms of a worker's first staged
+        READ on an H200.  Nothing is allocated but a few bytes; on CPU there is nothing to
+        load."""
+        if self._warm:
+            return
+        self._warm = True
+        memory = list(self._memory())
+        device = getattr(memory[0], "device", None) if memory else None
+        if device is None or device.type != "cuda":
+            return
+        try:
+            ByteCopier.warm(device)
+        except Exception as exc:      # only a first READ's speed is at stake, not start-up
+            logger.warning("pdpatch kv_segments: the gather's copy kernels could not be loaded "
+                           "at start-up (%s: %s); the first staged READ loads them",
+                           type(exc).__name__, exc)
 
     def slot_list(self, slot: int, dev: int) -> Any:
         """The buffer as a prepared list of ``slot``-byte entries, registered with the device id

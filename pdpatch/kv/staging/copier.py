@@ -104,6 +104,19 @@ class ByteCopier:
                         if self.device.type == "cuda" else None)
         self._words: dict[tuple[int, int], Any] = {}    # (arena, word bytes) -> 1-D view
 
+    @staticmethod
+    def warm(device: Any) -> None:
+        """Launch each kernel a gather may use once, on a few bytes of ``device``."""
+        import torch
+
+        for dtype in (torch.int64, torch.uint8):
+            words = torch.zeros(4, dtype=dtype, device=device)
+            torch._foreach_copy_([words[:1]], [words[1:2]])
+            words[2:].index_copy_(0, torch.zeros(1, dtype=torch.int64, device=device),
+                                  words[:1])
+            torch.index_select(words, 0, torch.zeros(1, dtype=torch.int64, device=device))
+        torch.cuda.synchronize(device)
+
     def locate(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
         """The arena of each range; ValueError names the first one no arena holds."""
         first = int(np.searchsorted(self.bases, int(addr.min()), side="right")) - 1
