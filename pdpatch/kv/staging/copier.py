@@ -191,8 +191,9 @@ class ByteCopier:
         if bool(np.all(arena == arena[0])) and bool(np.all(off[1:] == off[:-1] + n[:-1])):
             first = int(off[0])
             return list(self._flat(int(arena[0]), word)[first: first + sum(sizes)].split(sizes))
-        return [self._flat(a, word)[o: o + k]
-                for a, o, k in zip(arena.tolist(), off.tolist(), sizes, strict=True)]
+        arenas = arena.tolist()
+        flat = {a: self._flat(a, word) for a in set(arenas)}
+        return [flat[a][o: o + k] for a, o, k in zip(arenas, off.tolist(), sizes, strict=True)]
 
     def _flat(self, arena: int, word: int) -> Any:
         """The arena as a 1-D tensor of ``word``-byte elements (its whole words)."""
