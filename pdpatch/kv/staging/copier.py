@@ -133,21 +133,13 @@ class ByteCopier:
     def prepare(self, plan: CopyPlan) -> list[tuple]:
         """Index tensors per (source arena, destination arena): host work that needs no bytes
         yet, so a READ can do it while NIXL still moves them."""
-        import torch
-
         if len(plan) == 0:
             return []
         merged = plan.merged()
         if len(merged) <= FUSED_MAX_COPIES:
             return [self._views(merged)]
-        src, dst, ln = (np.asarray(a, dtype=np.int64) for a in (plan.src, plan.dst,
-                                                               plan.length))
-        sa, da = self.locate(src, ln), self.locate(dst, ln)
-        s_off, d_off = src - self.bases[sa], dst - self.bases[da]
-        # the largest power of two dividing every offset and length (np.gcd.reduce: ~1 ms)
-        low = int(np.bitwise_or.reduce(np.concatenate([s_off, d_off, ln])))
-        g = min(low & -low, 1 << 16)
-        dtype, esz = (torch.int64, 8) if g % 8 == 0 else (torch.uint8, 1)
+        sa, da, s_off, d_off, ln, g = self._placed(plan)
+        esz = 8 if g % 8 == 0 else 1
         rows = ln // g
         src_rows, dst_rows, keys = s_off // g, d_off // g, sa * len(self.arenas) + da
         if int(rows.max()) > 1:      # copies of several rows each: one index per row
@@ -161,8 +153,8 @@ class ByteCopier:
         for key in present.tolist():
             sel = keys == key if present.size > 1 else slice(None)
             s_r, d_r = src_rows[sel], dst_rows[sel]
-            s2 = self._rows(key // len(self.arenas), g, dtype, esz)
-            d2 = self._rows(key % len(self.arenas), g, dtype, esz)
+            s2 = self._rows(key // len(self.arenas), g, esz)
+            d2 = self._rows(key % len(self.arenas), g, esz)
             if _consecutive(s_r):
                 ops.append(("scatter", s2[s_r[0]: s_r[0] + s_r.size], d2, self._index(d_r)))
             elif _consecutive(d_r):
@@ -171,15 +163,22 @@ class ByteCopier:
                 ops.append(("both", s2, d2, (self._index(s_r), self._index(d_r))))
         return ops
 
-    def _views(self, plan: CopyPlan) -> tuple:
-        """One op copying each of the plan's copies as a view of its arena (in 8-byte words
-        when every offset and length allows)."""
+    def _placed(self, plan: CopyPlan) -> tuple:
+        """Each copy's source and destination arena and offsets in them, its length, and the
+        largest power of two (up to 64 KiB) dividing every offset and length."""
         src, dst, ln = (np.asarray(a, dtype=np.int64) for a in (plan.src, plan.dst,
                                                                plan.length))
         sa, da = self.locate(src, ln), self.locate(dst, ln)
         s_off, d_off = src - self.bases[sa], dst - self.bases[da]
-        word = 8 if int(np.bitwise_or.reduce(np.concatenate([s_off, d_off, ln]))) % 8 == 0 \
-            else 1
+        # (a bitwise or's lowest set bit: np.gcd.reduce costs ~1 ms)
+        low = int(np.bitwise_or.reduce(np.concatenate([s_off, d_off, ln])))
+        return sa, da, s_off, d_off, ln, min(low & -low, 1 << 16)
+
+    def _views(self, plan: CopyPlan) -> tuple:
+        """One op copying each of the plan's copies as a view of its arena (in 8-byte words
+        when every offset and length allows)."""
+        sa, da, s_off, d_off, ln, g = self._placed(plan)
+        word = 8 if g % 8 == 0 else 1
         n = ln // word
         return ("views", self._side(sa, s_off // word, n, word),
                 self._side(da, d_off // word, n, word), None)
@@ -207,9 +206,11 @@ class ByteCopier:
             self._words[(arena, word)] = view
         return view
 
-    def _rows(self, arena: int, g: int, dtype: Any, esz: int) -> Any:
-        flat = self.arenas[arena][1]
-        return flat[: flat.numel() // g * g].view(dtype).view(-1, g // esz)
+    def _rows(self, arena: int, g: int, esz: int) -> Any:
+        """The arena as rows of ``g`` bytes, of ``esz``-byte elements (its whole rows)."""
+        per_row = g // esz
+        return self._flat(arena, esz)[: self.arenas[arena][1].numel() // g * per_row].view(
+            -1, per_row)
 
     def _index(self, rows: np.ndarray) -> Any:
         """The rows as an index tensor, uploaded on the copier's own stream: the kernels that
