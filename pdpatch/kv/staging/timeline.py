@@ -31,9 +31,9 @@ class Timeline:
     polls: list[tuple[float, str]] = field(default_factory=list)
     marks: list[tuple[float, str]] = field(default_factory=list)   # host work between polls
     landed: float | None = None         # a staged READ: the poll that saw NIXL done
-    gathered: float | None = None       # ... and when its gather was seen to have ended
 
-    def describe(self, end: str) -> str:
+    def describe(self, end: str, at: float) -> str:
+        """The line for a READ that ended in ``end`` at ``at`` (a ``perf_counter()``)."""
         ms = [(t - self.post) * 1e3 for t, _ in self.polls]
         shown = [f"+{m:.2f} {s}" for m, (_, s) in zip(ms, self.polls, strict=True)]
         if len(shown) > SHOWN_POLLS:
@@ -46,8 +46,8 @@ class Timeline:
             text += f"; {what} by +{(t - self.post) * 1e3:.2f}"
         if self.landed is not None:
             text += f"; NIXL done at +{(self.landed - self.post) * 1e3:.2f}"
-            if self.gathered is not None:
-                text += f", gathered by +{(self.gathered - self.post) * 1e3:.2f}"
+            if end == "DONE":
+                text += f", gathered by +{(at - self.post) * 1e3:.2f}"
         return text
 
 
@@ -94,8 +94,5 @@ class ReadTimelines:
             return
         with self._lock:
             line = self._open.pop(handle, None)
-        if line is None:
-            return
-        if line.landed is not None:
-            line.gathered = time.perf_counter()
-        logger.debug("pdpatch kv_segments: %s", line.describe(state))
+        if line is not None:
+            logger.debug("pdpatch kv_segments: %s", line.describe(state, time.perf_counter()))
