@@ -19,8 +19,10 @@ FUSED_MAX_COPIES = 256
 copy.  The index path costs a kernel and ~30-40 us of host work per (source, destination)
 arena pair, whatever the bytes: one block at 8B geometry (32 layers, an arena each) took 1.3
 ms to plan on an H200 host -- more than vLLM's own READ of that block.  On the CPU machine
-the two paths' host work meets at ~256 copies (0.38 vs 1.6 ms at 64 copies, 1.1 vs 1.1 at 256,
-4.3 vs 1.1 at 1,024; 32 layers)."""
+the two paths' host work meets at ~256 copies at 32 layers (``python -m scripts.bench_gather``:
+0.35 vs 1.35 ms at 64 copies, 0.94 vs 0.86 at 256, 3.4 vs 0.93 at 1,024), at ~600 at 80 layers
+(``--layers 80``): the index path's cost follows the arena pairs, so a limit per arena pair
+would fit both."""
 
 
 class ByteAllocator:
