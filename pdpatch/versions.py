@@ -83,7 +83,13 @@ class VersionRange:
         # ~10 us each, and vllm_sites declares some 60 ranges inside `import vllm`
         self._clauses = tuple((op, _release_key(tuple(map(int, v.split(".")))))
                               for op, v in clauses)
-        self._text = ",".join(sorted({op + v for op, v in clauses}))  # as SpecifierSet prints
+        # as SpecifierSet prints: sorted, each clause once, equal bounds being one clause
+        # (">=0.0,>=0" is ">=0": the first of them in that order)
+        first: dict[tuple, str] = {}
+        for text, key in sorted((op + v, key) for (op, v), key in zip(clauses, self._clauses,
+                                                                         strict=True)):
+            first.setdefault(key, text)
+        self._text = ",".join(first.values())
 
     def __contains__(self, version: Version) -> bool:
         release = _release_key(version.release)

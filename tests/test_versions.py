@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -55,6 +55,8 @@ CLAUSE = st.tuples(st.sampled_from([">=", "<=", ">", "<", "==", "!="]),
 
 
 @given(st.lists(CLAUSE, min_size=1, max_size=3))
+@example([(">=", [0]), (">=", [0, 0])])      # equal bounds written two ways: one clause
+@example([("<", [1, 0]), ("<", [1])])
 def test_random_ranges_answer_like_specifierset(clauses):
     spec = ",".join(op + ".".join(map(str, parts)) for op, parts in clauses)
     r = VersionRange(spec)
