@@ -7,6 +7,7 @@ workers in ``test_kv_segments_workers.py``.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import threading
 from unittest import mock
@@ -70,17 +71,65 @@ def _arena(n: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8))
 
 
+class HostBatchCopy:
+    """The driver's batch copy where no GPU is: the same arrays, each copy a memmove.  What it
+    checks is the copier's side of the call (order of the arrays, merged copies, the check
+    that every copy lies inside the arenas); the call itself runs on the GPU rig
+    (``scripts/bench_gather.py --device cuda`` checks its bytes)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray,
+                 stream: int) -> None:
+        assert dst.dtype == src.dtype == sizes.dtype == np.uint64
+        self.calls += 1
+        for d, s_, n in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
+            ctypes.memmove(d, s_, n)
+
+
+def _copier(tensors: list, path: str) -> ByteCopier:
+    copier = ByteCopier(arenas_of(tensors))
+    if path == "batch":
+        copier._batch = HostBatchCopy()
+    return copier
+
+
+def test_without_a_driver_batch_copy_the_gather_is_torchs_said_once(monkeypatch,
+                                                                      caplog) -> None:
+    """A driver older than 12.8 (no ``cuMemcpyBatchAsync``), or a probe copy that came back
+    wrong: one line per device says so, and every copier there gathers with torch."""
+    from pdpatch.kv.staging import batch_copy
+
+    monkeypatch.setattr(batch_copy, "_found", {})
+    tries: list[int] = []
+
+    def no_symbol(index: int) -> None:
+        tries.append(index)
+        raise RuntimeError("the driver has no cuMemcpyBatchAsync (CUDA 12.8+): CUresult 500")
+
+    monkeypatch.setattr(batch_copy, "_resolve", no_symbol)
+    with caplog.at_level("INFO", logger="pdpatch"):
+        assert batch_copy.batch_copy_for(torch.device("cuda", 7)) is None
+        assert batch_copy.batch_copy_for(torch.device("cuda", 7)) is None
+    assert tries == [7]
+    lines = [r.getMessage() for r in caplog.records if "batch copy" in r.getMessage()]
+    assert lines == ["pdpatch kv_segments: no driver batch copy on cuda:7 (RuntimeError: the "
+                     "driver has no cuMemcpyBatchAsync (CUDA 12.8+): CUresult 500); staged "
+                     "READs gather with torch copies"]
+
+
 @settings(max_examples=150, deadline=None)
 @given(seg=st.sampled_from([1, 3, 8, 24, 64]), n=st.integers(1, 20),
        shape=st.sampled_from(["scatter", "gather", "both", "runs"]), seed=st.integers(0, 2**16),
-       fused=st.booleans())
+       path=st.sampled_from(["fused", "index", "batch"]))
 def test_copier_moves_exactly_the_planned_bytes(seg: int, n: int, shape: str, seed: int,
-                                                fused: bool) -> None:
-    """Both ways a gather runs: few copies as one fused copy of views, many as index ops (a
-    limit of 0 copies forces those)."""
+                                                path: str) -> None:
+    """Every way a gather runs: the driver's batch copy where the GPU has one; else few
+    copies as one fused copy of views, many as index ops (a limit of 0 copies forces those)."""
     rng = np.random.default_rng(seed)
     src, dst = _arena(64 * 64, seed), torch.zeros(64 * 64 + 8, dtype=torch.uint8)
-    copier = ByteCopier(arenas_of([src, dst]))
+    copier = _copier([src, dst], path)
     slots = 64 * 64 // seg
     picks = rng.choice(slots, size=(2, min(n, slots)), replace=True)
     d_slots = rng.permutation(slots)[:picks.shape[1]]       # destinations never collide
@@ -94,10 +143,10 @@ def test_copier_moves_exactly_the_planned_bytes(seg: int, n: int, shape: str, se
     plan = CopyPlan(s_addr.astype(np.uint64), d_addr.astype(np.uint64),
                     np.full(s_slots.size, seg, dtype=np.uint64))
     with mock.patch.object(copier_module, "FUSED_MAX_COPIES",
-                           copier_module.FUSED_MAX_COPIES if fused else 0):
+                           0 if path == "index" else copier_module.FUSED_MAX_COPIES):
         ops = copier.prepare(plan)
-    if fused:
-        assert [op[0] for op in ops] == ["views"]
+    if path != "index":
+        assert [op[0] for op in ops] == ["views" if path == "fused" else "batch"]
         if shape == "runs":
             assert len(ops[0][1]) == 1
     elif seg % 8 == 0 and s_slots.size > 1:
@@ -156,9 +205,10 @@ def test_copier_writes_into_inference_tensors_from_any_thread(fused: bool) -> No
     assert not kv[16:48].any()
 
 
-def test_copier_refuses_memory_it_was_not_given() -> None:
+@pytest.mark.parametrize("path", ["torch", "batch"])
+def test_copier_refuses_memory_it_was_not_given(path: str) -> None:
     src, dst = _arena(64, 2), torch.zeros(64, dtype=torch.uint8)
-    copier = ByteCopier(arenas_of([src, dst]))
+    copier = _copier([src, dst], path)
     past_the_end = CopyPlan(np.array([src.data_ptr()], np.uint64),
                             np.array([dst.data_ptr() + 32], np.uint64),
                             np.array([64], np.uint64))

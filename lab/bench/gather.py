@@ -1,11 +1,13 @@
 """Benchmark a staged READ's gather planning: the fused copy of views against the index ops,
-per number of copies (the choice :data:`pdpatch.kv.staging.copier.FUSED_MAX_COPIES` makes).
+per number of copies (the choice :data:`pdpatch.kv.staging.copier.FUSED_MAX_COPIES` makes), and
+on a GPU whose driver has it the batch copy (``cuMemcpyBatchAsync``) that replaces both there.
 
 The copies are blocks of one K or V segment (32 KiB: 16 tokens x 8 heads x 128 x bf16) from
 back-to-back staging into a KV cache of an arena per layer (``(2, blocks, segment)``, K and V
 apart), blocks three apart so nothing merges: the gather of a READ from a converted peer.
 Host time of ``ByteCopier.prepare`` is what lies between a READ's post and vLLM's next poll;
-with ``--device cuda`` the prepare + launch + synchronize time is printed too.
+with ``--device cuda`` the prepare + launch + synchronize time is printed too.  Each path's
+bytes are checked once before it is timed.
 
 Run: ``.venv/bin/python -m scripts.bench_gather [--layers 80] [--device cuda]``
 """
@@ -50,30 +52,60 @@ def main(argv: list[str] | None = None) -> int:
     pool = 3 * max(blocks) + 1
     kv = [torch.zeros(2, pool, SEGMENT, dtype=torch.uint8, device=device)
           for _ in range(args.layers)]
-    staging = torch.empty(2 * args.layers * max(blocks) * SEGMENT, dtype=torch.uint8,
-                          device=device)
+    staging = torch.randint(0, 256, (2 * args.layers * max(blocks) * SEGMENT,),
+                            dtype=torch.uint8, device=device)
+    torch_copier = ByteCopier(arenas_of([*kv, staging]), batch=False)
     copier = ByteCopier(arenas_of([*kv, staging]))
+    paths = {"fused": (torch_copier, 1 << 62), "index": (torch_copier, 0)}
+    if copier._batch is not None:
+        paths["batch"] = (copier, None)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    cuda = device.type == "cuda"
     print(f"{args.layers} layers, {SEGMENT >> 10} KiB copies, {device}; median of "
-          f"{args.rounds}, ms")
-    print("| blocks | copies | prepare: fused | index | index/fused |"
-          + (" prepare+copy: fused | index | index/fused |" if device.type == "cuda" else ""))
+          f"{args.rounds}, ms; paths: {', '.join(paths)}")
+    names = list(paths)
+    head = "| blocks | copies | " + " | ".join(f"prepare: {p}" for p in names) + " |"
+    if cuda:
+        head += " " + " | ".join(f"prepare+copy: {p}" for p in names) + " |"
+    print(head)
     for n in blocks:
         ids = np.arange(n) * 3
         dst = np.array([t.data_ptr() + side * pool * SEGMENT + b * SEGMENT
                         for b in ids for t in kv for side in (0, 1)], dtype=np.int64)
         src = staging.data_ptr() + np.arange(dst.size, dtype=np.int64) * SEGMENT
         plan = CopyPlan(src, dst, np.full(dst.size, SEGMENT, dtype=np.int64))
-        row = [f"| {n} | {dst.size} |"]
         results = {}
-        for path, limit in (("fused", 1 << 62), ("index", 0)):
-            with mock.patch.object(copier_module, "FUSED_MAX_COPIES", limit):
+        for path, (cop, limit) in paths.items():
+            with mock.patch.object(copier_module, "FUSED_MAX_COPIES",
+                                   copier_module.FUSED_MAX_COPIES if limit is None else limit):
+                for t in kv:
+                    t.zero_()
+                cop.launch(cop.prepare(plan))
+                _check(kv, staging, ids, path)
                 results[path] = (
-                    _median_ms(lambda p=plan: copier.prepare(p), args.rounds),
-                    _median_ms(lambda p=plan: (copier.launch(copier.prepare(p)), sync()),
-                               args.rounds) if device.type == "cuda" else None)
-        for i in (0, 1) if device.type == "cuda" else (0,):
-            fused, index = results["fused"][i], results["index"][i]
-            row.append(f" {fused:.3f} | {index:.3f} | {index / fused:.2f} |")
-        print("".join(row))
+                    _median_ms(lambda p=plan, c=cop: c.prepare(p), args.rounds),
+                    _median_ms(lambda p=plan, c=cop: (c.launch(c.prepare(p)), sync()),
+                               args.rounds) if cuda else None)
+        row = f"| {n} | {dst.size} | " + " | ".join(f"{results[p][0]:.3f}" for p in names)
+        if cuda:
+            row += " | " + " | ".join(f"{results[p][1]:.3f}" for p in names)
+        print(row + " |")
     return 0
+
+
+def _check(kv: list, staging: object, ids: np.ndarray, path: str) -> None:
+    """Every block of every layer and side holds the staging bytes planned for it, and the
+    blocks between hold nothing: a path that copies wrong bytes has no time to print."""
+    import torch
+
+    seg = 0
+    for b in ids.tolist():
+        for t in kv:
+            for side in (0, 1):
+                if not torch.equal(t[side, b], staging[seg * SEGMENT:(seg + 1) * SEGMENT]):
+                    raise AssertionError(f"{path}: block {b} side {side} holds wrong bytes")
+                seg += 1
+    written = sum(int(t.count_nonzero()) for t in kv)
+    expected = sum(int(torch.count_nonzero(t[:, ids.tolist()])) for t in kv)
+    if written != expected:
+        raise AssertionError(f"{path}: {written - expected} nonzero bytes outside the copies")

@@ -1,6 +1,6 @@
 """Copies and space inside known memory, for a staged READ's gather: a first-fit allocator of
-the staging buffer and a copier that runs thousands of equal segments as a few torch index
-kernels."""
+the staging buffer and a copier that runs a gather as one driver call on a GPU whose driver
+has a batch copy, else as a few torch kernels."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from pdpatch.kv.staging.batch_copy import batch_copy_for
 from pdpatch.kv.staging.plans import CopyPlan
 
 FUSED_MAX_COPIES = 256
@@ -76,7 +77,10 @@ def arenas_of(tensors: Iterable[Any]) -> list[tuple[int, Any]]:
 
 
 class ByteCopier:
-    """Runs a :class:`CopyPlan` inside known arenas with torch index kernels, on CPU and GPU.
+    """Runs a :class:`CopyPlan` inside known arenas: on a GPU whose driver has it, as one
+    ``cuMemcpyBatchAsync`` (:mod:`.batch_copy`; ``batch=False`` refuses it), else with torch
+    kernels, on CPU and GPU.  Every copy is checked to lie inside the arenas first, whichever
+    way it runs.
 
     Why rows: the copies of a staged READ are thousands of equal segments; one
     ``index_copy_`` per (source, destination) arena moves them all where a loop would launch
@@ -92,7 +96,7 @@ class ByteCopier:
 
     name = "torch-index"
 
-    def __init__(self, arenas: Sequence[tuple[int, Any]]) -> None:
+    def __init__(self, arenas: Sequence[tuple[int, Any]], batch: bool = True) -> None:
         import torch
 
         self.arenas = sorted(((int(b), t) for b, t in arenas), key=lambda a: a[0])
@@ -104,13 +108,17 @@ class ByteCopier:
         self.device = devices.pop()
         self._stream = (torch.cuda.Stream(self.device, priority=0)
                         if self.device.type == "cuda" else None)
+        self._batch = batch_copy_for(self.device) if batch and self._stream is not None \
+            else None
         self._words: dict[tuple[int, int], Any] = {}    # (arena, word bytes) -> 1-D view
 
     @staticmethod
     def warm(device: Any) -> None:
-        """Launch each kernel a gather may use once, on a few bytes of ``device``."""
+        """Probe the driver's batch copy and launch each kernel a gather may use once, on a
+        few bytes of ``device``."""
         import torch
 
+        batch_copy_for(device)
         for dtype in (torch.int64, torch.uint8):
             words = torch.zeros(4, dtype=dtype, device=device)
             torch._foreach_copy_([words[:1]], [words[1:2]])
@@ -138,6 +146,8 @@ class ByteCopier:
         if len(plan) == 0:
             return []
         merged = plan.merged()
+        if self._batch is not None:
+            return [self._batched(merged)]
         if len(merged) <= FUSED_MAX_COPIES:
             return [self._views(merged)]
         sa, da, s_off, d_off, ln, g = self._placed(plan)
@@ -175,6 +185,15 @@ class ByteCopier:
         # (a bitwise or's lowest set bit: np.gcd.reduce costs ~1 ms)
         low = int(np.bitwise_or.reduce(np.concatenate([s_off, d_off, ln])))
         return sa, da, s_off, d_off, ln, min(low & -low, 1 << 16)
+
+    def _batched(self, plan: CopyPlan) -> tuple:
+        """The plan as the driver's batch copy takes it: uint64 arrays of destinations,
+        sources and lengths, once every copy is known to lie inside the arenas."""
+        src, dst, ln = (np.ascontiguousarray(a, dtype=np.int64) for a in (plan.src, plan.dst,
+                                                                         plan.length))
+        self.locate(src, ln)
+        self.locate(dst, ln)
+        return ("batch", src.view(np.uint64), dst.view(np.uint64), ln.view(np.uint64))
 
     def _views(self, plan: CopyPlan) -> tuple:
         """One op copying each of the plan's copies as a view of its arena (in 8-byte words
@@ -243,7 +262,10 @@ class ByteCopier:
         with torch.inference_mode(), \
                 torch.cuda.stream(self._stream) if self._stream is not None else _nothing():
             for kind, src, dst, idx in ops:
-                if kind == "views":
+                if kind == "batch":
+                    self._batch(dst, src, idx,
+                                0 if self._stream is None else self._stream.cuda_stream)
+                elif kind == "views":
                     torch._foreach_copy_(dst, src)
                 elif kind == "scatter":
                     dst.index_copy_(0, idx, src)
