@@ -119,6 +119,25 @@ def test_without_a_driver_batch_copy_the_gather_is_torchs_said_once(monkeypatch,
                      "READs gather with torch copies"]
 
 
+@pytest.mark.parametrize("pairs", [1, 3])
+def test_a_batch_copy_takes_a_few_copies_per_arena_pair_only(pairs: int) -> None:
+    """The driver runs a batch's copies one by one (~4 us each on an H200): past
+    ``BATCH_COPIES_PER_PAIR`` copies per arena pair the gather is torch's again."""
+    limit = copier_module.BATCH_COPIES_PER_PAIR
+    srcs = [_arena(128 * (limit + 1), s) for s in range(pairs)]
+    dst = torch.zeros(128 * (limit + 1) * pairs, dtype=torch.uint8)
+    copier = _copier([*srcs, dst], "batch")
+    for n, kind in ((limit, "batch"), (limit + 1, "views")):
+        # n copies of 64 B out of each source into one destination, every other slot: none
+        # merge, so the plan is n copies per (source, destination) pair
+        every_other = 128 * np.arange(n)
+        s_addr = np.concatenate([s.data_ptr() + every_other for s in srcs])
+        d_addr = dst.data_ptr() + 128 * np.arange(n * pairs)
+        plan = CopyPlan(s_addr.astype(np.uint64), d_addr.astype(np.uint64),
+                        np.full(n * pairs, 64, dtype=np.uint64))
+        assert [op[0] for op in copier.prepare(plan)] == [kind]
+
+
 @settings(max_examples=150, deadline=None)
 @given(seg=st.sampled_from([1, 3, 8, 24, 64]), n=st.integers(1, 20),
        shape=st.sampled_from(["scatter", "gather", "both", "runs"]), seed=st.integers(0, 2**16),
@@ -143,7 +162,8 @@ def test_copier_moves_exactly_the_planned_bytes(seg: int, n: int, shape: str, se
     plan = CopyPlan(s_addr.astype(np.uint64), d_addr.astype(np.uint64),
                     np.full(s_slots.size, seg, dtype=np.uint64))
     with mock.patch.object(copier_module, "FUSED_MAX_COPIES",
-                           0 if path == "index" else copier_module.FUSED_MAX_COPIES):
+                           0 if path == "index" else copier_module.FUSED_MAX_COPIES), \
+            mock.patch.object(copier_module, "BATCH_COPIES_PER_PAIR", 1 << 30):
         ops = copier.prepare(plan)
     if path != "index":
         assert [op[0] for op in ops] == ["views" if path == "fused" else "batch"]

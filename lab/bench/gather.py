@@ -4,7 +4,8 @@ on a GPU whose driver has it the batch copy (``cuMemcpyBatchAsync``) that replac
 
 The copies are blocks of one K or V segment (32 KiB: 16 tokens x 8 heads x 128 x bf16) from
 back-to-back staging into a KV cache of an arena per layer (``(2, blocks, segment)``, K and V
-apart), blocks three apart so nothing merges: the gather of a READ from a converted peer.
+apart), blocks three apart so nothing merges: the gather of a READ from a converted peer
+(``--adjacent``: a run of blocks, one copy per layer and side).
 Host time of ``ByteCopier.prepare`` is what lies between a READ's post and vLLM's next poll;
 with ``--device cuda`` the prepare + launch + synchronize time is printed too.  Each path's
 bytes are checked once before it is timed.
@@ -23,6 +24,9 @@ from unittest import mock
 import numpy as np
 
 SEGMENT = 16 * 8 * 128 * 2
+FUSED_SHOWN_MAX = 4096
+"""Copies above which the fused path is not timed ("-"): a view each, it is ~100x slower than
+the others there and would take most of the run."""
 
 
 def _median_ms(fn: Callable[[], object], rounds: int) -> float:
@@ -46,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", default="1,2,4,8,16", help="blocks per READ, comma-separated")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--adjacent", action="store_true",
+                    help="blocks next to each other: a layer's K (and V) is one merged copy")
     args = ap.parse_args(argv)
     blocks = [int(b) for b in args.blocks.split(",")]
     device = torch.device(args.device)
@@ -59,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = {"fused": (torch_copier, 1 << 62), "index": (torch_copier, 0)}
     if copier._batch is not None:
         paths["batch"] = (copier, None)
+        paths["chosen"] = (copier, None)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     cuda = device.type == "cuda"
     print(f"{args.layers} layers, {SEGMENT >> 10} KiB copies, {device}; median of "
@@ -69,26 +76,35 @@ def main(argv: list[str] | None = None) -> int:
         head += " " + " | ".join(f"prepare+copy: {p}" for p in names) + " |"
     print(head)
     for n in blocks:
-        ids = np.arange(n) * 3
+        ids = np.arange(n) * (1 if args.adjacent else 3)
+        # staging holds the peer's bytes in its address order: a layer's K blocks, its V...
         dst = np.array([t.data_ptr() + side * pool * SEGMENT + b * SEGMENT
-                        for b in ids for t in kv for side in (0, 1)], dtype=np.int64)
+                        for t in kv for side in (0, 1) for b in ids], dtype=np.int64)
         src = staging.data_ptr() + np.arange(dst.size, dtype=np.int64) * SEGMENT
         plan = CopyPlan(src, dst, np.full(dst.size, SEGMENT, dtype=np.int64))
-        results = {}
+        results: dict[str, tuple] = {}
         for path, (cop, limit) in paths.items():
+            if path == "fused" and dst.size > FUSED_SHOWN_MAX:
+                continue
             with mock.patch.object(copier_module, "FUSED_MAX_COPIES",
-                                   copier_module.FUSED_MAX_COPIES if limit is None else limit):
+                                   copier_module.FUSED_MAX_COPIES if limit is None else limit), \
+                    mock.patch.object(copier_module, "BATCH_COPIES_PER_PAIR",
+                                      1 << 62 if path == "batch" else
+                                      copier_module.BATCH_COPIES_PER_PAIR):
                 for t in kv:
                     t.zero_()
+                sync()               # the copier's stream does not wait for the zeroing
                 cop.launch(cop.prepare(plan))
                 _check(kv, staging, ids, path)
                 results[path] = (
                     _median_ms(lambda p=plan, c=cop: c.prepare(p), args.rounds),
                     _median_ms(lambda p=plan, c=cop: (c.launch(c.prepare(p)), sync()),
                                args.rounds) if cuda else None)
-        row = f"| {n} | {dst.size} | " + " | ".join(f"{results[p][0]:.3f}" for p in names)
+        cell = [(f"{results[p][0]:.3f}", f"{results[p][1]:.3f}" if cuda else "")
+                if p in results else ("-", "-") for p in names]
+        row = f"| {n} | {dst.size} | " + " | ".join(c[0] for c in cell)
         if cuda:
-            row += " | " + " | ".join(f"{results[p][1]:.3f}" for p in names)
+            row += " | " + " | ".join(c[1] for c in cell)
         print(row + " |")
     return 0
 
@@ -99,9 +115,9 @@ def _check(kv: list, staging: object, ids: np.ndarray, path: str) -> None:
     import torch
 
     seg = 0
-    for b in ids.tolist():
-        for t in kv:
-            for side in (0, 1):
+    for t in kv:
+        for side in (0, 1):
+            for b in ids.tolist():
                 if not torch.equal(t[side, b], staging[seg * SEGMENT:(seg + 1) * SEGMENT]):
                     raise AssertionError(f"{path}: block {b} side {side} holds wrong bytes")
                 seg += 1
