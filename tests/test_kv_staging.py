@@ -7,7 +7,6 @@ workers in ``test_kv_segments_workers.py``.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import threading
 from unittest import mock
@@ -17,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_helpers import HostBatchCopy
 
 from pdpatch.kv.staging import ByteAllocator, ByteCopier, address_order, arenas_of
 from pdpatch.kv.staging import copier as copier_module
@@ -71,23 +71,6 @@ def _arena(n: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8))
 
 
-class HostBatchCopy:
-    """The driver's batch copy where no GPU is: the same arrays, each copy a memmove.  What it
-    checks is the copier's side of the call (order of the arrays, merged copies, the check
-    that every copy lies inside the arenas); the call itself runs on the GPU rig
-    (``scripts/bench_gather.py --device cuda`` checks its bytes)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray,
-                 stream: int) -> None:
-        assert dst.dtype == src.dtype == sizes.dtype == np.uint64
-        self.calls += 1
-        for d, s_, n in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
-            ctypes.memmove(d, s_, n)
-
-
 def _copier(tensors: list, path: str) -> ByteCopier:
     copier = ByteCopier(arenas_of(tensors))
     if path == "batch":
@@ -122,7 +105,8 @@ def test_without_a_driver_batch_copy_the_gather_is_torchs_said_once(monkeypatch,
 @pytest.mark.parametrize("pairs", [1, 3])
 def test_a_batch_copy_takes_a_few_copies_per_arena_pair_only(pairs: int) -> None:
     """The driver runs a batch's copies one by one (~4 us each on an H200): past
-    ``BATCH_COPIES_PER_PAIR`` copies per arena pair the gather is torch's again."""
+    ``BATCH_COPIES_PER_PAIR`` copies per arena pair the gather is torch's again, and so is a
+    chunk's gather (``pipelined``), whatever its size."""
     limit = copier_module.BATCH_COPIES_PER_PAIR
     srcs = [_arena(128 * (limit + 1), s) for s in range(pairs)]
     dst = torch.zeros(128 * (limit + 1) * pairs, dtype=torch.uint8)
@@ -136,6 +120,7 @@ def test_a_batch_copy_takes_a_few_copies_per_arena_pair_only(pairs: int) -> None
         plan = CopyPlan(s_addr.astype(np.uint64), d_addr.astype(np.uint64),
                         np.full(n * pairs, 64, dtype=np.uint64))
         assert [op[0] for op in copier.prepare(plan)] == [kind]
+        assert [op[0] for op in copier.prepare(plan, pipelined=True)] == ["views"]
 
 
 @settings(max_examples=150, deadline=None)
