@@ -7,7 +7,6 @@ shape/stride tuples a vLLM/kvcached tensor would have, through logical K/V/head 
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -248,20 +247,3 @@ def peer_main(conn, name: str = "pdpatch-peer") -> None:
                 conn.send(("err", f"{type(e).__name__}: {e}"))
     finally:
         conn.close()
-
-
-class HostBatchCopy:
-    """The driver's batch copy where no GPU is: the same arrays, each copy a memmove.  What it
-    checks is the copier's side of the call (order of the arrays, merged copies, the check
-    that every copy lies inside the arenas); the call itself runs on the GPU rig
-    (``scripts/bench_gather.py --device cuda`` checks its bytes)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray,
-                 stream: int) -> None:
-        assert dst.dtype == src.dtype == sizes.dtype == np.uint64
-        self.calls += 1
-        for d, s_, n in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
-            ctypes.memmove(d, s_, n)

@@ -16,7 +16,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kv_helpers import HostBatchCopy
 
 from pdpatch.kv.staging import ByteAllocator, ByteCopier, address_order, arenas_of
 from pdpatch.kv.staging import copier as copier_module
@@ -71,69 +70,17 @@ def _arena(n: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8))
 
 
-def _copier(tensors: list, path: str) -> ByteCopier:
-    copier = ByteCopier(arenas_of(tensors))
-    if path == "batch":
-        copier._batch = HostBatchCopy()
-    return copier
-
-
-def test_without_a_driver_batch_copy_the_gather_is_torchs_said_once(monkeypatch,
-                                                                      caplog) -> None:
-    """A driver older than 12.8 (no ``cuMemcpyBatchAsync``), or a probe copy that came back
-    wrong: one line per device says so, and every copier there gathers with torch."""
-    from pdpatch.kv.staging import batch_copy
-
-    monkeypatch.setattr(batch_copy, "_found", {})
-    tries: list[int] = []
-
-    def no_symbol(index: int) -> None:
-        tries.append(index)
-        raise RuntimeError("the driver has no cuMemcpyBatchAsync (CUDA 12.8+): CUresult 500")
-
-    monkeypatch.setattr(batch_copy, "_resolve", no_symbol)
-    with caplog.at_level("INFO", logger="pdpatch"):
-        assert batch_copy.batch_copy_for(torch.device("cuda", 7)) is None
-        assert batch_copy.batch_copy_for(torch.device("cuda", 7)) is None
-    assert tries == [7]
-    lines = [r.getMessage() for r in caplog.records if "batch copy" in r.getMessage()]
-    assert lines == ["pdpatch kv_segments: no driver batch copy on cuda:7 (RuntimeError: the "
-                     "driver has no cuMemcpyBatchAsync (CUDA 12.8+): CUresult 500); staged "
-                     "READs gather with torch copies"]
-
-
-@pytest.mark.parametrize("pairs", [1, 3])
-def test_a_batch_copy_takes_a_few_copies_per_arena_pair_only(pairs: int) -> None:
-    """The driver runs a batch's copies one by one (~4 us each on an H200): past
-    ``BATCH_COPIES_PER_PAIR`` copies per arena pair the gather is torch's again, and so is a
-    chunk's gather (``pipelined``), whatever its size."""
-    limit = copier_module.BATCH_COPIES_PER_PAIR
-    srcs = [_arena(128 * (limit + 1), s) for s in range(pairs)]
-    dst = torch.zeros(128 * (limit + 1) * pairs, dtype=torch.uint8)
-    copier = _copier([*srcs, dst], "batch")
-    for n, kind in ((limit, "batch"), (limit + 1, "views")):
-        # n copies of 64 B out of each source into one destination, every other slot: none
-        # merge, so the plan is n copies per (source, destination) pair
-        every_other = 128 * np.arange(n)
-        s_addr = np.concatenate([s.data_ptr() + every_other for s in srcs])
-        d_addr = dst.data_ptr() + 128 * np.arange(n * pairs)
-        plan = CopyPlan(s_addr.astype(np.uint64), d_addr.astype(np.uint64),
-                        np.full(n * pairs, 64, dtype=np.uint64))
-        assert [op[0] for op in copier.prepare(plan)] == [kind]
-        assert [op[0] for op in copier.prepare(plan, pipelined=True)] == ["views"]
-
-
 @settings(max_examples=150, deadline=None)
 @given(seg=st.sampled_from([1, 3, 8, 24, 64]), n=st.integers(1, 20),
        shape=st.sampled_from(["scatter", "gather", "both", "runs"]), seed=st.integers(0, 2**16),
-       path=st.sampled_from(["fused", "index", "batch"]))
+       fused=st.booleans())
 def test_copier_moves_exactly_the_planned_bytes(seg: int, n: int, shape: str, seed: int,
-                                                path: str) -> None:
-    """Every way a gather runs: the driver's batch copy where the GPU has one; else few
-    copies as one fused copy of views, many as index ops (a limit of 0 copies forces those)."""
+                                                fused: bool) -> None:
+    """Both ways a gather runs: few copies as one fused copy of views, many as index ops (a
+    limit of 0 copies forces those)."""
     rng = np.random.default_rng(seed)
     src, dst = _arena(64 * 64, seed), torch.zeros(64 * 64 + 8, dtype=torch.uint8)
-    copier = _copier([src, dst], path)
+    copier = ByteCopier(arenas_of([src, dst]))
     slots = 64 * 64 // seg
     picks = rng.choice(slots, size=(2, min(n, slots)), replace=True)
     d_slots = rng.permutation(slots)[:picks.shape[1]]       # destinations never collide
@@ -147,11 +94,10 @@ def test_copier_moves_exactly_the_planned_bytes(seg: int, n: int, shape: str, se
     plan = CopyPlan(s_addr.astype(np.uint64), d_addr.astype(np.uint64),
                     np.full(s_slots.size, seg, dtype=np.uint64))
     with mock.patch.object(copier_module, "FUSED_MAX_COPIES",
-                           0 if path == "index" else copier_module.FUSED_MAX_COPIES), \
-            mock.patch.object(copier_module, "BATCH_COPIES_PER_PAIR", 1 << 30):
+                           copier_module.FUSED_MAX_COPIES if fused else 0):
         ops = copier.prepare(plan)
-    if path != "index":
-        assert [op[0] for op in ops] == ["views" if path == "fused" else "batch"]
+    if fused:
+        assert [op[0] for op in ops] == ["views"]
         if shape == "runs":
             assert len(ops[0][1]) == 1
     elif seg % 8 == 0 and s_slots.size > 1:
@@ -210,10 +156,9 @@ def test_copier_writes_into_inference_tensors_from_any_thread(fused: bool) -> No
     assert not kv[16:48].any()
 
 
-@pytest.mark.parametrize("path", ["torch", "batch"])
-def test_copier_refuses_memory_it_was_not_given(path: str) -> None:
+def test_copier_refuses_memory_it_was_not_given() -> None:
     src, dst = _arena(64, 2), torch.zeros(64, dtype=torch.uint8)
-    copier = _copier([src, dst], path)
+    copier = ByteCopier(arenas_of([src, dst]))
     past_the_end = CopyPlan(np.array([src.data_ptr()], np.uint64),
                             np.array([dst.data_ptr() + 32], np.uint64),
                             np.array([64], np.uint64))

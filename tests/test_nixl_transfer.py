@@ -16,25 +16,15 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-from unittest import mock
 
 import numpy as np
 import pytest
 import torch
-from kv_helpers import (
-    HostBatchCopy,
-    LayoutSpec,
-    Side,
-    build_side,
-    expected_copy,
-    peer_main,
-    side_nbytes,
-)
+from kv_helpers import LayoutSpec, Side, build_side, expected_copy, peer_main, side_nbytes
 
 from lab.kv_reference import coalesce, strided_pair_rows
 from pdpatch.kv import BlockIdError, GeometryMismatch, HeadSlice, PairPlan, infer_geometry
 from pdpatch.kv.staging import ByteCopier, StagingAgent, StagingStats
-from pdpatch.kv.staging import copier as copier_module
 from pdpatch.kv.staging import reads as staging_reads
 
 # a staging agent's chunk driver thread must never die of an exception
@@ -856,20 +846,14 @@ def test_read_larger_than_staging_is_chunked_and_byte_exact(pair: NixlPair, name
                                                             ranges: bool) -> None:
     """Requests of 1x, 2.5x and 10x the staging buffer: 1x is one staged READ as before,
     larger ones are read in chunks through two lanes -- byte-exact, one notification to the
-    peer once all chunks landed, vLLM's telemetry for the whole READ, staging all back.
-    Where the GPU's driver has a batch copy (a stand-in here), only the one READ uses it:
-    chunks gather while NIXL moves the next ones, off the copy engines NIXL uses."""
+    peer once all chunks landed, vLLM's telemetry for the whole READ, staging all back."""
     s = big_setup(pair, name)
     lid, rid = s.plan.desc_ids(ALL_LOCAL, ALL_REMOTE)
     slot = int(s.plan.local_table()[0, 1])
     need = len(lid) * slot
     capacity = int(need / factor) // slot * slot
-    with chunk_agent(pair, s, capacity, ranges=ranges) as (agent, lh, rh), \
-            mock.patch.object(copier_module, "BATCH_COPIES_PER_PAIR", 1 << 30):
-        agent._staging.ensure()
-        agent._staging._copier._batch = batch = HostBatchCopy()
+    with chunk_agent(pair, s, capacity, ranges=ranges) as (agent, lh, rh):
         state, tele = read_through(agent, lh, rh, lid, rid)
-        assert batch.calls == (factor == 1)
         assert state == "DONE"
         assert np.array_equal(s.lbuf, big_expected(s)), name
         st = agent.stats

@@ -1,6 +1,5 @@
 """Benchmark a staged READ's gather planning: the fused copy of views against the index ops,
-per number of copies (the choice :data:`pdpatch.kv.staging.copier.FUSED_MAX_COPIES` makes), and
-on a GPU whose driver has it the batch copy (``cuMemcpyBatchAsync``) that replaces both there.
+per number of copies (the choice :data:`pdpatch.kv.staging.copier.FUSED_MAX_COPIES` makes).
 
 The copies are blocks of one K or V segment (32 KiB: 16 tokens x 8 heads x 128 x bf16) from
 back-to-back staging into a KV cache of an arena per layer (``(2, blocks, segment)``, K and V
@@ -60,12 +59,8 @@ def main(argv: list[str] | None = None) -> int:
           for _ in range(args.layers)]
     staging = torch.randint(0, 256, (2 * args.layers * max(blocks) * SEGMENT,),
                             dtype=torch.uint8, device=device)
-    torch_copier = ByteCopier(arenas_of([*kv, staging]), batch=False)
     copier = ByteCopier(arenas_of([*kv, staging]))
-    paths = {"fused": (torch_copier, 1 << 62), "index": (torch_copier, 0)}
-    if copier._batch is not None:
-        paths["batch"] = (copier, None)
-        paths["chosen"] = (copier, None)
+    paths = {"fused": (copier, 1 << 62), "index": (copier, 0)}
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     cuda = device.type == "cuda"
     print(f"{args.layers} layers, {SEGMENT >> 10} KiB copies, {device}; median of "
@@ -86,11 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         for path, (cop, limit) in paths.items():
             if path == "fused" and dst.size > FUSED_SHOWN_MAX:
                 continue
-            with mock.patch.object(copier_module, "FUSED_MAX_COPIES",
-                                   copier_module.FUSED_MAX_COPIES if limit is None else limit), \
-                    mock.patch.object(copier_module, "BATCH_COPIES_PER_PAIR",
-                                      1 << 62 if path == "batch" else
-                                      copier_module.BATCH_COPIES_PER_PAIR):
+            with mock.patch.object(copier_module, "FUSED_MAX_COPIES", limit):
                 for t in kv:
                     t.zero_()
                 sync()               # the copier's stream does not wait for the zeroing

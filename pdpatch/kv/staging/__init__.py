@@ -3,8 +3,7 @@ was converted: :mod:`.agent` the :class:`StagingAgent` that stands in for the wo
 ``nixl_wrapper``; :mod:`.lists` the descriptor lists it saw prepared; :mod:`.reads` one staged
 READ, its planning and its state; :mod:`.chunked` a READ larger than the free staging, in
 pipelined chunks; :mod:`.calibration` a peer's gap budget; :mod:`.buffer` the
-staging memory; :mod:`.copier` its allocator and the gather's copier, which takes the CUDA
-driver's batch copy (:mod:`.batch_copy`) where it can; :mod:`.rows` descriptor
+staging memory; :mod:`.copier` its allocator and the gather's copier; :mod:`.rows` descriptor
 rows as arrays and the pure address-order helpers; :mod:`.nixl_states` NIXL's state names;
 :mod:`.plans` the pure (numpy) pieces a staged READ is planned from, and why staging pays;
 :mod:`.timeline` each READ's polls, logged at DEBUG."""

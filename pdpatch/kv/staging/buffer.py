@@ -145,10 +145,10 @@ class StagingBuffer:
             return False
         return True
 
-    def prepare(self, plan: CopyPlan, pipelined: bool = False) -> list:
-        """A gather out of staging (a staged READ's, or one chunk's: ``pipelined``), prepared:
-        host work that can overlap the wire."""
-        return self._copier.prepare(plan, pipelined)
+    def prepare(self, plan: CopyPlan) -> list:
+        """A gather out of staging (a staged READ's, or one chunk's), prepared: host work that
+        can overlap the wire."""
+        return self._copier.prepare(plan)
 
     def launch(self, ops: list) -> Any:
         """Start a prepared gather; returns its event (``query()``, ``synchronize()``)."""

@@ -295,8 +295,7 @@ class ChunkedReads:
         state = self._agent.transfer(chunk.handle)
         if state not in (PROC, DONE):
             raise RuntimeError(f"NIXL answered {state}")
-        chunk.ops = self._staging.prepare(read.gather(chunk, self._staging.base),
-                                          pipelined=True)
+        chunk.ops = self._staging.prepare(read.gather(chunk, self._staging.base))
 
     def _xfer(self, read: ChunkedRead, chunk: Chunk) -> Any:
         """The chunk's NIXL READ into its lane (rows back to back in the peer's order)."""

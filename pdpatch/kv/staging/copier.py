@@ -1,6 +1,6 @@
 """Copies and space inside known memory, for a staged READ's gather: a first-fit allocator of
-the staging buffer and a copier that runs a gather as one driver call on a GPU whose driver
-has a batch copy, else as a few torch kernels."""
+the staging buffer and a copier that runs thousands of equal segments as a few torch index
+kernels."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 
-from pdpatch.kv.staging.batch_copy import batch_copy_for
 from pdpatch.kv.staging.plans import CopyPlan
 
 FUSED_MAX_COPIES = 256
@@ -24,16 +23,6 @@ the two paths' host work meets at ~256 copies at 32 layers (``python -m scripts.
 0.35 vs 1.35 ms at 64 copies, 0.94 vs 0.86 at 256, 3.4 vs 0.93 at 1,024), at ~600 at 80 layers
 (``--layers 80``): the index path's cost follows the arena pairs, so a limit per arena pair
 would fit both."""
-
-
-BATCH_COPIES_PER_PAIR = 12
-"""A gather runs as the driver's batch copy while it has at most this many copies (once
-merged) per (source, destination) arena pair, else as torch's copies.  The batch costs
-~0.02 ms of host work whatever its size, but its copies run one by one on a copy engine, ~4 us
-each (H200, driver 580, ``python -m scripts.bench_gather --device cuda``: 40,960 copies of 32
-KiB in 164 ms, where index ops took 10 ms); index ops cost ~35 us of host work per arena
-pair.  The limit is per pair for the same reason as the fused copy's: at 80 layers, 640
-copies took 2.6 ms batched and 5.8 ms as index ops, 2,560 copies 12.2 and 6.8 ms."""
 
 
 class ByteAllocator:
@@ -87,10 +76,7 @@ def arenas_of(tensors: Iterable[Any]) -> list[tuple[int, Any]]:
 
 
 class ByteCopier:
-    """Runs a :class:`CopyPlan` inside known arenas: on a GPU whose driver has it, as one
-    ``cuMemcpyBatchAsync`` (:mod:`.batch_copy`; ``batch=False`` refuses it), else with torch
-    kernels, on CPU and GPU.  Every copy is checked to lie inside the arenas first, whichever
-    way it runs.
+    """Runs a :class:`CopyPlan` inside known arenas with torch index kernels, on CPU and GPU.
 
     Why rows: the copies of a staged READ are thousands of equal segments; one
     ``index_copy_`` per (source, destination) arena moves them all where a loop would launch
@@ -106,7 +92,7 @@ class ByteCopier:
 
     name = "torch-index"
 
-    def __init__(self, arenas: Sequence[tuple[int, Any]], batch: bool = True) -> None:
+    def __init__(self, arenas: Sequence[tuple[int, Any]]) -> None:
         import torch
 
         self.arenas = sorted(((int(b), t) for b, t in arenas), key=lambda a: a[0])
@@ -118,17 +104,13 @@ class ByteCopier:
         self.device = devices.pop()
         self._stream = (torch.cuda.Stream(self.device, priority=0)
                         if self.device.type == "cuda" else None)
-        self._batch = batch_copy_for(self.device) if batch and self._stream is not None \
-            else None
         self._words: dict[tuple[int, int], Any] = {}    # (arena, word bytes) -> 1-D view
 
     @staticmethod
     def warm(device: Any) -> None:
-        """Probe the driver's batch copy and launch each kernel a gather may use once, on a
-        few bytes of ``device``."""
+        """Launch each kernel a gather may use once, on a few bytes of ``device``."""
         import torch
 
-        batch_copy_for(device)
         for dtype in (torch.int64, torch.uint8):
             words = torch.zeros(4, dtype=dtype, device=device)
             torch._foreach_copy_([words[:1]], [words[1:2]])
@@ -150,20 +132,12 @@ class ByteCopier:
                              "the memory this copier was given")
         return i
 
-    def prepare(self, plan: CopyPlan, pipelined: bool = False) -> list[tuple]:
-        """The copies as ops :meth:`launch` runs: host work that needs no bytes yet, so a READ
-        can do it while NIXL still moves them.  ``pipelined``: NIXL moves other bytes while
-        these copies run (a chunk of a chunked READ), so they stay off the copy engines NIXL's
-        own copies use -- no batch copy (a 16,000-token READ at 8B geometry through a
-        kvcached pool took 50 ms with its chunks' gathers batched, 37 without)."""
+    def prepare(self, plan: CopyPlan) -> list[tuple]:
+        """Index tensors per (source arena, destination arena): host work that needs no bytes
+        yet, so a READ can do it while NIXL still moves them."""
         if len(plan) == 0:
             return []
         merged = plan.merged()
-        if self._batch is not None and not pipelined and \
-                len(merged) <= BATCH_COPIES_PER_PAIR * len(self.arenas):
-            batched = self._batched(merged)
-            if batched is not None:
-                return [batched]
         if len(merged) <= FUSED_MAX_COPIES:
             return [self._views(merged)]
         sa, da, s_off, d_off, ln, g = self._placed(plan)
@@ -201,17 +175,6 @@ class ByteCopier:
         # (a bitwise or's lowest set bit: np.gcd.reduce costs ~1 ms)
         low = int(np.bitwise_or.reduce(np.concatenate([s_off, d_off, ln])))
         return sa, da, s_off, d_off, ln, min(low & -low, 1 << 16)
-
-    def _batched(self, plan: CopyPlan) -> tuple | None:
-        """The plan as the driver's batch copy takes it (uint64 arrays of sources,
-        destinations and lengths), once every copy is known to lie inside the arenas; None
-        when it has more than :data:`BATCH_COPIES_PER_PAIR` copies per arena pair."""
-        src, dst, ln = (np.ascontiguousarray(a, dtype=np.int64) for a in (plan.src, plan.dst,
-                                                                         plan.length))
-        pairs = self.locate(src, ln) * len(self.arenas) + self.locate(dst, ln)
-        if len(plan) > BATCH_COPIES_PER_PAIR * int(np.count_nonzero(np.bincount(pairs))):
-            return None
-        return ("batch", src.view(np.uint64), dst.view(np.uint64), ln.view(np.uint64))
 
     def _views(self, plan: CopyPlan) -> tuple:
         """One op copying each of the plan's copies as a view of its arena (in 8-byte words
@@ -280,10 +243,7 @@ class ByteCopier:
         with torch.inference_mode(), \
                 torch.cuda.stream(self._stream) if self._stream is not None else _nothing():
             for kind, src, dst, idx in ops:
-                if kind == "batch":
-                    self._batch(dst, src, idx,
-                                0 if self._stream is None else self._stream.cuda_stream)
-                elif kind == "views":
+                if kind == "views":
                     torch._foreach_copy_(dst, src)
                 elif kind == "scatter":
                     dst.index_copy_(0, idx, src)
