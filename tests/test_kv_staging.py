@@ -8,6 +8,7 @@ workers in ``test_kv_segments_workers.py``.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from unittest import mock
 
@@ -70,17 +71,25 @@ def _arena(n: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8))
 
 
+def _limits(fused: bool):
+    """Few copies (the fused copy of views) or, with a limit of 0 copies, index ops."""
+    return mock.patch.object(copier_module, "FUSED_MAX_COPIES", 256 if fused else 0)
+
+
 @settings(max_examples=150, deadline=None)
 @given(seg=st.sampled_from([1, 3, 8, 24, 64]), n=st.integers(1, 20),
        shape=st.sampled_from(["scatter", "gather", "both", "runs"]), seed=st.integers(0, 2**16),
-       fused=st.booleans())
+       path=st.sampled_from(["fused", "span", "pairs"]))
 def test_copier_moves_exactly_the_planned_bytes(seg: int, n: int, shape: str, seed: int,
-                                                fused: bool) -> None:
-    """Both ways a gather runs: few copies as one fused copy of views, many as index ops (a
-    limit of 0 copies forces those)."""
+                                                path: str) -> None:
+    """Every way a gather runs: few copies as one fused copy of views; many as one index op
+    over the arenas' span, or (no span) one per arena pair."""
     rng = np.random.default_rng(seed)
     src, dst = _arena(64 * 64, seed), torch.zeros(64 * 64 + 8, dtype=torch.uint8)
     copier = ByteCopier(arenas_of([src, dst]))
+    assert copier._span is not None
+    if path != "span":        # the paths a copier takes where its arenas have no span
+        copier._span = None
     slots = 64 * 64 // seg
     picks = rng.choice(slots, size=(2, min(n, slots)), replace=True)
     d_slots = rng.permutation(slots)[:picks.shape[1]]       # destinations never collide
@@ -93,21 +102,78 @@ def test_copier_moves_exactly_the_planned_bytes(seg: int, n: int, shape: str, se
     d_addr = dst.data_ptr() + d_slots * seg
     plan = CopyPlan(s_addr.astype(np.uint64), d_addr.astype(np.uint64),
                     np.full(s_slots.size, seg, dtype=np.uint64))
-    with mock.patch.object(copier_module, "FUSED_MAX_COPIES",
-                           copier_module.FUSED_MAX_COPIES if fused else 0):
+    with _limits(path == "fused"):
         ops = copier.prepare(plan)
-    if fused:
+    if path == "fused":
         assert [op[0] for op in ops] == ["views"]
         if shape == "runs":
             assert len(ops[0][1]) == 1
     elif seg % 8 == 0 and s_slots.size > 1:
         assert {op[0] for op in ops} <= {"gather" if shape == "gather" else "scatter", "both"}
+        assert len(ops) == 1             # src -> dst: one arena pair, or the span
     assert copier.launch(ops) is None
     expected = np.zeros(dst.numel(), dtype=np.uint8)
     s_np = src.numpy()
     for s_i, d_i in zip(s_slots.tolist(), d_slots.tolist(), strict=True):
         expected[d_i * seg:(d_i + 1) * seg] = s_np[s_i * seg:(s_i + 1) * seg]
     assert np.array_equal(dst.numpy(), expected)
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["span", "odd-arena"])
+def test_a_gather_over_an_arena_per_layer_is_one_index_op(aligned: bool) -> None:
+    """An index op per (source, destination) arena pair cost ~35 us of host work each: 1.3 ms
+    for one block with an arena per layer at 32 layers (H200 host).  Over the arenas' span it
+    is one op -- unless an arena starts off the plan's row (then its offsets in the span
+    would not be whole rows): one op per pair, as before.  Bytes exact either way."""
+    seg = 64
+    layers = [torch.zeros(2, 4, seg, dtype=torch.uint8) for _ in range(8)]
+    if not aligned:          # a KV tensor whose storage starts at an odd address
+        layers[3] = torch.from_numpy(np.zeros(2 * 4 * seg + 1, np.uint8)[1:]).view(2, 4, seg)
+    # (torch's allocations, as the KV caches' and staging's, start at multiples of 64 B)
+    staging = torch.randint(0, 256, (2 * len(layers) * seg,), dtype=torch.uint8)
+    copier = ByteCopier(arenas_of([*layers, staging]))
+    dst = np.array([t.data_ptr() + side * 4 * seg + 2 * seg for t in layers for side in (0, 1)],
+                   dtype=np.uint64)
+    src = staging.data_ptr() + seg * np.arange(dst.size, dtype=np.uint64)
+    with _limits(False):
+        ops = copier.prepare(CopyPlan(src, dst, np.full(dst.size, seg, dtype=np.uint64)))
+    assert len(ops) == (1 if aligned else len(layers))
+    copier.launch(ops)
+    for i, t in enumerate(layers):
+        for side in (0, 1):
+            k = 2 * i + side
+            assert torch.equal(t[side, 2], staging[k * seg:(k + 1) * seg])
+            assert not t[side, [0, 1, 3]].any()
+
+
+@pytest.mark.parametrize("healthy", [True, False], ids=["kept", "dropped"])
+def test_a_span_is_probed_with_a_copy_in_staging_before_any_gather(caplog, monkeypatch,
+                                                                   healthy: bool) -> None:
+    """The span views memory torch did not allocate, whole.  When staging is made, a copy of
+    64 bytes inside it goes through the span and is read back; a span that copies wrong bytes
+    there (here: its written side one row off) is dropped, loudly, and the gathers run per
+    arena pair -- byte-exact."""
+    layers = [torch.zeros(2, 4, 64, dtype=torch.uint8) for _ in range(3)]
+    staging = torch.zeros(1024, dtype=torch.uint8)
+    copier = ByteCopier(arenas_of([*layers, staging]))
+    if not healthy:
+        rows = copier._span.rows
+        monkeypatch.setattr(copier._span, "rows",
+                            lambda side, g, esz: rows(side, g, esz)[side:])
+    with caplog.at_level(logging.WARNING, logger="pdpatch"):
+        copier.check_span(staging)
+    assert (copier._span is not None) == healthy
+    assert ("gathers run one index op per arena pair" in caplog.text) != healthy
+    staging[:128] = torch.arange(128, dtype=torch.uint8)
+    dst = np.array([t.data_ptr() + 64 for t in layers], dtype=np.uint64)
+    src = staging.data_ptr() + 32 * np.arange(3, dtype=np.uint64)
+    with _limits(False):
+        ops = copier.prepare(CopyPlan(src, dst, np.full(3, 32, dtype=np.uint64)))
+    assert len(ops) == (1 if healthy else 3)
+    copier.launch(ops)
+    for i, t in enumerate(layers):
+        assert torch.equal(t.flatten()[64:96], staging[32 * i: 32 * i + 32])
+        assert int(t.count_nonzero()) == int(staging[32 * i: 32 * i + 32].count_nonzero())
 
 
 def test_copier_sees_a_tensors_whole_storage() -> None:
@@ -125,21 +191,22 @@ def test_copier_sees_a_tensors_whole_storage() -> None:
     assert not k_only.any()
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["views", "index"])
-def test_copier_writes_into_inference_tensors_from_any_thread(fused: bool) -> None:
+@pytest.mark.parametrize("path", ["views", "span", "pairs"])
+def test_copier_writes_into_inference_tensors_from_any_thread(path: str) -> None:
     """vLLM's model-runner thread runs in ``torch.inference_mode()``: the KV caches, and the
     copies a staged READ prepares there, are inference tensors; the chunk driver launches them
     from its own thread, outside it (every chunked READ failed so on an H200)."""
     src = _arena(2 * 16, 3)
-    with torch.inference_mode(), mock.patch.object(
-            copier_module, "FUSED_MAX_COPIES", copier_module.FUSED_MAX_COPIES if fused else 0):
+    with torch.inference_mode(), _limits(path == "views"):
         kv = torch.zeros(4 * 16, dtype=torch.uint8)
         copier = ByteCopier(arenas_of([kv, src]))
+        if path != "span":
+            copier._span = None
         # staging rows 0, 1 -> KV rows 3, 0: in-place copies (_foreach_copy_, index_copy_)
         ops = copier.prepare(CopyPlan(src.data_ptr() + np.array([0, 16], np.uint64),
                                       kv.data_ptr() + np.array([48, 0], np.uint64),
                                       np.array([16, 16], np.uint64)))
-    assert {op[0] for op in ops} & ({"views"} if fused else {"scatter", "both"})
+    assert {op[0] for op in ops} & ({"views"} if path == "views" else {"scatter", "both"})
     errors: list[BaseException] = []
 
     def launch() -> None:

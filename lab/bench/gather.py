@@ -1,5 +1,6 @@
-"""Benchmark a staged READ's gather planning: the fused copy of views against the index ops,
-per number of copies (the choice :data:`pdpatch.kv.staging.copier.FUSED_MAX_COPIES` makes).
+"""Benchmark a staged READ's gather planning: the fused copy of views against the index ops --
+one over the arenas' span, or one per arena pair -- per number of copies (the choice
+:data:`pdpatch.kv.staging.copier.FUSED_MAX_COPIES` makes where there is no span).
 
 The copies are blocks of one K or V segment (32 KiB: 16 tokens x 8 heads x 128 x bf16) from
 back-to-back staging into a KV cache of an arena per layer (``(2, blocks, segment)``, K and V
@@ -55,12 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     blocks = [int(b) for b in args.blocks.split(",")]
     device = torch.device(args.device)
     pool = 3 * max(blocks) + 1
-    kv = [torch.zeros(2, pool, SEGMENT, dtype=torch.uint8, device=device)
+    kv = [_aligned(torch.zeros(2, pool, SEGMENT, dtype=torch.uint8), device)
           for _ in range(args.layers)]
-    staging = torch.randint(0, 256, (2 * args.layers * max(blocks) * SEGMENT,),
-                            dtype=torch.uint8, device=device)
+    staging = _aligned(torch.randint(0, 256, (2 * args.layers * max(blocks) * SEGMENT,),
+                                     dtype=torch.uint8), device)
     copier = ByteCopier(arenas_of([*kv, staging]))
-    paths = {"fused": (copier, 1 << 62), "index": (copier, 0)}
+    per_pair = ByteCopier(arenas_of([*kv, staging]))
+    per_pair._span = None
+    paths = {"fused": (per_pair, 1 << 62), "span": (copier, 0), "pairs": (per_pair, 0)}
+    if copier._span is None:
+        del paths["span"]
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     cuda = device.type == "cuda"
     print(f"{args.layers} layers, {SEGMENT >> 10} KiB copies, {device}; median of "
@@ -98,6 +103,19 @@ def main(argv: list[str] | None = None) -> int:
             row += " | " + " | ".join(c[1] for c in cell)
         print(row + " |")
     return 0
+
+
+def _aligned(host: object, device: object) -> object:
+    """``host`` on ``device``; on CPU moved to a 64 KiB-aligned address, as CUDA's allocator
+    places a KV cache (torch's CPU allocator aligns to 64 B only, too little for the span's
+    rows of 32 KiB)."""
+    import torch
+
+    if device.type != "cpu":
+        return host.to(device)
+    raw = np.zeros(host.numel() + (1 << 16), dtype=np.uint8)
+    skip = -raw.ctypes.data % (1 << 16)
+    return torch.from_numpy(raw[skip: skip + host.numel()]).view(host.shape)
 
 
 def _check(kv: list, staging: object, ids: np.ndarray, path: str) -> None:

@@ -85,6 +85,7 @@ class StagingBuffer:
         device = ByteCopier(arenas_of(memory)).device
         tensor = torch.empty(self.capacity, dtype=torch.uint8, device=device)
         self._copier = ByteCopier(arenas_of([*memory, tensor]))
+        self._copier.check_span(tensor)
         self._tensor, self.base = tensor, int(tensor.data_ptr())
         logger.info("pdpatch kv_segments: %d MiB staging buffer on %s for converted READs "
                     "(%s), made in %.0f ms", self.capacity >> 20, device, self._setting,

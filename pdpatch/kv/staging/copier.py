@@ -1,6 +1,6 @@
 """Copies and space inside known memory, for a staged READ's gather: a first-fit allocator of
-the staging buffer and a copier that runs thousands of equal segments as a few torch index
-kernels."""
+the staging buffer and a copier that runs thousands of equal segments as one torch index
+kernel over all the memory it was given."""
 
 from __future__ import annotations
 
@@ -12,17 +12,26 @@ from typing import Any
 import numpy as np
 
 from pdpatch.kv.staging.plans import CopyPlan
+from pdpatch.log import logger
 
 FUSED_MAX_COPIES = 256
-"""A gather of at most this many copies (once neighbours are merged) runs as one
+"""Where the arenas have no span of rows (:class:`_Span`), a gather of at most this many
+copies (once neighbours are merged) runs as one
 ``torch._foreach_copy_`` over a view of each copy: a fused kernel and ~4 us of host work per
 copy.  The index path costs a kernel and ~30-40 us of host work per (source, destination)
 arena pair, whatever the bytes: one block at 8B geometry (32 layers, an arena each) took 1.3
 ms to plan on an H200 host -- more than vLLM's own READ of that block.  On the CPU machine
 the two paths' host work meets at ~256 copies at 32 layers (``python -m scripts.bench_gather``:
 0.35 vs 1.35 ms at 64 copies, 0.94 vs 0.86 at 256, 3.4 vs 0.93 at 1,024), at ~600 at 80 layers
-(``--layers 80``): the index path's cost follows the arena pairs, so a limit per arena pair
-would fit both."""
+(``--layers 80``): the index path's cost follows the arena pairs.  Over the span there is one
+pair, and one index op costs less than the fused copy of even a few copies (0.14 vs 0.56 ms
+at 64 copies, 0.18 vs 1.1 at 160; ``bench_gather``'s ``span`` column)."""
+
+SPAN_MIN_ROW = 4096
+"""The span's rows may be smaller than the arenas' (an arena starting off a row of the span)
+down to this many bytes: the index costs per row, and a 128 MiB gather is 32k such rows.
+CUDA's caching allocator starts allocations at 512 B multiples, and KV caches' large ones at
+2 MiB; torch's CPU allocator at 64 B, so on CPU the span is taken only for small rows."""
 
 
 class ByteAllocator:
@@ -105,6 +114,7 @@ class ByteCopier:
         self._stream = (torch.cuda.Stream(self.device, priority=0)
                         if self.device.type == "cuda" else None)
         self._words: dict[tuple[int, int], Any] = {}    # (arena, word bytes) -> 1-D view
+        self._span = _Span.over(self.arenas, self.device)
 
     @staticmethod
     def warm(device: Any) -> None:
@@ -118,6 +128,37 @@ class ByteCopier:
                                   words[:1])
             torch.index_select(words, 0, torch.zeros(1, dtype=torch.int64, device=device))
         torch.cuda.synchronize(device)
+
+    def check_span(self, scratch: Any) -> None:
+        """Copy up to 64 bytes within ``scratch`` (a byte tensor of this copier's memory that
+        holds nothing yet: the staging buffer when made) through the span, and read them back.
+        A span that fails it is dropped, with a warning: gathers then run per arena pair.
+        Why: the span is memory torch did not allocate, viewed whole; this is where a device
+        or a torch that will not view it so says it, before any KV byte is at stake."""
+        if self._span is None:
+            return
+        import torch
+
+        n = min(64, scratch.numel() // 2)
+        try:
+            pattern = torch.arange(1, n + 1, dtype=torch.uint8, device=scratch.device)
+            scratch[:n].copy_(pattern)
+            scratch[n: 2 * n].zero_()
+            if scratch.device.type == "cuda":
+                torch.cuda.synchronize(scratch.device)    # the copier's stream waits for none
+            self.locate(np.array([scratch.data_ptr()]), np.array([2 * n]))
+            at = scratch.data_ptr() - self._span.base
+            self.launch([("scatter", self._span.rows(0, 1, 1)[at: at + n],
+                          self._span.rows(1, 1, 1), self._index(np.arange(at + n, at + 2 * n)))])
+            got = scratch[n: 2 * n].clone()
+            if not torch.equal(got, pattern):
+                raise RuntimeError(f"the probe copy read back {got[:8].tolist()}..., not "
+                                   f"{pattern[:8].tolist()}...")
+        except Exception as exc:
+            logger.warning("pdpatch kv_segments: a copy over the span of the KV memory and "
+                           "staging failed (%s: %s); gathers run one index op per arena pair",
+                           type(exc).__name__, exc)
+            self._span = None
 
     def locate(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
         """The arena of each range; ValueError names the first one no arena holds."""
@@ -133,17 +174,35 @@ class ByteCopier:
         return i
 
     def prepare(self, plan: CopyPlan) -> list[tuple]:
-        """Index tensors per (source arena, destination arena): host work that needs no bytes
-        yet, so a READ can do it while NIXL still moves them."""
+        """The copies as ops :meth:`launch` runs: host work that needs no bytes yet, so a READ
+        can do it while NIXL still moves them.  One index op over the arenas' span
+        (:class:`_Span`) where their starts allow rows of the plan's size; else few copies as
+        one fused copy of views, more as an index op per (source, destination) arena pair."""
         if len(plan) == 0:
             return []
-        merged = plan.merged()
-        if len(merged) <= FUSED_MAX_COPIES:
-            return [self._views(merged)]
-        sa, da, s_off, d_off, ln, g = self._placed(plan)
+        placed = sa, da, s_off, d_off, ln, g = self._placed(plan.merged())
+        span = self._span
+        if span is not None:
+            s_at, d_at = s_off + span.shift[sa], d_off + span.shift[da]
+            row = _row_bytes(s_at, d_at, ln)
+            if row >= min(g, SPAN_MIN_ROW):
+                return self._row_ops(s_at, d_at, ln, row, np.zeros(ln.size, dtype=np.int64),
+                                     lambda key, esz: (span.rows(0, row, esz),
+                                                       span.rows(1, row, esz)))
+        if ln.size <= FUSED_MAX_COPIES:
+            return [self._views(placed)]
+        n = len(self.arenas)
+        return self._row_ops(s_off, d_off, ln, g, sa * n + da,
+                             lambda key, esz: (self._rows(key // n, g, esz),
+                                               self._rows(key % n, g, esz)))
+
+    def _row_ops(self, s_off: np.ndarray, d_off: np.ndarray, ln: np.ndarray, g: int,
+                 keys: np.ndarray, views: Any) -> list[tuple]:
+        """Index ops moving rows of ``g`` bytes, one per key (a pair of row views,
+        ``views(key, element size)``)."""
         esz = 8 if g % 8 == 0 else 1
         rows = ln // g
-        src_rows, dst_rows, keys = s_off // g, d_off // g, sa * len(self.arenas) + da
+        src_rows, dst_rows = s_off // g, d_off // g
         if int(rows.max()) > 1:      # copies of several rows each: one index per row
             within = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(
                 np.cumsum(rows) - rows, rows)
@@ -155,8 +214,7 @@ class ByteCopier:
         for key in present.tolist():
             sel = keys == key if present.size > 1 else slice(None)
             s_r, d_r = src_rows[sel], dst_rows[sel]
-            s2 = self._rows(key // len(self.arenas), g, esz)
-            d2 = self._rows(key % len(self.arenas), g, esz)
+            s2, d2 = views(key, esz)
             if _consecutive(s_r):
                 ops.append(("scatter", s2[s_r[0]: s_r[0] + s_r.size], d2, self._index(d_r)))
             elif _consecutive(d_r):
@@ -172,14 +230,12 @@ class ByteCopier:
                                                                plan.length))
         sa, da = self.locate(src, ln), self.locate(dst, ln)
         s_off, d_off = src - self.bases[sa], dst - self.bases[da]
-        # (a bitwise or's lowest set bit: np.gcd.reduce costs ~1 ms)
-        low = int(np.bitwise_or.reduce(np.concatenate([s_off, d_off, ln])))
-        return sa, da, s_off, d_off, ln, min(low & -low, 1 << 16)
+        return sa, da, s_off, d_off, ln, _row_bytes(s_off, d_off, ln)
 
-    def _views(self, plan: CopyPlan) -> tuple:
-        """One op copying each of the plan's copies as a view of its arena (in 8-byte words
-        when every offset and length allows)."""
-        sa, da, s_off, d_off, ln, g = self._placed(plan)
+    def _views(self, placed: tuple) -> tuple:
+        """One op copying each of the :meth:`_placed` copies as a view of its arena (in
+        8-byte words when every offset and length allows)."""
+        sa, da, s_off, d_off, ln, g = placed
         word = 8 if g % 8 == 0 else 1
         n = ln // word
         return ("views", self._side(sa, s_off // word, n, word),
@@ -266,6 +322,87 @@ class ByteCopier:
     def sync(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
+
+
+class _Span:
+    """All the arenas' address range, holes between them included, as two byte tensors (two
+    storages: torch refuses an in-place copy between views of one storage that may overlap).
+
+    Why: an index op moves rows within one tensor, so with an arena per layer a gather was
+    one op per (source, destination) arena pair, ~35 us of host work each whatever the bytes
+    (1.3 ms for one block at 32 layers).  Over the span it is one op.  Nothing reads or writes
+    a hole: every copy is checked to lie inside an arena first (:meth:`ByteCopier.locate`).
+    The span starts at the lowest arena, so that its first byte is memory the device knows
+    (torch asks the driver which device a CUDA pointer belongs to)."""
+
+    def __init__(self, base: int, views: tuple[Any, Any], shift: np.ndarray) -> None:
+        self.base = base
+        self._views = views
+        self.shift = shift              # each arena's start, from the span's
+        self._rows: dict[tuple[int, int, int], Any] = {}
+
+    @classmethod
+    def over(cls, arenas: Sequence[tuple[int, Any]], device: Any) -> _Span | None:
+        """The span of ``arenas`` (sorted by base); None for one arena, or where the memory
+        cannot be viewed so (a copier then runs an index op per arena pair)."""
+        if len(arenas) < 2:
+            return None
+        base = arenas[0][0]
+        end = max(b + t.numel() for b, t in arenas)
+        try:
+            views = (_raw_bytes(base, end - base, device), _raw_bytes(base, end - base, device))
+        except Exception as exc:
+            logger.debug("pdpatch kv_segments: no span view over %d arenas on %s (%s: %s); "
+                         "a gather runs an index op per arena pair", len(arenas), device,
+                         type(exc).__name__, exc)
+            return None
+        return cls(base, views, np.array([b - base for b, _ in arenas], dtype=np.int64))
+
+    def rows(self, side: int, g: int, esz: int) -> Any:
+        """Side ``side`` (0: read, 1: written) as rows of ``g`` bytes of ``esz``-byte
+        elements."""
+        key = (side, g, esz)
+        view = self._rows.get(key)
+        if view is None:
+            import torch
+
+            flat = self._views[side]
+            view = flat[: flat.numel() // g * g].view(
+                torch.int64 if esz == 8 else torch.uint8).view(-1, g // esz)
+            self._rows[key] = view
+        return view
+
+
+class _ArrayInterface:
+    """``nbytes`` bytes at ``addr``, as numpy's (host) or CUDA's array interface describes
+    them: how torch makes a tensor of memory it did not allocate."""
+
+    def __init__(self, addr: int, nbytes: int, cuda: bool) -> None:
+        desc = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 3}
+        if cuda:
+            self.__cuda_array_interface__ = {**desc, "strides": None}
+        else:
+            self.__array_interface__ = desc
+
+
+def _raw_bytes(addr: int, nbytes: int, device: Any) -> Any:
+    import torch
+
+    if device.type == "cuda":
+        tensor = torch.as_tensor(_ArrayInterface(addr, nbytes, cuda=True), device=device)
+    else:
+        tensor = torch.from_numpy(np.asarray(_ArrayInterface(addr, nbytes, cuda=False)))
+    if tensor.data_ptr() != addr or tensor.numel() != nbytes or tensor.device != device:
+        raise RuntimeError(f"a view of {nbytes} B at {addr:#x} came out as {tensor.numel()} B "
+                           f"at {tensor.data_ptr():#x} on {tensor.device}")
+    return tensor
+
+
+def _row_bytes(s_off: np.ndarray, d_off: np.ndarray, ln: np.ndarray) -> int:
+    """The largest power of two (up to 64 KiB) dividing every offset and length: a bitwise
+    or's lowest set bit (``np.gcd.reduce`` costs ~1 ms)."""
+    low = int(np.bitwise_or.reduce(np.concatenate([s_off, d_off, ln])))
+    return min(low & -low, 1 << 16)
 
 
 def _consecutive(rows: np.ndarray) -> bool:
