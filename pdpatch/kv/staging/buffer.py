@@ -82,7 +82,7 @@ class StagingBuffer:
 
         t0 = time.perf_counter()
         memory = list(self._memory())
-        device = ByteCopier(arenas_of(memory)).device
+        device = memory[0].device          # (the copier below checks they share it)
         tensor = torch.empty(self.capacity, dtype=torch.uint8, device=device)
         self._copier = ByteCopier(arenas_of([*memory, tensor]))
         self._copier.check_span(tensor)

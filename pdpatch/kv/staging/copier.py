@@ -114,7 +114,7 @@ class ByteCopier:
         self._stream = (torch.cuda.Stream(self.device, priority=0)
                         if self.device.type == "cuda" else None)
         self._words: dict[tuple[int, int], Any] = {}    # (arena, word bytes) -> 1-D view
-        self._span = _Span.over(self.arenas, self.device)
+        self._span = _Span.over(self.bases, self.ends, self.device)
 
     @staticmethod
     def warm(device: Any) -> None:
@@ -342,21 +342,21 @@ class _Span:
         self._rows: dict[tuple[int, int, int], Any] = {}
 
     @classmethod
-    def over(cls, arenas: Sequence[tuple[int, Any]], device: Any) -> _Span | None:
-        """The span of ``arenas`` (sorted by base); None for one arena, or where the memory
-        cannot be viewed so (a copier then runs an index op per arena pair)."""
-        if len(arenas) < 2:
+    def over(cls, bases: np.ndarray, ends: np.ndarray, device: Any) -> _Span | None:
+        """The span of the arenas ``[bases[i], ends[i])`` (sorted by base); None for one
+        arena, or where the memory cannot be viewed so (a copier then runs an index op per
+        arena pair)."""
+        if bases.size < 2:
             return None
-        base = arenas[0][0]
-        end = max(b + t.numel() for b, t in arenas)
+        base, nbytes = int(bases[0]), int(ends.max() - bases[0])
         try:
-            views = (_raw_bytes(base, end - base, device), _raw_bytes(base, end - base, device))
+            views = (_raw_bytes(base, nbytes, device), _raw_bytes(base, nbytes, device))
         except Exception as exc:
             logger.debug("pdpatch kv_segments: no span view over %d arenas on %s (%s: %s); "
-                         "a gather runs an index op per arena pair", len(arenas), device,
+                         "a gather runs an index op per arena pair", bases.size, device,
                          type(exc).__name__, exc)
             return None
-        return cls(base, views, np.array([b - base for b, _ in arenas], dtype=np.int64))
+        return cls(base, views, bases - base)
 
     def rows(self, side: int, g: int, esz: int) -> Any:
         """Side ``side`` (0: read, 1: written) as rows of ``g`` bytes of ``esz``-byte

@@ -97,7 +97,7 @@ class StagedRead:
         n = self.local_addr.size
         offset = self.spans.offset if self.spans is not None else \
             np.arange(n, dtype=np.int64) * self.slot
-        # not merged first: the copier cuts every copy into rows of one size anyway
+        # not merged here: the copier merges a plan itself before it places the copies
         return CopyPlan(base + self.start + offset, self.local_addr,
                         np.full(n, self.slot, dtype=np.int64))
 
