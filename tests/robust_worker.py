@@ -432,11 +432,14 @@ def step(worker: Any, metadata: Any) -> str | None:
     return None
 
 
-def run_until(worker: Any, predicate, timeout: float = 20.0) -> tuple[dict, str | None]:
+def run_until(worker: Any, predicate, timeout: float = 20.0,
+              acc: dict[str, Any] | None = None) -> tuple[dict, str | None]:
     """Pump empty scheduler steps (handshake futures complete in the background) until
     ``predicate(results)``; returns the merged results and the first exception that would have
-    killed the worker (from ``start_load_kv`` or from the result collection), if any."""
-    acc: dict[str, Any] = {}
+    killed the worker (from ``start_load_kv`` or from the result collection), if any.  ``acc``:
+    results the caller collected already, which the predicate sees (else it waits out the
+    timeout for requests reported before the call)."""
+    acc = dict(acc or {})
     deadline = time.monotonic() + timeout
     while True:
         crash = step(worker, worker_module_metadata_cls()())
@@ -490,8 +493,7 @@ def scenario_read_assert(hma: bool = False) -> dict[str, Any]:
     acc = finished(d)
     reported = lambda a: {"bad", "good"} <= set(a["done_recving"]) | set(a["failed_recving"])  # noqa: E731
     if crash is None:
-        more, crash = run_until(d, reported)
-        acc = merge(acc, more)
+        acc, crash = run_until(d, reported, acc=acc)
     after = None
     if crash is None:
         crash = step(d, recv_metadata([{"req_id": "after", "local_ids": [[10]] * g,
@@ -521,8 +523,7 @@ def scenario_mla_notif() -> dict[str, Any]:
                                     "engine": "prefill-engine"}], remote_tp_size=2))
     acc = finished(d)
     if crash is None:
-        more, crash = run_until(d, lambda a: "d-req" in a["done_recving"])
-        acc = merge(acc, more)
+        acc, crash = run_until(d, lambda a: "d-req" in a["done_recving"], acc=acc)
     sent = [list(x) for x in d.nixl_wrapper.notifs_sent]
     for agent, msg in sent:
         if agent == "P1":
@@ -897,9 +898,8 @@ def _block_id_run(cases: dict[str, tuple[list[int], list[int], list[int]]],
     crash = step(d, sched.build_connector_meta(None))
     acc: dict[str, Any] = finished(d)
     if crash is None:
-        more, crash = run_until(d, lambda a: set(cases) <= set(a["done_recving"]) |
-                                set(a["failed_recving"]))
-        acc = merge(acc, more)
+        acc, crash = run_until(d, lambda a: set(cases) <= set(a["done_recving"]) |
+                               set(a["failed_recving"]), acc=acc)
     after = None
     if crash is None:
         admit_remote_prefill(sched, "after", [], [11], [24])

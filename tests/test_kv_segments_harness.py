@@ -231,6 +231,12 @@ def _listener() -> Any:
     raise LookupError("no _nixl_handshake_listener in this release")
 
 
+#: Listeners told to stop and not yet joined: the release's listener sees its stop event only
+#: when its 1-s receive timeout expires, so each scenario would wait a second for it to end;
+#: ``release_report`` joins them all once, at its end.
+_STOPPING: list[threading.Thread] = []
+
+
 @dataclass
 class Served:
     port: int
@@ -239,7 +245,12 @@ class Served:
 
     def close(self) -> None:
         self.stop.set()
-        self.thread.join(timeout=5)
+        _STOPPING.append(self.thread)
+
+
+def join_listeners() -> None:
+    while _STOPPING:
+        _STOPPING.pop().join(timeout=5)
 
 
 def serve(ranks: dict[int, Side]) -> Served:
@@ -715,4 +726,5 @@ def release_report(stock: list[str], patched: list[str]) -> dict[str, Any]:
     installer.install()
     report["summary"] = installer.summary_line()
     report["patched"] = {n: safe(SCENARIOS[n]) for n in patched}
+    join_listeners()
     return report
