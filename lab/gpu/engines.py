@@ -18,6 +18,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lab.rig.engine_env import WRAPPER_CLOCK
 from lab.rig.proxy import TransferStats
 from lab.rig.servers import free_port, prometheus_counters
 
@@ -134,7 +135,11 @@ class Engine:
             env.update(KVCACHED_ENV, KVCACHED_IPC_NAME=self.kvcached_ipc)
         pdpatch = sc.pdpatch and not (producer and sc.p_stock)
         if pdpatch:
-            path = [str(REPO / "sitecustomize"), str(REPO), *path]
+            clock = []
+            if env.get("PDLAB_WRAPPER_CLOCK"):     # one record directory per engine
+                env["PDLAB_WRAPPER_CLOCK"] = os.path.join(env["PDLAB_WRAPPER_CLOCK"], name)
+                clock = [str(WRAPPER_CLOCK)]
+            path = [str(REPO / "sitecustomize"), *clock, str(REPO), *path]
         env.pop("PYTHONHASHSEED", None)
         if sc.hashseed is not None:
             env["PYTHONHASHSEED"] = sc.hashseed

@@ -202,6 +202,10 @@ QUIET_NIXL = Path(__file__).resolve().parent / "quiet_nixl"
 """A ``sitecustomize`` that keeps each engine's idle NIXL progress thread from spinning a core
 (see its docstring); last on the engines' path, after anything a test puts there."""
 
+WRAPPER_CLOCK = Path(__file__).resolve().parent / "wrapper_clock"
+"""A ``sitecustomize`` that times pdpatch's wrappers (see its docstring), on the engines' path
+when ``PDLAB_WRAPPER_CLOCK`` names a directory for its records."""
+
 
 def engine_env(
     *,
@@ -225,7 +229,9 @@ def engine_env(
         # file: another release sharing it would make every engine start re-inspect the model.
         env["VLLM_CACHE_ROOT"] = str(Path.home() / ".cache" / "vllm" / _tree_release(tree))
     old_pp = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), old_pp, str(QUIET_NIXL)]))
+    clock = str(WRAPPER_CLOCK) if env.get("PDLAB_WRAPPER_CLOCK") else None
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), old_pp, clock,
+                                                      str(QUIET_NIXL)]))
     env.update(
         {
             "VLLM_TARGET_DEVICE": "cpu",

@@ -1,0 +1,98 @@
+"""Lab only: how much host time pdpatch's own wrappers take in an engine, per wrapped target.
+
+On when the engine's environment has ``PDLAB_WRAPPER_CLOCK=<dir>`` and this directory is on its
+``PYTHONPATH`` after pdpatch's own ``sitecustomize`` (the rigs put it there when the variable is
+set: ``lab.rig.engine_env``, ``lab.gpu.engines``).  Each target pdpatch wraps gets its wrapper
+timed around the call, less the time spent in what it wraps (vLLM's function, or another
+patch's wrapper): what is left is pdpatch's own work there (its checks, key digests, plans)
+plus wrapt's call.  Work a wrapper starts on another thread is not in it.
+
+Written to ``<dir>/wrapper-clock-<pid>.json`` at most once a second and at exit: label ->
+``calls``, ``own_ms``, ``inclusive_ms`` (``lab.wrapper_clock`` sums a run's files).  The
+TTFT question it answers: what a request costs in pdpatch's code inside real engines, where
+benchmarks of single functions cannot see the calls per step."""
+
+import importlib.util
+import os
+
+
+def _clock(out_dir: str) -> None:
+    import atexit
+    import functools
+    import json
+    import threading
+    import time
+
+    import wrapt
+
+    totals: dict[str, list] = {}          # label -> [calls, own s, inclusive s]
+    lock = threading.Lock()
+    path = os.path.join(out_dir, f"wrapper-clock-{os.getpid()}.json")
+    last = [time.monotonic()]
+
+    def dump() -> None:
+        with lock:
+            data = {k: {"calls": c, "own_ms": own * 1e3, "inclusive_ms": inc * 1e3}
+                    for k, (c, own, inc) in totals.items()}
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+
+    def timed(wrapper, label: str):
+        def clocked(wrapped, instance, args, kwargs):
+            inner = 0.0
+
+            @functools.wraps(wrapped)
+            def call(*a, **k):
+                nonlocal inner
+                s = time.perf_counter()
+                try:
+                    return wrapped(*a, **k)
+                finally:
+                    inner += time.perf_counter() - s
+
+            s = time.perf_counter()
+            try:
+                return wrapper(call, instance, args, kwargs)
+            finally:
+                total = time.perf_counter() - s
+                with lock:
+                    t = totals.setdefault(label, [0, 0.0, 0.0])
+                    t[0] += 1
+                    t[1] += total - inner
+                    t[2] += total
+                now = time.monotonic()
+                if now - last[0] > 1.0:
+                    last[0] = now
+                    dump()
+        return clocked
+
+    def on_installer(installer) -> None:
+        real = installer._wrap
+
+        def clocked_wrap(ps, ts, module):
+            ts.target = ts.target._replace(wrapper=timed(ts.target.wrapper, ts.target.label))
+            return real(ps, ts, module)
+
+        installer._wrap = clocked_wrap
+
+    os.makedirs(out_dir, exist_ok=True)
+    atexit.register(dump)
+    wrapt.register_post_import_hook(on_installer, "pdpatch.installer")
+
+
+def _chain() -> None:
+    """Import the next ``sitecustomize`` on the path (``lab/rig/site_chain.py``)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(os.path.dirname(here), "site_chain.py")
+    spec = importlib.util.spec_from_file_location("pdlab_site_chain", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.chain_next_sitecustomize(here)
+
+
+if os.environ.get("PDLAB_WRAPPER_CLOCK"):
+    _clock(os.environ["PDLAB_WRAPPER_CLOCK"])
+_chain()
+del _clock, _chain

@@ -1,0 +1,54 @@
+"""Sum the wrapper clock's records (``lab/rig/wrapper_clock``): pdpatch's own host time per
+wrapped target in each engine of a run, largest first, and per request where the run's
+request count is given.
+
+Usage: ``python -m lab.wrapper_clock DIR [--requests N]`` (DIR: the ``PDLAB_WRAPPER_CLOCK``
+directory; the GPU rig writes one subdirectory per engine)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def load(directory: Path) -> dict[str, dict[str, dict[str, float]]]:
+    """engine (subdirectory, or ``.``) -> label -> summed ``calls``, ``own_ms``,
+    ``inclusive_ms`` over the engine's processes."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for f in sorted(directory.rglob("wrapper-clock-*.json")):
+        engine = str(f.parent.relative_to(directory))
+        labels = out.setdefault(engine, {})
+        for label, rec in json.loads(f.read_text()).items():
+            acc = labels.setdefault(label, {"calls": 0, "own_ms": 0.0, "inclusive_ms": 0.0})
+            for k in acc:
+                acc[k] += rec[k]
+    return out
+
+
+def table(records: dict[str, dict[str, dict[str, float]]], requests: int | None) -> str:
+    per = f" per request (/{requests})" if requests else ""
+    lines = [f"| engine | target | calls | pdpatch's own ms | own ms{per} | us per call |",
+             "|---|---|---|---|---|---|"]
+    for engine, labels in records.items():
+        total = sum(r["own_ms"] for r in labels.values())
+        rows = sorted(labels.items(), key=lambda kv: -kv[1]["own_ms"])
+        for label, r in [("(all)", {"calls": sum(x["calls"] for x in labels.values()),
+                                    "own_ms": total}), *rows]:
+            each = f"{r['own_ms'] / requests:.3f}" if requests else "-"
+            us = 1e3 * r["own_ms"] / r["calls"] if r["calls"] else 0.0
+            lines.append(f"| {engine} | {label} | {r['calls']} | {r['own_ms']:.2f} | {each} "
+                         f"| {us:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("directory", type=Path)
+    ap.add_argument("--requests", type=int, help="requests the run sent to each engine")
+    args = ap.parse_args()
+    print(table(load(args.directory), args.requests))
+
+
+if __name__ == "__main__":
+    main()

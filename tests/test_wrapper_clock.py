@@ -1,0 +1,50 @@
+"""The lab's wrapper clock (``lab/rig/wrapper_clock``), which measures pdpatch's own host time
+per wrapped target inside real engines: activated the way the rigs activate it (its directory
+on ``PYTHONPATH``, ``PDLAB_WRAPPER_CLOCK`` set), it times a wrapper through pdpatch's real
+installer and leaves out the time of what the wrapper wraps."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from lab import wrapper_clock
+from lab.rig import engine_env
+
+PROBE = """
+import sys, time, types
+from pdpatch import installer
+from pdpatch.registry import Target
+
+mod = types.ModuleType("clockprobe")
+sys.modules["clockprobe"] = mod
+
+def f(x):
+    time.sleep(0.05)
+    return x
+
+def wrapper(wrapped, instance, args, kwargs):
+    time.sleep(0.02)
+    return wrapped(*args, **kwargs) + 1
+
+mod.f = f
+ps = installer.PatchState(patch=types.SimpleNamespace(name="probe"), status="active", reason="")
+installer._wrap(ps, installer.TargetState(Target("clockprobe", "f", wrapper)), mod)
+assert mod.f(1) == 2 and mod.f(2) == 3
+"""
+
+
+def test_clock_times_a_wrapper_without_what_it_wraps(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(engine_env.WRAPPER_CLOCK),
+           "PDLAB_WRAPPER_CLOCK": str(tmp_path / "clock")}
+    run = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    [(engine, labels)] = wrapper_clock.load(tmp_path / "clock").items()
+    rec = labels["clockprobe:f"]
+    assert rec["calls"] == 2
+    assert 40 <= rec["own_ms"] < 90, rec              # 2 x 20 ms of the wrapper's own
+    assert rec["inclusive_ms"] - rec["own_ms"] >= 100, rec   # 2 x 50 ms inside f
+    assert "| clockprobe:f | 2 |" in wrapper_clock.table({engine: labels}, requests=2)
