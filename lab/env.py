@@ -28,6 +28,8 @@ VARS: dict[str, str] = {
     "PDLAB_RIG_NIXL_POLL_US": "the rig's NIXL progress-thread poll delay (1000 us)",
     "PDLAB_WRAPPER_CLOCK": "a directory: the rigs' pdpatch engines time pdpatch's wrappers into it "
                            "(lab/rig/wrapper_clock, summed by python -m lab.wrapper_clock)",
+    "PDLAB_WRAPPER_CLOCK_STALL_S": "with PDLAB_WRAPPER_CLOCK: print all stacks for a wrapper call "
+                                   "running longer than this (off)",
     "PDLAB_BENCH_NO_CTX": "1: gpu_kv_bench peers create no CUDA context before UCX starts",
     "PDLAB_BENCH_NO_IPC_DEFAULT": "1: gpu_kv_bench leaves UCX_CUDA_IPC_ENABLE_GET_ZCOPY unset",
 }

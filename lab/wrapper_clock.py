@@ -13,32 +13,35 @@ from pathlib import Path
 
 
 def load(directory: Path) -> dict[str, dict[str, dict[str, float]]]:
-    """engine (subdirectory, or ``.``) -> label -> summed ``calls``, ``own_ms``,
-    ``inclusive_ms`` over the engine's processes."""
+    """engine (subdirectory, or ``.``) -> label -> ``calls``, ``own_ms``, ``inclusive_ms``
+    summed over the engine's processes, and the largest call's ``max_own_ms``."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     for f in sorted(directory.rglob("wrapper-clock-*.json")):
         engine = str(f.parent.relative_to(directory))
         labels = out.setdefault(engine, {})
         for label, rec in json.loads(f.read_text()).items():
-            acc = labels.setdefault(label, {"calls": 0, "own_ms": 0.0, "inclusive_ms": 0.0})
-            for k in acc:
+            acc = labels.setdefault(label, {"calls": 0, "own_ms": 0.0, "inclusive_ms": 0.0,
+                                            "max_own_ms": 0.0})
+            for k in ("calls", "own_ms", "inclusive_ms"):
                 acc[k] += rec[k]
+            acc["max_own_ms"] = max(acc["max_own_ms"], rec["max_own_ms"])
     return out
 
 
 def table(records: dict[str, dict[str, dict[str, float]]], requests: int | None) -> str:
     per = f" per request (/{requests})" if requests else ""
-    lines = [f"| engine | target | calls | pdpatch's own ms | own ms{per} | us per call |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"| engine | target | calls | pdpatch's own ms | own ms{per} | us per call "
+             "| largest call, ms |", "|---|---|---|---|---|---|---|"]
     for engine, labels in records.items():
         total = sum(r["own_ms"] for r in labels.values())
         rows = sorted(labels.items(), key=lambda kv: -kv[1]["own_ms"])
+        top = max((r["max_own_ms"] for r in labels.values()), default=0.0)
         for label, r in [("(all)", {"calls": sum(x["calls"] for x in labels.values()),
-                                    "own_ms": total}), *rows]:
+                                    "own_ms": total, "max_own_ms": top}), *rows]:
             each = f"{r['own_ms'] / requests:.3f}" if requests else "-"
             us = 1e3 * r["own_ms"] / r["calls"] if r["calls"] else 0.0
             lines.append(f"| {engine} | {label} | {r['calls']} | {r['own_ms']:.2f} | {each} "
-                         f"| {us:.1f} |")
+                         f"| {us:.1f} | {r['max_own_ms']:.2f} |")
     return "\n".join(lines)
 
 

@@ -1,7 +1,8 @@
 """The lab's wrapper clock (``lab/rig/wrapper_clock``), which measures pdpatch's own host time
 per wrapped target inside real engines: activated the way the rigs activate it (its directory
 on ``PYTHONPATH``, ``PDLAB_WRAPPER_CLOCK`` set), it times a wrapper through pdpatch's real
-installer and leaves out the time of what the wrapper wraps."""
+installer and leaves out the time of what the wrapper wraps, and prints the stacks of a call
+that runs too long."""
 
 from __future__ import annotations
 
@@ -38,10 +39,13 @@ assert mod.f(1) == 2 and mod.f(2) == 3
 
 def test_clock_times_a_wrapper_without_what_it_wraps(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(engine_env.WRAPPER_CLOCK),
-           "PDLAB_WRAPPER_CLOCK": str(tmp_path / "clock")}
+           "PDLAB_WRAPPER_CLOCK": str(tmp_path / "clock"), "PDLAB_WRAPPER_CLOCK_STALL_S": "0.03"}
     run = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+    # each 70-ms call outlived the 30-ms stall bound: its stacks, with the wrapper's frame
+    assert run.stderr.count("wrapper clock: clockprobe:f running for") == 2, run.stderr
+    assert "in wrapper" in run.stderr, run.stderr
     [(engine, labels)] = wrapper_clock.load(tmp_path / "clock").items()
     rec = labels["clockprobe:f"]
     assert rec["calls"] == 2

@@ -8,9 +8,12 @@ patch's wrapper): what is left is pdpatch's own work there (its checks, key dige
 plus wrapt's call.  Work a wrapper starts on another thread is not in it.
 
 Written to ``<dir>/wrapper-clock-<pid>.json`` at most once a second and at exit: label ->
-``calls``, ``own_ms``, ``inclusive_ms`` (``lab.wrapper_clock`` sums a run's files).  The
+``calls``, ``own_ms``, ``inclusive_ms``, ``max_own_ms`` (one call's; ``lab.wrapper_clock``
+sums a run's files).  The
 TTFT question it answers: what a request costs in pdpatch's code inside real engines, where
-benchmarks of single functions cannot see the calls per step."""
+benchmarks of single functions cannot see the calls per step.  With
+``PDLAB_WRAPPER_CLOCK_STALL_S=<s>`` it also prints every thread's stack to the engine's log,
+once per call, for a wrapper call running longer than that."""
 
 import importlib.util
 import os
@@ -19,21 +22,22 @@ import os
 def _clock(out_dir: str) -> None:
     import atexit
     import functools
+    import itertools
     import json
     import threading
     import time
 
     import wrapt
 
-    totals: dict[str, list] = {}          # label -> [calls, own s, inclusive s]
+    totals: dict[str, list] = {}          # label -> [calls, own s, inclusive s, largest own s]
     lock = threading.Lock()
     path = os.path.join(out_dir, f"wrapper-clock-{os.getpid()}.json")
     last = [time.monotonic()]
 
     def dump() -> None:
         with lock:
-            data = {k: {"calls": c, "own_ms": own * 1e3, "inclusive_ms": inc * 1e3}
-                    for k, (c, own, inc) in totals.items()}
+            data = {k: {"calls": c, "own_ms": own * 1e3, "inclusive_ms": inc * 1e3,
+                        "max_own_ms": top * 1e3} for k, (c, own, inc, top) in totals.items()}
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump(data, f)
@@ -53,15 +57,20 @@ def _clock(out_dir: str) -> None:
                     inner += time.perf_counter() - s
 
             s = time.perf_counter()
+            key = next(numbers)
+            if stall_s > 0:
+                running[key] = (label, s)
             try:
                 return wrapper(call, instance, args, kwargs)
             finally:
+                running.pop(key, None)
                 total = time.perf_counter() - s
                 with lock:
-                    t = totals.setdefault(label, [0, 0.0, 0.0])
+                    t = totals.setdefault(label, [0, 0.0, 0.0, 0.0])
                     t[0] += 1
                     t[1] += total - inner
                     t[2] += total
+                    t[3] = max(t[3], total - inner)
                 now = time.monotonic()
                 if now - last[0] > 1.0:
                     last[0] = now
@@ -77,6 +86,28 @@ def _clock(out_dir: str) -> None:
 
         installer._wrap = clocked_wrap
 
+    stall_s = float(os.environ.get("PDLAB_WRAPPER_CLOCK_STALL_S", "0"))
+    running: dict[int, tuple[str, float]] = {}      # running call's number -> label, start
+    numbers = itertools.count()
+
+    def watch() -> None:
+        """Dump every thread's stack once for a wrapper call running past ``stall_s``."""
+        import faulthandler
+        import sys
+
+        seen: set[int] = set()
+        while True:
+            time.sleep(stall_s / 4)
+            now = time.perf_counter()
+            for key, (label, began) in list(running.items()):
+                if key not in seen and now - began > stall_s:
+                    seen.add(key)
+                    print(f"wrapper clock: {label} running for {now - began:.2f} s; stacks:",
+                          file=sys.stderr, flush=True)
+                    faulthandler.dump_traceback(sys.stderr, all_threads=True)
+
+    if stall_s > 0:
+        threading.Thread(target=watch, daemon=True, name="pdlab-wrapper-clock").start()
     os.makedirs(out_dir, exist_ok=True)
     atexit.register(dump)
     wrapt.register_post_import_hook(on_installer, "pdpatch.installer")
