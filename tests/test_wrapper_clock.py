@@ -52,3 +52,15 @@ def test_clock_times_a_wrapper_without_what_it_wraps(tmp_path: Path) -> None:
     assert 40 <= rec["own_ms"] < 90, rec              # 2 x 20 ms of the wrapper's own
     assert rec["inclusive_ms"] - rec["own_ms"] >= 100, rec   # 2 x 50 ms inside f
     assert "| clockprobe:f | 2 |" in wrapper_clock.table({engine: labels}, requests=2)
+
+
+def test_the_rigs_sitecustomize_directories_chain_to_the_next(tmp_path: Path) -> None:
+    """Python imports only the first ``sitecustomize`` on the path: the clock's and
+    ``quiet_nixl``'s each import the next, so kvcached's (GPU rig) or a test's still runs."""
+    (tmp_path / "sitecustomize.py").write_text("print('next sitecustomize ran')\n")
+    path = os.pathsep.join([str(engine_env.WRAPPER_CLOCK), str(engine_env.QUIET_NIXL),
+                            str(tmp_path)])
+    run = subprocess.run([sys.executable, "-c", "pass"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": path}, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count("next sitecustomize ran") == 1, run.stdout

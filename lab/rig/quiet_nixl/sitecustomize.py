@@ -13,8 +13,8 @@ changes.  The rig puts this directory last on the engines' ``PYTHONPATH``, so pd
 chains on to any ``sitecustomize`` a test puts after it.
 """
 
-import importlib.util
 import os
+import runpy
 
 
 def _quiet_nixl_progress_thread() -> None:
@@ -47,11 +47,8 @@ def _quiet_nixl_progress_thread() -> None:
 def _chain() -> None:
     """Import the next ``sitecustomize`` on the path (``lab/rig/site_chain.py``)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(os.path.dirname(here), "site_chain.py")
-    spec = importlib.util.spec_from_file_location("pdlab_site_chain", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.chain_next_sitecustomize(here)
+    chain = runpy.run_path(os.path.join(os.path.dirname(here), "site_chain.py"))
+    chain["chain_next_sitecustomize"](here)
 
 
 _quiet_nixl_progress_thread()

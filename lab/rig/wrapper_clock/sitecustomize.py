@@ -15,8 +15,8 @@ benchmarks of single functions cannot see the calls per step.  With
 ``PDLAB_WRAPPER_CLOCK_STALL_S=<s>`` it also prints every thread's stack to the engine's log,
 once per call, for a wrapper call running longer than that."""
 
-import importlib.util
 import os
+import runpy
 
 
 def _clock(out_dir: str) -> None:
@@ -116,11 +116,8 @@ def _clock(out_dir: str) -> None:
 def _chain() -> None:
     """Import the next ``sitecustomize`` on the path (``lab/rig/site_chain.py``)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(os.path.dirname(here), "site_chain.py")
-    spec = importlib.util.spec_from_file_location("pdlab_site_chain", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.chain_next_sitecustomize(here)
+    chain = runpy.run_path(os.path.join(os.path.dirname(here), "site_chain.py"))
+    chain["chain_next_sitecustomize"](here)
 
 
 if os.environ.get("PDLAB_WRAPPER_CLOCK"):
