@@ -13,8 +13,9 @@ changes.  The rig puts this directory last on the engines' ``PYTHONPATH``, so pd
 chains on to any ``sitecustomize`` a test puts after it.
 """
 
+import importlib.util
 import os
-import runpy
+import sys
 
 
 def _quiet_nixl_progress_thread() -> None:
@@ -45,10 +46,20 @@ def _quiet_nixl_progress_thread() -> None:
 
 
 def _chain() -> None:
-    """Import the next ``sitecustomize`` on the path (``lab/rig/site_chain.py``)."""
+    """Import the next ``sitecustomize`` on the path, as if this one were not there."""
     here = os.path.dirname(os.path.abspath(__file__))
-    chain = runpy.run_path(os.path.join(os.path.dirname(here), "site_chain.py"))
-    chain["chain_next_sitecustomize"](here)
+    me = sys.modules.pop("sitecustomize", None)
+    hidden = [(i, p) for i, p in enumerate(sys.path) if os.path.abspath(p or ".") == here]
+    for i, _ in reversed(hidden):
+        del sys.path[i]
+    try:
+        if importlib.util.find_spec("sitecustomize") is not None:
+            import sitecustomize  # noqa: F401
+    finally:
+        for i, p in hidden:
+            sys.path.insert(i, p)
+        if me is not None and "sitecustomize" not in sys.modules:
+            sys.modules["sitecustomize"] = me
 
 
 _quiet_nixl_progress_thread()
