@@ -3,8 +3,8 @@
 Python imports only the first ``sitecustomize`` on ``sys.path``; the clock's imports the next
 one, as if it were not there, so ``quiet_nixl``'s, kvcached's or a test's own still runs.
 Loaded by file path (no ``sys.path`` entry for ``lab`` in an engine).  ``quiet_nixl`` keeps its
-own copy: with it loading this file instead, the CPU rig's first P/D handshakes stalled 14-30 s
-in three of four runs (none in its own form, same day); why is not yet known."""
+own copy, the form every CI run has had; moving it here is left until the CPU rig's 14-30 s
+handshake stalls (seen with either form, ``docs/gpu_results.md`` runs at-aw) are understood."""
 
 from __future__ import annotations
 
