@@ -7,7 +7,8 @@ timed around the call, less the time spent in what it wraps (vLLM's function, or
 patch's wrapper): what is left is pdpatch's own work there (its checks, key digests, plans)
 plus wrapt's call.  Work a wrapper starts on another thread is not in it.
 
-Written to ``<dir>/wrapper-clock-<pid>.json`` at most once a second and at exit: label ->
+Written to ``<dir>/wrapper-clock-<pid>.json`` once a second by the clock's own thread (never on
+the timed calls' threads) and at exit: label ->
 ``calls``, ``own_ms``, ``inclusive_ms``, ``max_own_ms`` (one call's; ``lab.wrapper_clock``
 sums a run's files).  The
 TTFT question it answers: what a request costs in pdpatch's code inside real engines, where
@@ -32,7 +33,6 @@ def _clock(out_dir: str) -> None:
     totals: dict[str, list] = {}          # label -> [calls, own s, inclusive s, largest own s]
     lock = threading.Lock()
     path = os.path.join(out_dir, f"wrapper-clock-{os.getpid()}.json")
-    last = [time.monotonic()]
 
     def dump() -> None:
         with lock:
@@ -71,10 +71,6 @@ def _clock(out_dir: str) -> None:
                     t[1] += total - inner
                     t[2] += total
                     t[3] = max(t[3], total - inner)
-                now = time.monotonic()
-                if now - last[0] > 1.0:
-                    last[0] = now
-                    dump()
         return clocked
 
     def on_installer(installer) -> None:
@@ -91,23 +87,28 @@ def _clock(out_dir: str) -> None:
     numbers = itertools.count()
 
     def watch() -> None:
-        """Dump every thread's stack once for a wrapper call running past ``stall_s``."""
+        """Write the records once a second; with ``stall_s``, also dump every thread's stack
+        once for a wrapper call running past it."""
         import faulthandler
         import sys
 
+        tick = min(1.0, stall_s / 4) if stall_s > 0 else 1.0
         seen: set[int] = set()
+        written = time.monotonic()
         while True:
-            time.sleep(stall_s / 4)
+            time.sleep(tick)
+            if time.monotonic() - written >= 1.0:
+                written = time.monotonic()
+                dump()
             now = time.perf_counter()
             for key, (label, began) in list(running.items()):
-                if key not in seen and now - began > stall_s:
+                if key not in seen and now - began > stall_s > 0:
                     seen.add(key)
                     print(f"wrapper clock: {label} running for {now - began:.2f} s; stacks:",
                           file=sys.stderr, flush=True)
                     faulthandler.dump_traceback(sys.stderr, all_threads=True)
 
-    if stall_s > 0:
-        threading.Thread(target=watch, daemon=True, name="pdlab-wrapper-clock").start()
+    threading.Thread(target=watch, daemon=True, name="pdlab-wrapper-clock").start()
     os.makedirs(out_dir, exist_ok=True)
     atexit.register(dump)
     wrapt.register_post_import_hook(on_installer, "pdpatch.installer")
