@@ -188,6 +188,13 @@ SCENARIOS: dict[str, Scenario] = {
                               note="P TP 2 -> D TP 1, D's READs coalesced, P stock"),
     "fa-triton-tp12": Scenario(True, "FLASH_ATTN", "TRITON_ATTN", hashseed=None, controls=True,
                                d_tp=2, note="P TP 1 -> D TP 2, mixed backends"),
+    "kvc-tp21": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, d_kvcached=True,
+                         controls=True, load=96, p_tp=2,
+                         note="kvcached pool on D (TP 1) with pdpatch's defaults, P stock TP 2"),
+    "ref-triton-tp21": Scenario(False, "TRITON_ATTN", "TRITON_ATTN", controls=True, p_tp=2,
+                                note="reference: stock TRITON_ATTN, P TP 2 -> D TP 1"),
+    "fa-triton-tp21": Scenario(True, "FLASH_ATTN", "TRITON_ATTN", hashseed=None, controls=True,
+                               p_tp=2, note="P TP 2 -> D TP 1, mixed backends"),
 }
 LOAD_IN_FLIGHT = 32
 """With the two longest prompts, ~34k tokens of KV in flight on D: 16 of kvcached's 2 MiB pages
@@ -512,7 +519,8 @@ def _slim(r: dict) -> dict:
     return {k: r.get(k) for k in ("error", "ids", "lp", "pulled", "p_lp0")}
 
 
-REFERENCES = ("ref", "ref-triton", "ref-load", "ref-tp12", "ref-tp21", "ref-triton-tp12")
+REFERENCES = ("ref", "ref-triton", "ref-load", "ref-tp12", "ref-tp21", "ref-triton-tp12",
+              "ref-triton-tp21")
 """Stock same-backend scenarios: each calibrates the tolerances of its backend at its TP sizes
 (all of one key in a run pooled), ``ref-load`` the load phase's too."""
 
@@ -856,8 +864,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="model and engine logs (only the summary and a log archive go to --out)")
     ap.add_argument("--tolerances", type=Path,
                     help="gpu_pd.json of an earlier run: its calibrations judge what this run's "
-                         "own references (ref, ref-triton, ref-load, ref-tp12, ref-tp21, "
-                         "ref-triton-tp12) do not measure")
+                         f"own references ({', '.join(REFERENCES)}) do not measure")
     ap.add_argument("--two-gpus", action="store_true",
                     help="P on GPU 0, D on GPU 1, a TP-2 engine on both (nvidia-h200-x2); "
                          "the *tp12/*tp21 scenarios need it")
