@@ -871,6 +871,32 @@ def test_read_larger_than_staging_is_chunked_and_byte_exact(pair: NixlPair, name
 
 
 @RUNS_OR_TWIN
+def test_chunked_read_logs_where_its_time_went_at_debug(pair: NixlPair, caplog,
+                                                        ranges: bool) -> None:
+    """At DEBUG a chunked READ that is done logs one line: its chunks, descriptors and bytes,
+    its time in NIXL, in gathers and between a lane's gather and its next post; at INFO none."""
+    s = big_setup(pair, "fused->split")
+    lid, rid = s.plan.desc_ids(ALL_LOCAL, ALL_REMOTE)
+    slot = int(s.plan.local_table()[0, 1])
+    capacity = len(lid) * slot // 10 // slot * slot
+    with chunk_agent(pair, s, capacity, ranges=ranges) as (agent, lh, rh):
+        with caplog.at_level(logging.INFO, logger="pdpatch"):
+            assert read_through(agent, lh, rh, lid, rid)[0] == "DONE"
+        assert "chunked READ from" not in caplog.text
+        drain_notifs(pair, 1)
+        with caplog.at_level(logging.DEBUG, logger="pdpatch"):
+            assert read_through(agent, lh, rh, lid, rid)[0] == "DONE"
+        st = agent.stats
+        lines = [r.getMessage() for r in caplog.records if "chunked READ from" in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert f"DONE: {st.chunks // 2} chunks, {st.descriptors_staged // 2} descriptors, " \
+            f"{len(lid) * slot >> 10} KiB in " in lines[0], lines[0]
+        assert "in NIXL median" in lines[0] and "next post after its gather: median" in lines[0]
+        assert np.array_equal(s.lbuf, big_expected(s))
+        drain_notifs(pair, 1)
+
+
+@RUNS_OR_TWIN
 @pytest.mark.parametrize(("nth", "state"), [(3, "ERR"), (3, "PROC")])
 def test_chunked_read_failed_or_aborted_mid_request(pair: NixlPair, nth: int,
                                                     state: str, ranges: bool) -> None:

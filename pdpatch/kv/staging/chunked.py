@@ -33,9 +33,11 @@ when vLLM releases the handle and every chunk posted is released (NIXL cancels i
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -95,6 +97,11 @@ class Chunk:
     ops: list = field(default_factory=list)     # its gather, prepared while NIXL reads
     event: Any = None
     gathered: bool = False
+    # perf_counter() at each stage, for the READ's DEBUG line (:func:`describe`)
+    made_ms: float = 0.0       # making its NIXL READ (its lane's list, ``make_prepped_xfer``)
+    t_posted: float = 0.0      # ``transfer`` returned
+    t_landed: float = 0.0      # the poll that saw it DONE
+    t_gathered: float = 0.0    # its gather seen finished
 
 
 @dataclass(eq=False)
@@ -170,6 +177,33 @@ class ChunkedRead:
         src = base + self.lanes[chunk.lane] + np.arange(n, dtype=np.int64) * self.slot
         return CopyPlan(src, self.local_addr[chunk.first:chunk.end],
                         np.full(n, self.slot, dtype=np.int64))
+
+
+def describe(read: ChunkedRead) -> str:
+    """The DEBUG line of a chunked READ that is done: where its time went, chunk by chunk.
+
+    Why: vLLM's ``nixl_xfer_time`` of a chunked READ is one span from the first post to the
+    last gather; a slow one (a first chunked READ from a TP-1 peer into a TP-2 kvcached D
+    took 1.0-1.5 s where later ones of more bytes took 0.3 s, GPU run ay) does not say
+    whether NIXL moved the chunks slowly, a gather waited, or the pipeline stood idle."""
+    cs = read.chunks
+    ms = lambda a, b: (b - a) * 1e3  # noqa: E731
+    flight = [ms(c.t_posted, c.t_landed) for c in cs]
+    gather = [ms(c.t_landed, c.t_gathered) for c in cs]
+    slowest = int(np.argmax(flight))
+    # per lane, in post order: how long after a chunk's gather the next chunk was posted
+    waits = [ms(a.t_gathered, b.t_posted)
+             for lane in range(LANES) for a, b in pairwise([c for c in cs if c.lane == lane])]
+    lane_waits = (f"median {float(np.median(waits)):.2f}, slowest {max(waits):.2f} ms"
+                  if waits else "none")
+    return (f"chunked READ from {read.peer} DONE: {len(cs)} chunks, {read.staged} "
+            f"descriptors, {read.nbytes >> 10} KiB in {ms(read.t_start, read.t_end):.2f} ms "
+            f"from the first post; making each chunk's READ median "
+            f"{float(np.median([c.made_ms for c in cs])):.2f}, first {cs[0].made_ms:.2f} ms; "
+            f"in NIXL median {float(np.median(flight)):.2f}, slowest {flight[slowest]:.2f} ms "
+            f"(chunk {slowest + 1}, posted at +{ms(read.t_start, cs[slowest].t_posted):.2f}); "
+            f"gathers median {float(np.median(gather)):.2f}, slowest {max(gather):.2f} ms; "
+            f"a lane's next post after its gather: {lane_waits}")
 
 
 @dataclass(frozen=True)
@@ -293,28 +327,34 @@ class ChunkedReads:
             chunk.handle = self._xfer(read, chunk)
             read.chunks.append(chunk)
         state = self._agent.transfer(chunk.handle)
+        chunk.t_posted = time.perf_counter()
         if state not in (PROC, DONE):
             raise RuntimeError(f"NIXL answered {state}")
         chunk.ops = self._staging.prepare(read.gather(chunk, self._staging.base))
 
     def _xfer(self, read: ChunkedRead, chunk: Chunk) -> Any:
         """The chunk's NIXL READ into its lane (rows back to back in the peer's order)."""
+        t0 = time.perf_counter()
         n = chunk.end - chunk.first
         lane = self._staging.base + read.lanes[chunk.lane]
         if read.runs is None:
             slots, twin, r_ids = read.twin_ids
             ids = read.lanes[chunk.lane] // read.slot + np.arange(n, dtype=np.int64)
-            return self._agent.make_prepped_xfer("READ", slots, ids, twin,
-                                                 r_ids[chunk.first:chunk.end],
-                                                 **read.xfer_kwargs)
+            handle = self._agent.make_prepped_xfer("READ", slots, ids, twin,
+                                                   r_ids[chunk.first:chunk.end],
+                                                   **read.xfer_kwargs)
+            chunk.made_ms = (time.perf_counter() - t0) * 1e3
+            return handle
         lo, hi = read.runs.of_chunk(chunk)
         chunk.dlist = prep_rows(self._agent, INIT_AGENT,
                                 lane + (read.runs.first[lo:hi] - chunk.first) * read.slot,
                                 read.runs.length[lo:hi], read.dev, self._mem_type)
         try:
-            return self._agent.make_prepped_xfer(
+            handle = self._agent.make_prepped_xfer(
                 "READ", chunk.dlist, np.arange(hi - lo, dtype=np.int64), read.runs.handle,
                 np.arange(lo, hi, dtype=np.int64), **read.xfer_kwargs)
+            chunk.made_ms = (time.perf_counter() - t0) * 1e3
+            return handle
         except BaseException:
             self._agent.release_dlist_handle(chunk.dlist)
             chunk.dlist = None
@@ -336,6 +376,7 @@ class ChunkedReads:
                                      f"{read.bounds.size - 1} ended {state}")
                     return True
                 chunk.landed = moved = True
+                chunk.t_landed = time.perf_counter()
                 try:
                     chunk.event = self._staging.launch(chunk.ops)
                 except Exception as exc:
@@ -345,6 +386,7 @@ class ChunkedReads:
             if chunk.event is not None and not chunk.event.query():
                 continue
             chunk.gathered, chunk.ops, moved = True, [], True
+            chunk.t_gathered = time.perf_counter()
             c = len(read.chunks)
             if c < read.bounds.size - 1:
                 # the lane is free (chunks may land out of order): the next chunk goes there
@@ -367,6 +409,8 @@ class ChunkedReads:
                                    "timeout", read.peer, type(exc).__name__, exc)
         if read.done and not read.t_end:
             read.t_end = time.perf_counter()
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("pdpatch kv_segments: %s", describe(read))
         return moved
 
     def _fail(self, read: ChunkedRead, why: str, gather: bool = False) -> None:
