@@ -4,6 +4,7 @@ from corrupted KV (lab/gpu/oracle.py), the fat-binary pruning and the stage's si
 
 from __future__ import annotations
 
+import json
 import struct
 
 import pytest
@@ -267,7 +268,7 @@ def test_geometry_and_prompt_lengths_options():
     from lab.rig.model import tiny_config
 
     lengths = gpu_pd.prompt_lengths("600, 1500,4000,8000")
-    assert lengths == (600, 1500, 4000, 8000)
+    assert lengths == (600, 1500, 4000, 8000) == gpu_pd.prompt_lengths("4000,600,8000,1500,600")
     overrides, max_len = gpu_pd.model_config("llama3-8b", lengths)
     cfg = {**tiny_config(), **overrides}
     kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
@@ -449,6 +450,27 @@ def test_tolerance_files_old_flat_and_per_backend_both_read():
     assert tr.tol == cals["TRITON_ATTN"]["sequential"].tol and tr.ties == {"hit-partial": [9]}
     assert tr.source == "TRITON_ATTN: ref-triton (from u.json)"
     assert again["TRITON_ATTN"]["load"] is None
+
+
+def test_earlier_tolerances_skip_prompts_whose_name_now_holds_other_tokens(tmp_path, capsys):
+    """``--tolerances``: a prompt of the same name but other token ids (another set of lengths
+    draws other prompts) is not judged by the earlier run's tolerance; the others are, and a
+    file from before the digests were recorded is taken whole."""
+    ref = _result("ref", "FLASH_ATTN", "FLASH_ATTN", {"len100": 0.02, "len1500": 0.03})
+    ref["requests"]["len1500"]["pd"] = _answer(-1.01, first=9)
+    tol = gpu_pd.tolerances_json(gpu_pd.calibrations([ref]))
+    then = {"len100": [5] * 100, "len1500": [6] * 1500}
+    now = {"len100": [5] * 100, "len1500": [7] * 1500}
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps({"tolerances": tol, "prompts": gpu_pd.prompt_digests(then)}))
+    cal = gpu_pd.earlier_tolerances(path, gpu_pd.prompt_digests(now))["FLASH_ATTN"]["sequential"]
+    assert set(cal.tol) == {"len100"} and cal.ties == {}
+    assert "not used for hit-full, hit-partial, len1500 (" in capsys.readouterr().out
+    same = gpu_pd.earlier_tolerances(path, gpu_pd.prompt_digests(then))
+    assert set(same["FLASH_ATTN"]["sequential"].tol) == {"len100", "len1500"}
+    path.write_text(json.dumps({"tolerances": tol}))
+    old = gpu_pd.earlier_tolerances(path, gpu_pd.prompt_digests(now))
+    assert set(old["FLASH_ATTN"]["sequential"].tol) == {"len100", "len1500"}
 
 
 def test_recorded_run_s_rejudged_with_run_t_as_its_stock_reference():

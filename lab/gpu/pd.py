@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import hashlib
 import itertools
 import json
 import random
@@ -210,9 +211,15 @@ timeouts decide; the bound only keeps a hang from stalling the run)."""
 
 def prompt_lengths(text: str) -> tuple[int, ...]:
     """``--prompt-lengths 600,1500,4000``: at least two (the controls and the load use the
-    last two), each at least one token."""
+    two longest), each at least one token; run shortest first, whatever the order given.
+
+    Why sorted: each prompt is drawn from one seeded generator in this order, so a length's
+    prompt -- and the tolerance an earlier run calibrated for it (``--tolerances``) -- depends
+    on the lengths before it.  Given as ``100,4000,1500,8000`` (run az), the 1,500-token
+    prompt was another prompt than the reference's of that name, and judged by its
+    tolerance."""
     try:
-        lengths = tuple(int(x) for x in text.split(",") if x.strip())
+        lengths = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
     except ValueError:
         raise argparse.ArgumentTypeError(f"comma-separated token counts, got {text!r}") from None
     if len(lengths) < 2 or min(lengths) < 1:
@@ -842,14 +849,42 @@ def _stop(signum: int, _frame: object) -> None:
     raise Stopped(f"signal {signum}")
 
 
-def write_results(args: argparse.Namespace, gpu: str, results: list[dict], stopped: str) -> None:
+def prompt_digests(prompts: dict[str, list[int]]) -> dict[str, str]:
+    """Each prompt's token ids, hashed: what a tolerance of that prompt's name was measured on."""
+    return {name: hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+            for name, ids in {**prompts, **hit_prompts(prompts)}.items()}
+
+
+def earlier_tolerances(path: Path, digests: dict[str, str]) -> Tolerances:
+    """``--tolerances``: an earlier run's calibrations, less the prompts whose name this run
+    gives to other token ids (its ``prompts`` digests; runs before they were recorded are
+    taken as they are)."""
+    data = json.loads(path.read_text())
+    cals = parse_tolerances(data["tolerances"], path.name)
+    other = sorted(n for n, d in (data.get("prompts") or {}).items()
+                   if n in digests and digests[n] != d)
+    if other:
+        print(f"--tolerances {path.name}: not used for {', '.join(other)} (other prompts of "
+              "the same names there)", flush=True)
+        for phases in cals.values():
+            for cal in phases.values():
+                if cal is not None:
+                    for n in other:
+                        cal.tol.pop(n, None)
+                        cal.ties.pop(n, None)
+    return cals
+
+
+def write_results(args: argparse.Namespace, gpu: str, results: list[dict], stopped: str,
+                  prompts: dict[str, list[int]]) -> None:
     """Judge ``results`` and write ``gpu_pd.json`` / ``gpu_pd.md`` (``stopped``: why the run
     ended before its last scenario, or "")."""
-    earlier = (parse_tolerances(json.loads(args.tolerances.read_text())["tolerances"],
-                                args.tolerances.name) if args.tolerances else None)
+    digests = prompt_digests(prompts)
+    earlier = earlier_tolerances(args.tolerances, digests) if args.tolerances else None
     cals = calibrations(results, earlier)
     judge(results, cals)
-    record = {"gpu": gpu, "tolerances": tolerances_json(cals), "results": results}
+    record = {"gpu": gpu, "tolerances": tolerances_json(cals), "prompts": digests,
+              "results": results}
     if stopped:
         record["stopped"] = stopped
     (args.out / "gpu_pd.json").write_text(json.dumps(record, indent=1, default=str))
@@ -983,7 +1018,8 @@ def main(argv: list[str] | None = None) -> int:
             p.stop()
             d.stop()
         if results:
-            write_results(args, gpu, results, f"stopped during {running}" if running else "")
+            write_results(args, gpu, results, f"stopped during {running}" if running else "",
+                          prompts)
         with tarfile.open(args.out / "logs.tar.xz", "w:xz") as tf:
             tf.add(logs, arcname="logs")
     return 0
