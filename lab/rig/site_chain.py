@@ -1,10 +1,11 @@
-"""Chaining for the wrapper clock's ``sitecustomize`` (``lab/rig/wrapper_clock``).
+"""Chaining for the rig's ``sitecustomize`` directories (``lab/rig/quiet_nixl``,
+``lab/rig/wrapper_clock``).
 
-Python imports only the first ``sitecustomize`` on ``sys.path``; the clock's imports the next
-one, as if it were not there, so ``quiet_nixl``'s, kvcached's or a test's own still runs.
-Loaded by file path (no ``sys.path`` entry for ``lab`` in an engine).  ``quiet_nixl`` keeps its
-own copy, the form every CI run has had; moving it here is left until the CPU rig's 14-30 s
-handshake stalls (seen with either form, ``docs/gpu_results.md`` runs at-aw) are understood."""
+Python imports only the first ``sitecustomize`` on ``sys.path``; each of the rig's imports the
+next one, as if it were not there, so the other's, kvcached's or a test's own still runs.
+Loaded by file path (no ``sys.path`` entry for ``lab`` in an engine).  The CPU rig's 14-30 s
+handshake stalls came with ``quiet_nixl`` in this form and in its own copy alike
+(``docs/gpu_results.md`` runs at-aw): not this code's."""
 
 from __future__ import annotations
 

@@ -13,9 +13,8 @@ changes.  The rig puts this directory last on the engines' ``PYTHONPATH``, so pd
 chains on to any ``sitecustomize`` a test puts after it.
 """
 
-import importlib.util
 import os
-import sys
+import runpy
 
 
 def _quiet_nixl_progress_thread() -> None:
@@ -46,20 +45,10 @@ def _quiet_nixl_progress_thread() -> None:
 
 
 def _chain() -> None:
-    """Import the next ``sitecustomize`` on the path, as if this one were not there."""
+    """Import the next ``sitecustomize`` on the path (``lab/rig/site_chain.py``)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    me = sys.modules.pop("sitecustomize", None)
-    hidden = [(i, p) for i, p in enumerate(sys.path) if os.path.abspath(p or ".") == here]
-    for i, _ in reversed(hidden):
-        del sys.path[i]
-    try:
-        if importlib.util.find_spec("sitecustomize") is not None:
-            import sitecustomize  # noqa: F401
-    finally:
-        for i, p in hidden:
-            sys.path.insert(i, p)
-        if me is not None and "sitecustomize" not in sys.modules:
-            sys.modules["sitecustomize"] = me
+    chain = runpy.run_path(os.path.join(os.path.dirname(here), "site_chain.py"))
+    chain["chain_next_sitecustomize"](here)
 
 
 _quiet_nixl_progress_thread()
