@@ -26,6 +26,8 @@ from pdpatch.kv.staging.plans import (
     chunk_descriptors,
     chunk_rows,
     lane_rows_to_try,
+    pack_spans,
+    read_spans,
 )
 
 
@@ -283,6 +285,51 @@ def test_chunk_schedule_covers_the_request_in_lanes_that_fit(rows: int, slot: in
         assert chunks >= 2                   # one chunk is read while another is gathered
     # the even share: a request that fits the lanes is cut evenly, not into a full lane + tail
     assert first == min(room // lanes // slot, -(-rows // lanes))
+
+
+@settings(max_examples=300, deadline=None)
+@given(gaps=st.lists(st.integers(0, 300), min_size=1, max_size=80),
+       joinable=st.lists(st.booleans(), min_size=80, max_size=80),
+       slot=st.sampled_from([1, 16, 64]), max_gap=st.integers(0, 400),
+       lane_slots=st.integers(1, 12))
+def test_packed_spans_read_every_row_into_lanes_it_fits(gaps: list[int], joinable: list[bool],
+                                                        slot: int, max_gap: int,
+                                                        lane_slots: int) -> None:
+    """A chunked gap READ, simulated on bytes: each chunk reads its pieces back to back into
+    a lane, and every row, gathered from its lane at ``row_off``, is the peer's row.  No
+    piece or chunk exceeds a lane, a piece never joins rows its span did not, chunk edges
+    fall on pieces, and pieces never outnumber the rows."""
+    lane = lane_slots * slot + (slot // 2)
+    start = np.cumsum(np.asarray(gaps, dtype=np.int64) + slot) - slot
+    n = start.size
+    join = np.asarray(joinable[:n - 1], dtype=bool)
+    first, last, _ = read_spans(start, start + slot, join, max_gap, None)
+    packed = pack_spans(start, slot, first, last, lane)
+    peer = np.random.default_rng(n).integers(0, 256, int(start[-1]) + slot, dtype=np.uint8)
+    assert packed.bounds[0] == 0 and packed.bounds[-1] == n
+    assert np.all(np.diff(packed.bounds) >= 1)
+    assert set(packed.bounds[:-1].tolist()) <= set(packed.first.tolist())
+    assert np.all(packed.length <= lane) and packed.start.size <= n
+    span_of = np.repeat(np.arange(first.size), last - first + 1)
+    for c in range(packed.bounds.size - 1):
+        a, b = int(packed.bounds[c]), int(packed.bounds[c + 1])
+        ks = np.flatnonzero((packed.first >= a) & (packed.first < b))
+        buf = np.zeros(lane, dtype=np.uint8)
+        for k in ks:
+            off, ln, at = int(packed.lane_off[k]), int(packed.length[k]), int(packed.start[k])
+            assert off + ln <= lane
+            buf[off:off + ln] = peer[at:at + ln]
+            rows = np.arange(int(packed.first[k]), b if k + 1 == packed.first.size or
+                             packed.first[k + 1] >= b else int(packed.first[k + 1]))
+            assert np.unique(span_of[rows]).size == 1      # one span's rows only
+        for r in range(a, b):
+            got = buf[packed.row_off[r]:packed.row_off[r] + slot]
+            assert np.array_equal(got, peer[start[r]:start[r] + slot]), (c, r)
+
+
+def test_packed_spans_refuse_a_lane_smaller_than_a_row() -> None:
+    with pytest.raises(ValueError, match="cannot hold a row"):
+        pack_spans(np.array([0, 64]), 64, np.array([0]), np.array([1]), 63)
 
 
 @settings(max_examples=300, deadline=None)

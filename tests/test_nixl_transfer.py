@@ -496,6 +496,32 @@ def test_head_slices_are_staged_where_direct_reads_cross_a_slow_transport(pair: 
     assert run.free_after == STAGING
 
 
+@pytest.mark.parametrize("name", [n for n in READS if CASES[n].remote_slice.parts > 1])
+def test_head_slices_larger_than_staging_are_read_across_their_gaps_in_chunks(
+        pair: NixlPair, name: str) -> None:
+    """Head slices (one run per row) of a request larger than the staging buffer: read in
+    chunks across the other ranks' heads between them -- far fewer descriptors than rows,
+    byte-exact, the unrequested bytes counted, all staging back.  Before, such a request
+    was read row by row (runs ay, ba on two H200s: descriptor-bound)."""
+    s = set_up(pair, name)
+    lids, rids = list(range(N_LOCAL)), list(range(2, 2 + N_LOCAL))   # a run of the peer's
+    lid, rid = s.plan.desc_ids(lids, rids)
+    slot = int(s.plan.local_table()[0, 1])
+    stock = pair.xfer("READ", s.plan.local_table(), s.plan.remote_table(), lid, rid)
+    capacity = len(lid) * slot // 2 // slot * slot
+    s.lbuf[:] = 0
+    run = staged_read(pair, s, lids, rids, capacity=capacity, gap=1 << 20,
+                      read_ranges=s.plan.remote.read_ranges())
+    assert run.state == "DONE"
+    assert np.array_equal(s.lbuf, expected_read(s, lids, rids)), name
+    st = run.stats
+    assert st.staged_reads == st.chunked_reads == st.gap_reads == 1 and not st.not_staged
+    assert st.chunks >= 2 and st.gap_bytes > 0
+    assert st.descriptors_stock == stock == len(lid)          # a descriptor per row
+    assert run.desc_count <= st.descriptors_staged <= stock // 2
+    assert run.free_after == capacity
+
+
 def test_descriptor_larger_than_half_the_staging_goes_per_segment(pair: NixlPair) -> None:
     """Two lanes of one row each is the least a chunked READ needs: a smaller buffer leaves
     the request to vLLM's own READ."""

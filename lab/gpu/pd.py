@@ -182,6 +182,10 @@ SCENARIOS: dict[str, Scenario] = {
                          note="reference: stock, P TP 2 -> D TP 1"),
     "tp21": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", controls=True, p_tp=2,
                      note="P TP 2 -> D TP 1"),
+    "coalesce-tp12": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, controls=True,
+                              d_tp=2, d_env={"PDPATCH_KV_COALESCE": "1"},
+                              note="P TP 1 -> D TP 2, D's READs coalesced (head slices: gap "
+                                   "READs), P stock"),
     "ref-triton-tp12": Scenario(False, "TRITON_ATTN", "TRITON_ATTN", controls=True, d_tp=2,
                                 note="reference: stock TRITON_ATTN, P TP 1 -> D TP 2"),
     "coalesce-tp21": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, controls=True,

@@ -225,9 +225,7 @@ class StagingAgent(AgentProxy):
         (logger.info if first else logger.debug)(
             "pdpatch kv_segments: staged READ from %s: %d KiB in %d descriptors instead of "
             "%d%s (planned in %.1f ms)", read.peer, read.requested >> 10, read.staged,
-            read.stock, "" if read.nbytes == read.requested else
-            f", reading {(read.nbytes - read.requested) >> 10} KiB between requested blocks",
-            planning_ms)
+            read.stock, _gap_words(read), planning_ms)
         return handle
 
     def _refused(self, peer: StagedPeer, read: StagedRead | ChunkedRead,
@@ -239,7 +237,7 @@ class StagingAgent(AgentProxy):
             self._chunked.discard(read)
         else:
             self._release(read)
-        if isinstance(read, StagedRead) and read.nbytes > read.requested:
+        if read.gap_bytes:
             peer.gap = 0
             logger.warning("pdpatch kv_segments: no gap reads from %s: NIXL refused a span "
                            "of its memory (%s: %s); its READs are staged without them",
@@ -266,9 +264,9 @@ class StagingAgent(AgentProxy):
             first = self.stats.posted(read, self)
         (logger.info if first else logger.debug)(
             "pdpatch kv_segments: staged READ from %s in %d chunks of up to %d KiB, %d in "
-            "flight: %d KiB in %d descriptors instead of %d (planned in %.1f ms)", read.peer,
+            "flight: %d KiB in %d descriptors instead of %d%s (planned in %.1f ms)", read.peer,
             read.bounds.size - 1, read.lane_bytes >> 10, LANES, read.nbytes >> 10, read.staged,
-            read.stock, planning_ms)
+            read.stock, _gap_words(read), planning_ms)
         return handle
 
     def transfer(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
@@ -387,3 +385,9 @@ class StagingAgent(AgentProxy):
             first = self.stats.not_staged[reason] == 1
         (logger.info if first else logger.debug)(
             "pdpatch kv_segments: READ posted per segment: %s", reason)
+
+
+def _gap_words(read: StagedRead | ChunkedRead) -> str:
+    """A READ's log words for the bytes it reads between requested blocks ("" for none)."""
+    return (f", reading {read.gap_bytes >> 10} KiB between requested blocks"
+            if read.gap_bytes else "")

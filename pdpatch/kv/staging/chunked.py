@@ -108,11 +108,13 @@ class Chunk:
 class ChunkRuns:
     """A chunked READ's runs of the peer, cut at its chunk edges: one list of the peer's side
     for the whole READ (``handle``, prepared before it is posted); each chunk prepares a list
-    of its lane of the same lengths when it is posted."""
+    of its lane of the same lengths when it is posted.  A gap READ's runs
+    (:func:`~.plans.pack_spans`) also read the bytes between their rows."""
 
     first: np.ndarray          # each run's first row (rows in the peer's address order)
     start: np.ndarray          # the peer's address of each run
     length: np.ndarray         # bytes
+    lane_off: np.ndarray       # each run's offset in its chunk's lane
     handle: Any = None
 
     @classmethod
@@ -124,7 +126,9 @@ class ChunkRuns:
         cut = joins.copy()
         cut[bounds[1:-1] - 1] = False
         first, last, _ = read_spans(start, start + slot, cut, 0, None)
-        return cls(first, start[first], start[last] + slot - start[first])
+        chunk_first = bounds[np.searchsorted(bounds, first, side="right") - 1]
+        return cls(first, start[first], start[last] + slot - start[first],
+                   (first - chunk_first) * slot)
 
     def of_chunk(self, chunk: Chunk) -> tuple[int, int]:
         """The runs ``[lo, hi)`` of one chunk."""
@@ -149,6 +153,7 @@ class ChunkedRead:
     bounds: np.ndarray         # chunk c = rows [bounds[c], bounds[c + 1])
     runs: ChunkRuns | None = None
     twin_ids: tuple | None = None    # (staging slot list, the peer's twin, rows in the twin)
+    row_off: np.ndarray | None = None   # each row's offset in its chunk's lane (a gap READ)
     notif: bytes = b""
     xfer_kwargs: dict = field(default_factory=dict)
     chunks: list[Chunk] = field(default_factory=list)
@@ -165,6 +170,11 @@ class ChunkedRead:
         return self.slot * self.local_addr.size
 
     @property
+    def gap_bytes(self) -> int:
+        """The unrequested bytes it reads between requested rows (a gap READ's runs)."""
+        return 0 if self.row_off is None else int(self.runs.length.sum()) - self.nbytes
+
+    @property
     def done(self) -> bool:
         return len(self.chunks) == self.bounds.size - 1 and all(c.gathered for c in self.chunks)
 
@@ -174,7 +184,9 @@ class ChunkedRead:
     def gather(self, chunk: Chunk, base: int) -> CopyPlan:
         """Lane -> KV cache for one chunk's rows."""
         n = chunk.end - chunk.first
-        src = base + self.lanes[chunk.lane] + np.arange(n, dtype=np.int64) * self.slot
+        off = (np.arange(n, dtype=np.int64) * self.slot if self.row_off is None
+               else self.row_off[chunk.first:chunk.end])
+        src = base + self.lanes[chunk.lane] + off
         return CopyPlan(src, self.local_addr[chunk.first:chunk.end],
                         np.full(n, self.slot, dtype=np.int64))
 
@@ -347,7 +359,7 @@ class ChunkedReads:
             return handle
         lo, hi = read.runs.of_chunk(chunk)
         chunk.dlist = prep_rows(self._agent, INIT_AGENT,
-                                lane + (read.runs.first[lo:hi] - chunk.first) * read.slot,
+                                lane + read.runs.lane_off[lo:hi],
                                 read.runs.length[lo:hi], read.dev, self._mem_type)
         try:
             handle = self._agent.make_prepped_xfer(
