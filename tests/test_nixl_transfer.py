@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from lab.kv_reference import coalesce, strided_pair_rows
 from pdpatch.kv import BlockIdError, GeometryMismatch, HeadSlice, PairPlan, infer_geometry
 from pdpatch.kv.staging import ByteCopier, StagingAgent, StagingStats
 from pdpatch.kv.staging import reads as staging_reads
+from pdpatch.kv.staging.buffer import StagingBuffer
 
 # a staging agent's chunk driver thread must never die of an exception
 pytestmark = [pytest.mark.nixl,
@@ -920,6 +922,40 @@ def test_chunked_read_logs_where_its_time_went_at_debug(pair: NixlPair, caplog,
         assert "in NIXL median" in lines[0] and "next post after its gather: median" in lines[0]
         assert np.array_equal(s.lbuf, big_expected(s))
         drain_notifs(pair, 1)
+
+
+def test_the_chunk_driver_takes_the_staging_device_before_its_first_gather(
+        pair: NixlPair, monkeypatch) -> None:
+    """The chunk driver is a thread of pdpatch's own: it makes the staging buffer's GPU its
+    current device before it launches a gather (on a new thread, device 0 -- leaving the
+    copier's stream context there made GPU 0's context in a TP-rank-1 worker: 0.2-1.2 s of
+    its first chunked READ, GPU runs ba and bb)."""
+    events: list[tuple[str, int]] = []
+    enter, launch = StagingBuffer.enter_thread, StagingBuffer.launch
+    monkeypatch.setattr(StagingBuffer, "enter_thread", lambda self: (
+        events.append(("enter", threading.get_ident())), enter(self))[1])
+    monkeypatch.setattr(StagingBuffer, "launch", lambda self, ops: (
+        events.append(("launch", threading.get_ident())), launch(self, ops))[1])
+    s = big_setup(pair, "fused->split")
+    lid, rid = s.plan.desc_ids(ALL_LOCAL, ALL_REMOTE)
+    slot = int(s.plan.local_table()[0, 1])
+    with chunk_agent(pair, s, len(lid) * slot // 10 // slot * slot, ranges=True) as (
+            agent, lh, rh):
+        h = agent.make_prepped_xfer("READ", lh, lid, rh, rid, notif_msg=b"chunked")
+        state = agent.transfer(h)
+        deadline = time.monotonic() + 30
+        while state == "PROC" and time.monotonic() < deadline:
+            time.sleep(0.05)         # vLLM polls once per step: the driver moves the chunks
+            state = agent.check_xfer_state(h)
+        agent.release_xfer_handle(h)
+        assert state == "DONE"
+    assert np.array_equal(s.lbuf, big_expected(s))
+    drain_notifs(pair, 1)
+    others = [t for kind, t in events if kind == "launch" and t != threading.get_ident()]
+    assert others, "no gather was launched by the driver"
+    for t in set(others):
+        first_launch = events.index(("launch", t))
+        assert ("enter", t) in events[:first_launch], events
 
 
 @RUNS_OR_TWIN

@@ -151,6 +151,21 @@ class StagingBuffer:
         can overlap the wire."""
         return self._copier.prepare(plan)
 
+    def enter_thread(self) -> None:
+        """Make the buffer's GPU the calling thread's current device (once, in a thread of
+        pdpatch's own that launches gathers: the chunk driver).
+
+        Why: a new thread's current CUDA device is device 0.  The copier's stream context
+        switches to its stream's device and, on leaving, back to device 0 -- which creates
+        device 0's primary context in a worker that never used that GPU (TP rank 1 on GPU 1):
+        0.2-1.2 s inside the first chunked READ's gather (GPU runs ba, bb), and the context's
+        memory taken on the other rank's GPU."""
+        tensor = self._tensor
+        if tensor is not None and tensor.device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(tensor.device)
+
     def launch(self, ops: list) -> Any:
         """Start a prepared gather; returns its event (``query()``, ``synchronize()``)."""
         return self._copier.launch(ops, sync=False)

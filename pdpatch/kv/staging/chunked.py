@@ -435,6 +435,7 @@ class ChunkedReads:
                      "and its blocks are recomputed", read.peer, why)
 
     def _drive(self) -> None:
+        self._staging.enter_thread()
         while True:
             with self._wake:
                 while not self._active and not self._closed:
