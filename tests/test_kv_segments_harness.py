@@ -518,18 +518,20 @@ def _reorder(reorder: dict[str, str] | None) -> tuple[dict, dict]:
     return REORDER_SIDES["p"], {**REORDER_SIDES["d"], "env": reorder}
 
 
-def scenario_tp_up(d_backend: str = D_BACKEND, reorder: dict[str, str] | None = None
-                   ) -> dict[str, Any]:
+def scenario_tp_up(d_backend: str = D_BACKEND, reorder: dict[str, str] | None = None,
+                   block_size: int = 16, d_blocks: tuple[int, ...] = (1, 2),
+                   p_blocks: tuple[int, ...] = (7, 8)) -> dict[str, Any]:
     """P TP 1 (2 KV heads) -> D TP 2: each D rank pulls its head from P's one rank."""
     _reset()
     p_args, d_args = _reorder(reorder)
-    p = build("prefill", "kv_producer", P_BACKEND, num_blocks=12, seed=1, **p_args)
+    p = build("prefill", "kv_producer", P_BACKEND, num_blocks=12, seed=1,
+              block_size=block_size, **p_args)
     out: dict[str, Any] = {}
     for rank in (0, 1):
         d = build(f"decode-r{rank}", "kv_consumer", d_backend, num_blocks=10, seed=2 + rank,
-                  tp_rank=rank, tp_size=2, **d_args)
-        res = pull(d, {0: p}, [1, 2], [7, 8], req=f"req-r{rank}")
-        res["mismatches"] = compare(d, p, [(1, 7), (2, 8)])
+                  tp_rank=rank, tp_size=2, block_size=block_size, **d_args)
+        res = pull(d, {0: p}, list(d_blocks), list(p_blocks), req=f"req-r{rank}")
+        res["mismatches"] = compare(d, p, list(zip(d_blocks, p_blocks, strict=True)))
         out[f"rank{rank}"] = res
     out["stats"] = _stats()
     return out
@@ -687,6 +689,12 @@ SCENARIOS = {
     # D's head of each of P's blocks: merged only by gap reads, across the other head's bytes
     "tp_up_coalesced": coalesced(lambda: scenario_tp_up(P_BACKEND), {"PDPATCH_KV_GAP_KIB": "1024"}),
     "tp_down_coalesced": coalesced(lambda: scenario_tp_down(P_BACKEND)),
+    # D's head of nine of P's 256-token blocks (1.125 MiB a rank) through 1 MiB of staging:
+    # the gap READ in chunks
+    "tp_up_coalesced_chunked": coalesced(
+        lambda: scenario_tp_up(P_BACKEND, block_size=256, d_blocks=tuple(range(1, 10)),
+                               p_blocks=tuple(range(2, 11))),
+        {"PDPATCH_KV_STAGING_MIB": "1", "PDPATCH_KV_GAP_KIB": "1024"}),
     "pair_coalesced_chunked": coalesced(
         lambda: scenario_pair(P_BACKEND, P_BACKEND, block_size=256, p_blocks=(2, 3, 4, 5, 6, 7),
                               d_blocks=(0, 2, 4, 6, 8, 1)),

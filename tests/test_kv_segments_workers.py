@@ -54,7 +54,8 @@ def stock_scenarios(version: Version) -> list[str]:
 # each -- 0.19 (single-file connector), 0.22 (split K/V regions), 0.25 (blocks-first), 0.32
 # (packed K|V, lists of tuples) -- and on 0.33 (strided Nx5 rows): the releases between build
 # their lists as these do, so running it there would test the same fact again.
-COALESCED = ["pair_coalesced", "pair_coalesced_chunked", "tp_up_coalesced", "tp_down_coalesced"]
+COALESCED = ["pair_coalesced", "pair_coalesced_chunked", "tp_up_coalesced", "tp_down_coalesced",
+             "tp_up_coalesced_chunked"]
 COALESCE_ERAS = ("0.19", "0.22", "0.25", "0.32", "0.33")
 
 
@@ -235,7 +236,7 @@ def moved(out: dict[str, Any]) -> int:
 
 
 STAGING_COUNTS = ("staged_reads", "gap_reads", "gap_bytes", "calibration_bytes",
-                  "descriptors_staged", "descriptors_stock")
+                  "descriptors_staged", "descriptors_stock", "chunked_reads", "chunks")
 
 
 def own_counts(ranks: dict[str, Any]) -> dict[str, Any]:
@@ -366,6 +367,21 @@ def test_coalesce_with_heterogeneous_tp(ver: str) -> None:
         assert staging["descriptors_staged"] < staging["descriptors_stock"]
         assert moved(up[rank]) == 2 * 2 * 2 * 1 * 16 * 64 * 2   # one head of two
     assert up["stats"]["coalesced"] == down["stats"]["coalesced"] == 2
+
+
+@pytest.mark.parametrize("ver", COALESCE_VERSIONS)
+def test_coalesced_head_slices_larger_than_staging_are_gap_read_in_chunks(ver: str) -> None:
+    """P TP 1 -> D TP 2, each rank's head of nine 256-token blocks (1.125 MiB) through 1 MiB
+    of staging: read across the other head's bytes in chunks -- fewer descriptors than vLLM's
+    one per block and layer (and K/V), byte-exact, nothing outside the nine blocks touched."""
+    up = own_counts(scenario(ver, "patched", "tp_up_coalesced_chunked"))
+    for rank in ("rank0", "rank1"):
+        ok_pull(up[rank], list(range(1, 10)))
+        staging = up[rank]["staging"]
+        assert staging["staged_reads"] == staging["gap_reads"] == 1, staging
+        assert staging["chunked_reads"] == 1 and staging["chunks"] > 1, staging
+        assert staging["descriptors_staged"] < staging["descriptors_stock"], staging
+        assert moved(up[rank]) == 2 * 2 * 9 * 1 * 256 * 64 * 2     # one head of two
 
 
 @pytest.mark.parametrize("ver", VERSIONS)
