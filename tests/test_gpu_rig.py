@@ -156,7 +156,7 @@ def test_a_run_without_reference_or_tolerances_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         gpu_pd.main(["--stage", str(tmp_path), "--out", str(tmp_path / "o"), "fa-triton"])
     assert ("name a reference scenario (ref, ref-triton, ref-load, ref-tp12, ref-tp21, "
-            "ref-triton-tp12, ref-triton-tp21, ref-load-tp12)"
+            "ref-triton-tp12, ref-triton-tp21, ref-load-tp12, ref-load-tp21)"
             in capsys.readouterr().err)
 
 

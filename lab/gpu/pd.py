@@ -199,6 +199,9 @@ SCENARIOS: dict[str, Scenario] = {
     "ref-load-tp12": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", load=96, d_tp=2,
                               note="stock, P TP 1 -> D TP 2, under load: the drift batching "
                                    "alone gives at those TP sizes"),
+    "ref-load-tp21": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", load=96, p_tp=2,
+                              note="stock, P TP 2 -> D TP 1, under load: the drift batching "
+                                   "alone gives at those TP sizes"),
     "ref-triton-tp21": Scenario(False, "TRITON_ATTN", "TRITON_ATTN", controls=True, p_tp=2,
                                 note="reference: stock TRITON_ATTN, P TP 2 -> D TP 1"),
     "fa-triton-tp21": Scenario(True, "FLASH_ATTN", "TRITON_ATTN", hashseed=None, controls=True,
@@ -534,7 +537,7 @@ def _slim(r: dict) -> dict:
 
 
 REFERENCES = ("ref", "ref-triton", "ref-load", "ref-tp12", "ref-tp21", "ref-triton-tp12",
-              "ref-triton-tp21", "ref-load-tp12")
+              "ref-triton-tp21", "ref-load-tp12", "ref-load-tp21")
 """Stock same-backend scenarios: each calibrates the tolerances of its backend at its TP sizes
 (all of one key in a run pooled), ``ref-load`` the load phase's too."""
 
