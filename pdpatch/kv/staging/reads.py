@@ -252,20 +252,15 @@ class ReadPlanner(GapCalibration):
                  stock: int) -> ChunkedRead:
         """A READ staged in chunks through :data:`~.chunked.LANES` lanes of the staging
         buffer, as large as the free room allows (:func:`~.plans.lane_rows_to_try`)."""
-        rows, lanes = 0, None
-        for rows in lane_rows_to_try(start.size, slot, self._staging.capacity, LANES,
-                                     LANE_SHRINK, CHUNKED_SHARE):
-            lanes = self._reserve_lanes(rows * slot, slot)
-            if lanes is not None:
-                break
-        if lanes is None:
+        held = self._lanes_for(start.size, slot)
+        if held is None:
             raise NotStaged("the staging buffer is full with other requests' READs")
+        lanes, rows = held
         bounds = chunk_bounds(start.size, rows)
         staged = int(chunk_descriptors(joins, bounds).sum())
         if staged > MAX_STAGED_FRACTION * stock and not self.direct_slow():
             # chunks too small to hold the runs
-            for held in lanes:
-                self._staging.free(held, rows * slot)
+            self._free_lanes(lanes, rows * slot)
             raise NotStaged("staging saves under a quarter of the descriptors (chunks of "
                             "the staging buffer cut the runs of blocks)")
         read = ChunkedRead(peer.name, peer.agent_name, slot, dev, stock, staged, local_addr,
@@ -287,28 +282,18 @@ class ReadPlanner(GapCalibration):
         Why: head slices (D's TP above P's) are one run per row, so a large request staged
         row by row posts as many descriptors as vLLM's own READ: 1.25 GiB of a 70B TP-2 rank's
         8,000-token request took 0.27-0.39 s on an H200 (runs ay, ba), descriptor-bound."""
-        apart = (rng[1:] != rng[:-1]) | (rng[1:] < 0)
-        if runs <= 1 + int(np.count_nonzero(apart)):
+        worth = self._gap_worth(peer, rng, runs, slot, dev)
+        held = None if worth is None else self._lanes_for(start.size, slot)
+        if held is None:
             return None
-        gap = self._gap_for(peer, slot, dev)
-        if gap <= 0:
-            return None
-        lanes, rows = None, 0
-        for rows in lane_rows_to_try(start.size, slot, self._staging.capacity, LANES,
-                                     LANE_SHRINK, CHUNKED_SHARE):
-            lanes = self._reserve_lanes(rows * slot, slot)
-            if lanes is not None:
-                break
-        if lanes is None:
-            return None
+        (apart, gap), (lanes, rows) = worth, held
         lane = rows * slot
         # a gap is read only inside a lane, so no gap wider than half of one
         first, last, _ = read_spans(start, start + slot, ~apart, min(gap, lane // 2), None)
         packed = pack_spans(start, slot, first, last, lane)
         pieces = int(packed.start.size)
         if pieces >= runs or pieces > MAX_STAGED_FRACTION * stock or pieces > RUN_LIST_MAX:
-            for held in lanes:
-                self._staging.free(held, lane)
+            self._free_lanes(lanes, lane)
             return None
         read = ChunkedRead(peer.name, peer.agent_name, slot, dev, stock, pieces, local_addr,
                            lanes, lane, packed.bounds)
@@ -325,17 +310,43 @@ class ReadPlanner(GapCalibration):
             self._slow = bool(self._direct_slow and self._direct_slow())
         return self._slow
 
+    def _gap_worth(self, peer: StagedPeer, rng: np.ndarray, runs: int, slot: int, dev: int
+                   ) -> tuple[np.ndarray, int] | None:
+        """Where rows may join across gaps (between rows of one read range), and the peer's
+        gap budget, when a gap READ could post fewer descriptors than the request's ``runs``;
+        else None.  A gap READ still posts one descriptor per read range it touches (and per
+        row outside them): where the runs are no more, the transport need not be measured."""
+        apart = (rng[1:] != rng[:-1]) | (rng[1:] < 0)
+        if runs <= 1 + int(np.count_nonzero(apart)):
+            return None
+        gap = self._gap_for(peer, slot, dev)
+        return (apart, gap) if gap > 0 else None
+
+    def _lanes_for(self, rows: int, slot: int) -> tuple[list[int], int] | None:
+        """:data:`~.chunked.LANES` lanes for a chunked READ of ``rows`` rows of ``slot``
+        bytes, as large as the free room allows (:func:`~.plans.lane_rows_to_try`), and the
+        rows each holds; None while other READs hold the room."""
+        for per_lane in lane_rows_to_try(rows, slot, self._staging.capacity, LANES,
+                                         LANE_SHRINK, CHUNKED_SHARE):
+            lanes = self._reserve_lanes(per_lane * slot, slot)
+            if lanes is not None:
+                return lanes, per_lane
+        return None
+
     def _reserve_lanes(self, nbytes: int, slot: int) -> list[int] | None:
         """:data:`~.chunked.LANES` ranges of ``nbytes``, all held, or none."""
         lanes: list[int] = []
         for _ in range(LANES):
             start = self._staging.reserve(nbytes, slot)
             if start is None:
-                for held in lanes:
-                    self._staging.free(held, nbytes)
+                self._free_lanes(lanes, nbytes)
                 return None
             lanes.append(start)
         return lanes
+
+    def _free_lanes(self, lanes: list[int], nbytes: int) -> None:
+        for at in lanes:
+            self._staging.free(at, nbytes)
 
     def _twin(self, peer: StagedPeer) -> SortedTwin:
         """The peer's twin, prepared at the first READ that needs it (:class:`NotStaged`
@@ -369,16 +380,10 @@ class ReadPlanner(GapCalibration):
                    slot: int, runs: int, dev: int) -> Spans | None:
         """The gap READ for address-sorted rows at ``start`` (read ranges ``rng``), when it
         posts fewer descriptors than their ``runs`` and fits the staging buffer; else None."""
-        if rng is None:
+        worth = None if rng is None else self._gap_worth(peer, rng, runs, slot, dev)
+        if worth is None:
             return None
-        # a gap READ still posts one descriptor per read range it touches (and per row outside
-        # them): where the runs are no more, the transport need not even be measured
-        apart = (rng[1:] != rng[:-1]) | (rng[1:] < 0)
-        if runs <= 1 + int(np.count_nonzero(apart)):
-            return None
-        gap = self._gap_for(peer, slot, dev)
-        if gap <= 0:
-            return None
+        apart, gap = worth
         # (the gap is halved until the spans fit; at 0 they are the request, which fits)
         spans = spans_of(start, slot, ~apart, gap, self._staging.capacity)
         return spans if spans.posted < runs else None
