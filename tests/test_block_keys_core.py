@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pdpatch.hashing import KeyConfig, LoraSpec
+from pdpatch.hashing import KeyConfig, LoraSpec, MMItem
 from pdpatch.hashing import verdict as V
 from pdpatch.hashing.errors import HashingError, PeerParamsError
 from pdpatch.hashing.key_params import parse_params
@@ -164,6 +166,48 @@ def test_keys_not_computed_canonically_are_rejected():
     peer = parse_params(json.loads(json.dumps(build_params(own, include_keys=32))))
     v = V.judge(eng, V.RequestInputs(PROMPT, {}), peer)
     assert v.status == "rejected" and v.causes == ("malformed",)
+
+
+def _full_chain_status(req: V.RequestInputs, peer) -> str:
+    """The verdict as it was reached before :func:`V.same_request`: D's whole canonical key
+    chain compared with P's keys, then every input digest."""
+    from pdpatch.hashing.key_params import compare, input_causes, request_summary
+
+    mine = req.canonical(peer.fingerprint["hbs"])
+    return "mismatch" if compare(mine, peer) or \
+        input_causes(request_summary(mine), peer.summary) else "match"
+
+
+_TOKENS = st.lists(st.integers(0, 5), max_size=40)
+_INPUTS = st.fixed_dictionaries({}, optional={
+    "lora": st.builds(LoraSpec, st.sampled_from(["a", "b"]), st.sampled_from(["/a", "/b"])),
+    "cache_salt": st.sampled_from(["x", "y"]),
+    "mm": st.lists(st.builds(MMItem, st.sampled_from(["i", "j"]), st.integers(0, 3),
+                             st.integers(1, 3)), max_size=1),
+})
+
+
+@settings(max_examples=300, deadline=None)
+@given(p_tokens=_TOKENS, d_tokens=_TOKENS, p_inputs=_INPUTS, d_inputs=_INPUTS,
+       hbs=st.sampled_from([1, 3, 16]), same=st.booleans())
+def test_verdict_from_input_digests_is_the_full_key_chains(p_tokens, d_tokens, p_inputs,
+                                                          d_inputs, hbs, same):
+    """D judges a match from the input digests alone (its key chain is what a request waits
+    for on D's scheduler): for every pair of requests the verdict is the one D's whole key
+    chain gives.  Fails if an input enters the keys but not the digests."""
+    if same:
+        d_tokens, d_inputs = p_tokens, p_inputs
+    p = engine(hbs=hbs)
+    try:
+        peer = wire(p, V.RequestInputs(p_tokens, p_inputs))
+        d_req = V.RequestInputs(d_tokens, d_inputs)
+        d_req.summary()
+    except HashingError:        # e.g. a multimodal range past the prompt: no server has it
+        return
+    v = V.judge(engine(hbs=hbs), d_req, peer)
+    assert v.status == _full_chain_status(d_req, peer), (v, p_tokens, d_tokens)
+    if same:
+        assert v.status == "match"
 
 
 def test_first_differing_block_is_reported():

@@ -27,6 +27,7 @@ from typing import Any
 
 from pdpatch.hashing.algorithms import ALGORITHMS, cbor_dumps
 from pdpatch.hashing.errors import PeerParamsError
+from pdpatch.hashing.extra_keys import ExtraKeys
 from pdpatch.hashing.fingerprint import fingerprint_diff, fingerprint_of
 from pdpatch.hashing.formats import KEY_FORMATS
 from pdpatch.hashing.keys import BlockKeyHasher
@@ -85,9 +86,14 @@ def tokens_digest(tokens: Sequence[int]) -> str:
 
 
 def request_summary(hasher: BlockKeyHasher) -> dict[str, Any]:
+    """Digests of each input that goes into ``hasher``'s keys."""
+    return summary_of(hasher.tokens, hasher.extra)
+
+
+def summary_of(tokens: Sequence[int], ek: ExtraKeys) -> dict[str, Any]:
     """Digests of each input that goes into the keys, shaped by the release's key format
-    (e.g. the LoRA path only counts where vLLM hashes it, 0.31+)."""
-    ek, tokens = hasher.extra, hasher.tokens
+    (e.g. the LoRA path only counts where vLLM hashes it, 0.31+).  Every input a key depends
+    on is here: equal summaries mean equal keys for one key configuration."""
     pe = ek.prompt_embeds
     return {
         "nt": len(tokens),

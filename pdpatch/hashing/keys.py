@@ -55,9 +55,10 @@ class BlockKeyHasher:
         self.lookahead = config.lookahead
         self.seed: ResolvedSeed | None
         self.none_hash, self.seed = config.resolve_none_hash()
-        self.tokens: list[int] = list(token_ids(prompt))  # a copy: extend() appends to it
-        self.extra = ExtraKeys(self.format, prompt_length=len(self.tokens), lora=lora, mm=mm,
-                               cache_salt=cache_salt, prompt_embeds=prompt_embeds)
+        self.tokens: list[int]
+        self.tokens, self.extra = hashed_inputs(self.format, prompt, lora=lora, mm=mm,
+                                                cache_salt=cache_salt,
+                                                prompt_embeds=prompt_embeds)
         self.keys: list[bytes] = []
         self.keys.extend(self._call())
 
@@ -107,6 +108,15 @@ class BlockKeyHasher:
         # from block 0 the chain reads the list in place (a 32k prompt is not copied again)
         tokens = self.tokens if not done else self.tokens[done * b:(done + count) * b]
         return chain(self.algorithm, parent, tokens, b, extras)
+
+
+def hashed_inputs(fmt: HashFormat, prompt: Iterable[int] = (), **request_inputs: Any
+                  ) -> tuple[list[int], ExtraKeys]:
+    """A request's validated inputs as ``fmt`` hashes them, without hashing anything: the
+    prompt's token ids (a copy: :meth:`BlockKeyHasher.extend` appends to it) and its extra
+    keys (``request_inputs``: lora, mm, cache_salt, prompt_embeds)."""
+    tokens = list(token_ids(prompt))
+    return tokens, ExtraKeys(fmt, prompt_length=len(tokens), **request_inputs)
 
 
 def block_keys(tokens: Iterable[int], config: KeyConfig, **request_inputs: Any

@@ -23,6 +23,7 @@ The ``block_keys`` patch (:mod:`pdpatch.patches.block_keys`) translates vLLM's o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,8 +39,9 @@ from pdpatch.hashing.key_params import (
     compare,
     input_causes,
     request_summary,
+    summary_of,
 )
-from pdpatch.hashing.keys import BlockKeyHasher
+from pdpatch.hashing.keys import BlockKeyHasher, hashed_inputs
 from pdpatch.hashing.seed import derive_none_hash
 
 CANONICAL_ALGO = "sha256_cbor"
@@ -48,6 +50,7 @@ CANONICAL_FORMAT = "0.33.0"
 """The key format of the canonical keys: the newest, which hashes the most of each input (the
 LoRA path as well as its name)."""
 CANONICAL_NONE_HASH = derive_none_hash(get_algorithm(CANONICAL_ALGO), "pdpatch/block-keys/v2")
+_CANONICAL_FMT = format_for(CANONICAL_FORMAT)
 
 
 def canonical_config(hash_block_size: int) -> KeyConfig:
@@ -121,12 +124,26 @@ class RequestInputs:
         """The request's canonical keys at ``hash_block_size``."""
         return canonical_config(hash_block_size).hasher(self.tokens, **self.inputs)
 
+    def summary(self) -> dict[str, Any]:
+        """The digests of the request's inputs as canonical keys hash them (no key chain)."""
+        return summary_of(*hashed_inputs(_CANONICAL_FMT, self.tokens, **self.inputs))
+
+
+def canonical_params(req: RequestInputs, hash_block_size: int, include_keys: int
+                     ) -> dict[str, Any]:
+    """P's canonical keys at ``hash_block_size`` as sent (the keys themselves for prompts of at
+    most ``include_keys`` blocks, their digest always) and the digests of each input."""
+    return build_params(req.canonical(hash_block_size), include_keys=include_keys)
+
 
 def build_p_params(engine: EngineKeys, req: RequestInputs, include_keys: int) -> dict[str, Any]:
-    """What P sends D (JSON-able, bounded): the canonical keys at P's hash block size (the keys
-    themselves for prompts of at most ``include_keys`` blocks, their digest always), the
-    digests of each input, and P's own fingerprint for the log."""
-    params = build_params(req.canonical(engine.hash_block_size), include_keys=include_keys)
+    """What P sends D (JSON-able, bounded): :func:`canonical_params` at P's hash block size
+    and P's own fingerprint for the log."""
+    return with_engine(engine, canonical_params(req, engine.hash_block_size, include_keys))
+
+
+def with_engine(engine: EngineKeys, params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` (from :func:`canonical_params`) with P's own fingerprint added."""
     params["efp"] = engine.compact
     return params
 
@@ -141,10 +158,33 @@ class Verdict:
     transfer, worth one line in the log."""
 
 
+_CANONICAL_FIELDS = ("algo", "nh", "kf", "vllm", "la")
+
+
+@functools.cache
+def _canonical_probe() -> dict[str, Any]:
+    return fingerprint_of(canonical_config(1).validate()).to_dict()
+
+
 def is_canonical(fingerprint: Mapping[str, Any]) -> bool:
     """Whether ``fingerprint`` describes canonical keys (at any hash block size)."""
-    probe = fingerprint_of(canonical_config(1).validate()).to_dict()
-    return all(fingerprint.get(k) == probe[k] for k in ("algo", "nh", "kf", "vllm", "la"))
+    probe = _canonical_probe()
+    return all(fingerprint.get(k) == probe[k] for k in _CANONICAL_FIELDS)
+
+
+def same_request(req: RequestInputs, peer: PeerBlockKeys) -> bool:
+    """Whether P's params describe ``req``, decided from the input digests alone.
+
+    Canonical keys are a function of the request's inputs (tokens, LoRA, salt, multimodal
+    items, embeddings) and of the canonical configuration at P's hash block size.  Equal
+    input digests therefore mean equal keys -- and they cover the partial last block, which
+    keys do not -- so :func:`judge` need not compute D's key chain (the work a request waits
+    for on D's scheduler) to find a match; it does where a digest or the block count differs,
+    to name the cause and the first differing block."""
+    mine = req.summary()
+    hbs = peer.fingerprint["hbs"]
+    blocks = max(0, mine["nt"] - canonical_config(hbs).lookahead) // hbs
+    return peer.num_blocks == blocks and not input_causes(mine, peer.summary)
 
 
 def judge(engine: EngineKeys | None, req: RequestInputs, peer: PeerBlockKeys) -> Verdict:
@@ -157,12 +197,11 @@ def judge(engine: EngineKeys | None, req: RequestInputs, peer: PeerBlockKeys) ->
                        "the keys P sent are not pdpatch's canonical block keys")
     naming = tuple(fingerprint_diff(engine.compact, peer.engine)) \
         if engine is not None and peer.engine else ()
-    mine = req.canonical(peer.fingerprint["hbs"])
-    # equal keys can still hide a difference in the partial last block (or in a prompt
-    # shorter than one block): the input digests cover every token
-    causes = compare(mine, peer) or input_causes(request_summary(mine), peer.summary)
-    if not causes:
+    if same_request(req, peer):
         return Verdict("match", naming=naming)
+    mine = req.canonical(peer.fingerprint["hbs"])
+    # never empty here: a digest or the block count differs
+    causes = compare(mine, peer) or input_causes(request_summary(mine), peer.summary)
     detail = f"P: {peer.num_blocks} prompt blocks, D: {len(mine.keys)}"
     first = first_difference(mine.keys, peer.keys)
     if first is not None:
