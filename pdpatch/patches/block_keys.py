@@ -28,8 +28,14 @@ With this patch:
   ``PYTHONHASHSEED`` -- vLLM's default leaves it unset --, algorithm, block size or release)
   still pair: the canonical keys do not depend on any of it, and D says so once per P.
 
-Cost per remote request: one canonical key chain over the prompt on each side (pdpatch's
-encoder, faster than vLLM's own chain) and one sha256 over the prompt token ids.
+Cost per remote request, kept off the path of its first token where it can be:
+
+* P: one canonical key chain over the prompt (pdpatch's encoder, faster than vLLM's own chain)
+  and the input digests, on a background thread started when P schedules the request, so the
+  prefill's GPU time hides it; taken when the request finishes (computed then if not started).
+* D: the input digests (one sha256 over the prompt token ids, one per other input): equal
+  digests mean equal keys (:func:`pdpatch.hashing.verdict.same_request`).  D computes its key
+  chain only where they differ, to name the cause and the first differing block.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +75,9 @@ digest only.  Bounds the params at ~2.7 KiB."""
 ON_MISMATCH_ENV = config.BLOCK_KEYS_ON_MISMATCH.var
 WARN_INTERVAL_S = 60.0
 MAX_REMEMBERED_PEERS = 256
+MAX_AHEAD = 4096
+"""P's params computed ahead and not yet taken (a request that never finishes is forgotten
+once this many are pending)."""
 
 CAUSE_HINTS: dict[str, str] = {
     "prompt": "D received a different prompt than P prefilled (proxy or tokenizer mismatch)",
@@ -138,10 +148,33 @@ class BlockKeysState(State):
 class Fingerprint:
     """On the object computing block keys (the connector's scheduler half, or vLLM's
     Scheduler; :mod:`pdpatch.attached`): its engine's fingerprint, for the NONE_HASH it was
-    computed with."""
+    computed with, and P's canonical params being computed ahead, by request id."""
 
     none_hash: Any = None
     keys: EngineKeys | None = None
+    ahead: dict[str, KeysAhead] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KeysAhead:
+    """P's canonical params of one request, computed on :func:`_keys_thread` while the request
+    is prefilled, for the hash block size they were started with."""
+
+    hash_block_size: int
+    future: Future
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _keys_thread() -> ThreadPoolExecutor:
+    """The one background thread that computes P's canonical params (made on first use)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(1, thread_name_prefix="pdpatch-block-keys")
+        return _pool
 
 
 def stats() -> dict[str, Any]:
@@ -223,9 +256,9 @@ def _engine_keys_for(holder: Any, version: Version) -> EngineKeys | None:
     none_hash = vllm_sites.live_none_hash()
     if none_hash is None:
         return None
-    cached = attached.peek(holder, NAME)
-    if cached is not None and cached.none_hash == none_hash:
-        return cached.keys
+    held = attached.entry(holder, NAME, Fingerprint)
+    if held.keys is not None and held.none_hash == none_hash:
+        return held.keys
     vcfg = holder.vllm_config
     hbs = vllm_sites.hash_block_size(vcfg, holder.kv_cache_config, version)
     lookahead = getattr(vcfg, "num_hash_lookahead_tokens", 0)
@@ -233,7 +266,7 @@ def _engine_keys_for(holder: Any, version: Version) -> EngineKeys | None:
                      vllm_version=str(version), none_hash=none_hash,
                      pythonhashseed=os.environ.get("PYTHONHASHSEED"),
                      lookahead=lookahead if isinstance(lookahead, int) else 0)
-    attached.put(holder, NAME, Fingerprint(none_hash, ek))
+    held.none_hash, held.keys = none_hash, ek
     return ek
 
 
@@ -249,28 +282,64 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
     return kwargs[name] if name in kwargs else args[index]
 
 
+def _start_ahead(sched: Any, request: Any, version: Version) -> None:
+    """P, when it schedules a request for remote decode: start computing its canonical params
+    on the background thread, so that the prefill's GPU time hides them (they are needed when
+    the request finishes, on the path of its first token).  Nothing here may fail the request:
+    whatever goes wrong, :func:`_p_params` computes them inline as before."""
+    try:
+        from pdpatch.hashing.verdict import canonical_params
+
+        ahead = attached.entry(sched, NAME, Fingerprint).ahead
+        if request.request_id in ahead \
+                or not config.extra_config_allows(NAME, _extra_config(sched)):
+            return
+        engine = _engine_keys_for(sched, version)
+        if engine is None:
+            return
+        if len(ahead) >= MAX_AHEAD:     # requests never finished: forget the oldest
+            ahead.pop(next(iter(ahead))).future.cancel()
+        hbs = engine.hash_block_size
+        ahead[request.request_id] = KeysAhead(hbs, _keys_thread().submit(
+            canonical_params, _request_inputs(request), hbs, MAX_HEX_KEYS))
+    except Exception:
+        return
+
+
+def _p_params(engine: EngineKeys, request: Any, ahead: KeysAhead | None) -> dict[str, Any]:
+    """P's params for a finished request: those computed ahead, or computed now (no job, one
+    for another hash block size, or one still queued behind other requests' -- cancelled)."""
+    from pdpatch.hashing.verdict import build_p_params, with_engine
+
+    if ahead is not None and ahead.hash_block_size == engine.hash_block_size \
+            and not ahead.future.cancel():
+        return with_engine(engine, ahead.future.result())
+    return build_p_params(engine, _request_inputs(request), MAX_HEX_KEYS)
+
+
 def make_p_hook(version: Version) -> Callable[..., Any]:
     """Post-hook on the facade's ``request_finished[_all_groups]``: P enriches the params."""
 
     def p_request_finished(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         result = wrapped(*args, **kwargs)
         try:
-            from pdpatch.hashing.verdict import build_p_params
-
             request = _arg(args, kwargs, 0, "request")
             incoming = request.kv_transfer_params
             if not incoming or not incoming.get("do_remote_decode"):
                 return result
-            _, params = result
-            if not isinstance(params, dict) or not params.get("do_remote_prefill"):
-                return result
             sched = instance.connector_scheduler
-            if not config.extra_config_allows(NAME, _extra_config(sched)):
+            held = attached.peek(sched, NAME)
+            ahead = held.ahead.pop(request.request_id, None) if held is not None else None
+            _, params = result
+            if not isinstance(params, dict) or not params.get("do_remote_prefill") \
+                    or not config.extra_config_allows(NAME, _extra_config(sched)):
+                if ahead is not None:
+                    ahead.future.cancel()
                 return result
             engine = _engine_keys_for(sched, version)
             if engine is None:
                 return result
-            params[PARAMS_KEY] = build_p_params(engine, _request_inputs(request), MAX_HEX_KEYS)
+            params[PARAMS_KEY] = _p_params(engine, request, ahead)
             _count("sent")
         except Exception as exc:  # never fail a finished request over its proof
             _count("errors")
@@ -284,13 +353,16 @@ def make_p_hook(version: Version) -> Callable[..., Any]:
 
 
 def make_d_hook(version: Version) -> Callable[..., Any]:
-    """Pre-hook on the scheduler half's ``get_num_new_matched_tokens``: D checks first."""
+    """Pre-hook on the scheduler half's ``get_num_new_matched_tokens``: D checks first; P
+    starts its params for a request it will prefill (:func:`_start_ahead`)."""
 
     def d_get_num_new_matched_tokens(wrapped: Any, instance: Any, args: tuple,
                                      kwargs: dict) -> Any:
         request = _arg(args, kwargs, 0, "request")
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
+            if params and params.get("do_remote_decode"):
+                _start_ahead(instance, request, version)
             return wrapped(*args, **kwargs)
         memo = params.get(VERDICT_KEY)
         if memo is None:
