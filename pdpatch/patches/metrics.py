@@ -53,17 +53,19 @@ def worker_stats(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     return _attach(stats, instance.build_kv_connector_stats, instance.connector_worker)
 
 
-def _nixl_connector(scheduler: Any, version: Version) -> Any:
-    """The scheduler's connector if it is a NIXL one (pull or push), else None."""
+def _nixl_connector(scheduler: Any, site: vllm_sites.Site | None) -> Any:
+    """The scheduler's connector if it is a NIXL one (pull or push: ``site``, the release's
+    :data:`vllm_sites.CONNECTOR_STATS`), else None."""
     connector = getattr(scheduler, "connector", None)
-    site = vllm_sites.lookup(vllm_sites.CONNECTOR_STATS, version)
     cls = vllm_sites.loaded_class(site) if site is not None else None
     return connector if cls is not None and isinstance(connector, cls) else None
 
 
 def make_scheduler_stats(version: Version) -> Wrapper:
+    site = vllm_sites.lookup(vllm_sites.CONNECTOR_STATS, version)   # once, not every step
+
     def scheduler_stats(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        connector = _nixl_connector(instance, version)
+        connector = _nixl_connector(instance, site)
         if connector is None or not getattr(instance, "log_stats", False) or \
                 not allowed(NAME, instance):
             return wrapped(*args, **kwargs)
@@ -81,12 +83,14 @@ def make_scheduler_stats(version: Version) -> Wrapper:
 
 
 def make_load_outcome(version: Version) -> Wrapper:
+    site = vllm_sites.lookup(vllm_sites.CONNECTOR_STATS, version)
+
     def load_outcome(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         request = arg(args, kwargs, 0, "request", None)
         failed = getattr(request, "request_id", None) in \
             getattr(instance, "failed_recving_kv_req_ids", ())
         result = wrapped(*args, **kwargs)
-        if _nixl_connector(instance, version) is not None and allowed(NAME, instance):
+        if _nixl_connector(instance, site) is not None and allowed(NAME, instance):
             metrics.count(instance, metrics.KV_REQUESTS,
                           *(metrics.LOAD_FAILED if failed else metrics.PULLED))
         return result
