@@ -18,6 +18,10 @@ only (what a build without a C compiler gets), both in the same interleaved runs
 
 A second baseline, vLLM's full request path (a real ``Request`` with
 ``get_request_block_hasher``, i.e. with its per-block extra-key calls), is printed alongside.
+
+A second table (:func:`path_table`) prices what the ``block_keys`` patch leaves on a P/D
+request's path to its first token (D's check, P's params at finish) against that ``Request``
+path at 1,500 and 16,000 tokens (``--path-tokens``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -42,6 +47,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=25)
     ap.add_argument("--seed", default="0", help="PYTHONHASHSEED of both sides")
     ap.add_argument("--wall", action="store_true", help="wall-clock time instead of CPU time")
+    ap.add_argument("--path-tokens", type=lambda v: [int(x) for x in v.split(",")],
+                    default=[1500, 16000], metavar="N,N,...",
+                    help="prompt lengths of the request-path table")
     args = ap.parse_args()
 
     os.environ["PYTHONHASHSEED"] = args.seed  # vLLM's init_none_hash reads it at call time
@@ -66,6 +74,7 @@ def main() -> int:
     print(f"{'algorithm':12} {'vLLM chain':>18} {'pdpatch':>18} {'ratio':>14}   "
           f"{'vLLM Request':>12} {'ratio':>6}   {'pure Python':>11} {'ratio':>6}")
     worst_cbor = None
+    clock = time.perf_counter if args.wall else time.process_time
     for algo in ALGOS:
         fn = get_hash_fn_by_name(algo)
         K.init_none_hash(fn)
@@ -102,7 +111,6 @@ def main() -> int:
         assert ours_pure() == expected, f"{algo}: pdpatch's pure-Python keys differ"
         assert vllm_request() == expected
         times: dict[str, list[float]] = {"chain": [], "ours": [], "request": [], "pure": []}
-        clock = time.perf_counter if args.wall else time.process_time
         for _ in range(args.repeat):
             for name, fn_ in (("chain", vllm_chain), ("ours", ours), ("request", vllm_request),
                               ("pure", ours_pure)):
@@ -121,7 +129,84 @@ def main() -> int:
               f"{med['chain'] / med['pure']:5.2f}x")
     print(f"keys byte-identical for all algorithms; cbor algorithms (median): >= "
           f"{worst_cbor:.2f}x (goal 3x)")
+    path_table(args.path_tokens, args.repeat, clock, bs)
     return 0
+
+
+def path_table(lengths: list[int], repeat: int, clock: Callable[[], float], bs: int) -> None:
+    """What the ``block_keys`` patch leaves on a P/D request's path to its first token, per
+    prompt length, against vLLM's own work on the same prompt: its ``Request``'s block hashes
+    (sha256, computed when every request arrives, P and D alike).
+
+    D's check of P's params (:func:`pdpatch.hashing.verdict.judge`: input digests) and, for
+    comparison, D's whole canonical key chain (what the check ran before it judged from the
+    input digests; still run where a digest differs).  P's params (``canonical_params``): computed
+    on a background thread while the request is prefilled, so only adding P's fingerprint is
+    left on the path when it finishes."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils as K
+    from vllm.v1.request import Request
+
+    from pdpatch.hashing.key_params import compare, input_causes, parse_params, request_summary
+    from pdpatch.hashing.verdict import (
+        RequestInputs,
+        canonical_params,
+        engine_keys,
+        judge,
+        with_engine,
+    )
+
+    fn = get_hash_fn_by_name("sha256")
+    K.init_none_hash(fn)
+    engine = engine_keys(algo="sha256", hash_block_size=bs, vllm_version="0.33.0",
+                         none_hash=K.NONE_HASH, pythonhashseed=os.environ["PYTHONHASHSEED"])
+    print(f"\non a P/D request's path to its first token (hash block size {bs}), median of "
+          f"{repeat} runs; ratio = pdpatch / vLLM's own block hashes of the same prompt")
+    print(f"{'tokens':>7} {'vLLM Request':>12}   {'D check':>8} {'ratio':>6}   "
+          f"{'D key chain':>11} {'ratio':>6}   {'P ahead':>8} {'P at finish':>11} {'ratio':>6}")
+    rng = random.Random(99)
+    for n in lengths:
+        tokens = [rng.randrange(151936) for _ in range(n)]
+        peer = parse_params(with_engine(engine, canonical_params(
+            RequestInputs(tokens, {}), bs, 32)))
+        ahead = canonical_params(RequestInputs(tokens, {}), bs, 32)
+
+        def vllm_request(tokens=tokens) -> object:
+            return Request(request_id="b", prompt_token_ids=tokens,
+                           sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                           block_hasher=K.get_request_block_hasher(bs, fn))
+
+        def d_check(tokens=tokens, peer=peer) -> object:
+            verdict = judge(engine, RequestInputs(tokens, {}), peer)
+            assert verdict.status == "match", verdict
+            return verdict
+
+        def d_chain(tokens=tokens, peer=peer) -> object:
+            mine = RequestInputs(tokens, {}).canonical(bs)
+            assert not compare(mine, peer) and not input_causes(request_summary(mine),
+                                                               peer.summary)
+            return mine
+
+        def p_ahead(tokens=tokens) -> object:
+            return canonical_params(RequestInputs(tokens, {}), bs, 32)
+
+        def p_finish(ahead=ahead) -> object:
+            return with_engine(engine, dict(ahead))
+
+        runs = (("vllm", vllm_request), ("check", d_check), ("chain", d_chain),
+                ("ahead", p_ahead), ("finish", p_finish))
+        times: dict[str, list[float]] = {name: [] for name, _ in runs}
+        for _ in range(repeat):
+            for name, fn_ in runs:
+                t = clock()
+                fn_()
+                times[name].append(clock() - t)
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        print(f"{n:7d} {med['vllm']:9.3f} ms   {med['check']:5.3f} ms "
+              f"{med['check'] / med['vllm']:5.2f}x   {med['chain']:8.3f} ms "
+              f"{med['chain'] / med['vllm']:5.2f}x   {med['ahead']:5.3f} ms "
+              f"{med['finish']:8.4f} ms {med['finish'] / med['vllm']:6.4f}x")
 
 
 if __name__ == "__main__":
