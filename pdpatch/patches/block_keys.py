@@ -302,8 +302,8 @@ def _start_ahead(sched: Any, request: Any, version: Version) -> None:
         hbs = engine.hash_block_size
         ahead[request.request_id] = KeysAhead(hbs, _keys_thread().submit(
             canonical_params, _request_inputs(request), hbs, MAX_HEX_KEYS))
-    except Exception:
-        return
+    except Exception:   # not silent: the finished request computes its params inline and
+        return          # p_request_finished counts and logs what fails there
 
 
 def _p_params(engine: EngineKeys, request: Any, ahead: KeysAhead | None) -> dict[str, Any]:
