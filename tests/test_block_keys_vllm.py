@@ -212,8 +212,10 @@ def test_params_still_queued_are_computed_inline(patched):
     computed on the spot: a request never waits for another one's keys."""
     import threading
 
+    from pdpatch.installer import state_of
+
     gate = threading.Event()
-    bk._keys_thread().submit(gate.wait, 10)       # the one thread busy elsewhere
+    state_of(bk.NAME).keys_thread().submit(gate.wait, 10)   # the one thread busy elsewhere
     try:
         sched, out = _p_scheduled()
         job = _ahead(sched)["req"]

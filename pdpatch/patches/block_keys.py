@@ -136,6 +136,16 @@ class BlockKeysState(State):
         "cause", "D: block-key mismatches and rejections by cause")
     warn: RateLimiter = field(default_factory=RateLimiter)
     once: set[tuple[str, str]] = field(default_factory=set)    # (kind, peer) logged once
+    pool: ThreadPoolExecutor | None = None
+    """The one background thread computing P's canonical params (:meth:`keys_thread`)."""
+
+    def keys_thread(self) -> ThreadPoolExecutor:
+        """The background thread for P's canonical params, made on first use (an idle one
+        exits with its state)."""
+        with self.lock:
+            if self.pool is None:
+                self.pool = ThreadPoolExecutor(1, thread_name_prefix="pdpatch-block-keys")
+            return self.pool
 
     def as_dict(self) -> dict[str, Any]:
         with self.lock:
@@ -157,24 +167,12 @@ class Fingerprint:
 
 @dataclass(frozen=True)
 class KeysAhead:
-    """P's canonical params of one request, computed on :func:`_keys_thread` while the request
-    is prefilled, for the hash block size they were started with."""
+    """P's canonical params of one request, computed on the patch's background thread
+    (:meth:`BlockKeysState.keys_thread`) while the request is prefilled, for the hash block
+    size they were started with."""
 
     hash_block_size: int
     future: Future
-
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _keys_thread() -> ThreadPoolExecutor:
-    """The one background thread that computes P's canonical params (made on first use)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(1, thread_name_prefix="pdpatch-block-keys")
-        return _pool
 
 
 def stats() -> dict[str, Any]:
@@ -300,7 +298,7 @@ def _start_ahead(sched: Any, request: Any, version: Version) -> None:
         if len(ahead) >= MAX_AHEAD:     # requests never finished: forget the oldest
             ahead.pop(next(iter(ahead))).future.cancel()
         hbs = engine.hash_block_size
-        ahead[request.request_id] = KeysAhead(hbs, _keys_thread().submit(
+        ahead[request.request_id] = KeysAhead(hbs, state_of(NAME).keys_thread().submit(
             canonical_params, _request_inputs(request), hbs, MAX_HEX_KEYS))
     except Exception:   # not silent: the finished request computes its params inline and
         return          # p_request_finished counts and logs what fails there
