@@ -344,7 +344,7 @@ MISMATCHES: dict[str, tuple[Side, Side, Any, list[str]]] = {
 MALFORMED: dict[str, Any] = {
     "not_a_dict": _replace_params("v1:" + "ab" * 20),
     "eval_bait_digest": _set("kd", EVAL_BAIT),
-    "pickle_bait": _replace_params({"v": 2, "fp": "gASVCAAAAAAAAACMBHBvc2l4lC4=", "n": 1}),
+    "pickle_bait": _replace_params({"v": 3, "fp": "gASVCAAAAAAAAACMBHBvc2l4lC4=", "n": 1}),
     "oversized_keys": _set("keys", ["00" * 32] * 100_000),
     "huge_string": _set("kd", "a" * 10_000_000),
     "bool_as_int": _set("n", True),
@@ -384,7 +384,7 @@ NAMING: dict[str, list[str]] = {
 
 def run_unchecked(name: str) -> dict[str, Any]:
     """P sends no block keys (stock P), or params of another pdpatch version."""
-    mutate = _drop_params if name == "stock_p" else _set("v", 3)
+    mutate = _drop_params if name == "stock_p" else _set("v", 2)
     return exchange(BASE, BASE, mutate)
 
 

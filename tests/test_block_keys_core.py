@@ -30,9 +30,9 @@ def engine(algo: str = "sha256", seed: str | None = "0", hbs: int = 16,
                           none_hash=none_hash, pythonhashseed=seed)
 
 
-def wire(eng: V.EngineKeys, req: V.RequestInputs):
+def wire(eng: V.EngineKeys, req: V.RequestInputs, include_keys: int = bk.MAX_HEX_KEYS):
     """P's params through JSON and D's parser."""
-    return parse_params(json.loads(json.dumps(V.build_p_params(eng, req, bk.MAX_HEX_KEYS))))
+    return parse_params(json.loads(json.dumps(V.build_p_params(eng, req, include_keys))))
 
 
 def verdict(p: V.EngineKeys, d: V.EngineKeys | None, p_prompt=PROMPT, d_prompt=PROMPT,
@@ -168,14 +168,14 @@ def test_keys_not_computed_canonically_are_rejected():
     assert v.status == "rejected" and v.causes == ("malformed",)
 
 
-def _full_chain_status(req: V.RequestInputs, peer) -> str:
-    """The verdict as it was reached before :func:`V.same_request`: D's whole canonical key
-    chain compared with P's keys, then every input digest."""
-    from pdpatch.hashing.key_params import compare, input_causes, request_summary
+def _full_chain_status(d_req: V.RequestInputs, p_req: V.RequestInputs, hbs: int) -> str:
+    """The verdict from both sides' whole canonical key chains (what neither side computes for
+    a long prompt now), then every input digest (the partial last block)."""
+    from pdpatch.hashing.key_params import input_causes, request_summary
 
-    mine = req.canonical(peer.fingerprint["hbs"])
-    return "mismatch" if compare(mine, peer) or \
-        input_causes(request_summary(mine), peer.summary) else "match"
+    mine, theirs = d_req.canonical(hbs), p_req.canonical(hbs)
+    return "mismatch" if mine.keys != theirs.keys or \
+        input_causes(request_summary(mine), request_summary(theirs)) else "match"
 
 
 _TOKENS = st.lists(st.integers(0, 5), max_size=40)
@@ -189,23 +189,26 @@ _INPUTS = st.fixed_dictionaries({}, optional={
 
 @settings(max_examples=300, deadline=None)
 @given(p_tokens=_TOKENS, d_tokens=_TOKENS, p_inputs=_INPUTS, d_inputs=_INPUTS,
-       hbs=st.sampled_from([1, 3, 16]), same=st.booleans())
+       hbs=st.sampled_from([1, 3, 16]), same=st.booleans(),
+       include_keys=st.sampled_from([0, 2, bk.MAX_HEX_KEYS]))
 def test_verdict_from_input_digests_is_the_full_key_chains(p_tokens, d_tokens, p_inputs,
-                                                          d_inputs, hbs, same):
-    """D judges a match from the input digests alone (its key chain is what a request waits
-    for on D's scheduler): for every pair of requests the verdict is the one D's whole key
-    chain gives.  Fails if an input enters the keys but not the digests."""
+                                                          d_inputs, hbs, same, include_keys):
+    """Neither side computes a long prompt's key chain: P sends the input digests (its keys
+    only up to ``include_keys`` blocks) and D judges from them.  For every pair of requests
+    the verdict is the one both whole key chains give.  Fails if an input enters the keys but
+    not the digests."""
     if same:
         d_tokens, d_inputs = p_tokens, p_inputs
     p = engine(hbs=hbs)
+    p_req, d_req = V.RequestInputs(p_tokens, p_inputs), V.RequestInputs(d_tokens, d_inputs)
     try:
-        peer = wire(p, V.RequestInputs(p_tokens, p_inputs))
-        d_req = V.RequestInputs(d_tokens, d_inputs)
+        peer = wire(p, p_req, include_keys)
         d_req.summary()
     except HashingError:        # e.g. a multimodal range past the prompt: no server has it
         return
+    assert (peer.keys_digest is None) == (not 0 < peer.num_blocks <= include_keys)
     v = V.judge(engine(hbs=hbs), d_req, peer)
-    assert v.status == _full_chain_status(d_req, peer), (v, p_tokens, d_tokens)
+    assert v.status == _full_chain_status(d_req, p_req, hbs), (v, p_tokens, d_tokens)
     if same:
         assert v.status == "match"
 
@@ -237,8 +240,8 @@ def test_params_are_bounded_hex_json():
 
 
 @pytest.mark.parametrize("raw", [
-    None, "x", 1, [], {"v": 2}, {"v": True}, {"v": 1},
-    {"v": 2, "fp": {"algo": "md5"}, "n": 1, "kd": "0" * 32, "x": {}},
+    None, "x", 1, [], {"v": 3}, {"v": True}, {"v": 2},
+    {"v": 3, "fp": {"algo": "md5"}, "n": 1, "kd": "0" * 32, "x": {}},
 ])
 def test_malformed_params_are_rejected(raw):
     with pytest.raises(PeerParamsError):

@@ -141,7 +141,18 @@ def test_params_are_small_hex_json(patched):
     long = replace(sc.BASE, prompt=tuple(range(3, 2003)))       # 125 blocks
     obs = sc.exchange(long, long)
     assert_remote_load(obs)
-    assert "keys" not in obs["sent"] and obs["sent"]["n"] == 125 and obs["sent_bytes"] < 512
+    assert obs["sent"]["n"] == 125 and obs["sent_bytes"] < 512
+    assert "keys" not in obs["sent"] and "kd" not in obs["sent"]   # digests only, no chain
+
+
+def test_a_long_prompt_that_differs_is_caught_from_the_digests(patched):
+    """P computes no key chain for a prompt longer than MAX_HEX_KEYS blocks; D still finds
+    a changed token in its last full block and names the cause."""
+    long = replace(sc.BASE, prompt=tuple(range(3, 2003)))
+    changed = replace(long, prompt=(*long.prompt[:1990], 0, *long.prompt[1991:]))
+    obs = sc.exchange(long, changed)
+    assert_local_compute(obs, len(changed.prompt))
+    assert obs["stats"]["causes"] == {"prompt": 1}, obs["stats"]
 
 
 def test_p_sends_canonical_keys_of_the_prompt(patched):
@@ -158,91 +169,6 @@ def test_p_sends_canonical_keys_of_the_prompt(patched):
     obs = sc.exchange(edge, edge)
     assert len(obs["p_block_hashes"]) == 6 and obs["sent"]["n"] == 5
     assert_remote_load(obs)
-
-
-# ---------------------------------------------------------------------------- P's keys ahead
-
-
-def _p_scheduled(req_id: str = "req") -> tuple[object, object]:
-    """P's vLLM Scheduler with one ``do_remote_decode`` request scheduled (its prefill)."""
-    sched = sc.scheduler(sc.BASE, "kv_producer")
-    req = sc.request(sc.BASE, sched, req_id, {"do_remote_prefill": False,
-                                              "do_remote_decode": True}, max_tokens=1)
-    sched.add_request(req)
-    out = sched.schedule()
-    assert out.num_scheduled_tokens.get(req_id) == sc.PROMPT_LEN
-    return sched, out
-
-
-def _ahead(sched) -> dict:
-    from pdpatch import attached
-
-    held = attached.peek(sched.connector.connector_scheduler, bk.NAME)
-    return {} if held is None else held.ahead
-
-
-def _finish(sched, out, req_id: str = "req") -> dict:
-    outputs = sched.update_from_output(out, sc.runner_output(list(sched.requests.values())))
-    return next(o.kv_transfer_params for eco in outputs.values() for o in eco.outputs
-                if o.request_id == req_id and o.finished)
-
-
-def _inline_params() -> dict:
-    """P's params computed the way they were before they were computed ahead."""
-    from pdpatch.hashing.verdict import RequestInputs, build_p_params
-
-    sched, _ = _p_scheduled("inline")
-    engine = bk._engine_keys_for(sched.connector.connector_scheduler, V)
-    return build_p_params(engine, RequestInputs(sc.BASE.prompt, {}), bk.MAX_HEX_KEYS)
-
-
-def test_p_computes_its_params_while_the_request_is_prefilled(patched):
-    """Scheduling the prefill starts P's canonical params on the background thread; the
-    finished request takes them (the same params as computed inline) and keeps nothing."""
-    sched, out = _p_scheduled()
-    job = _ahead(sched)["req"]
-    job.future.result(timeout=10)
-    params = _finish(sched, out)
-    assert params[bk.PARAMS_KEY] == _inline_params()
-    assert _ahead(sched) == {} and bk.stats()["sent"] == 1
-
-
-def test_params_still_queued_are_computed_inline(patched):
-    """A job still queued behind other requests' when its request finishes is cancelled and
-    computed on the spot: a request never waits for another one's keys."""
-    import threading
-
-    from pdpatch.installer import state_of
-
-    gate = threading.Event()
-    state_of(bk.NAME).keys_thread().submit(gate.wait, 10)   # the one thread busy elsewhere
-    try:
-        sched, out = _p_scheduled()
-        job = _ahead(sched)["req"]
-        params = _finish(sched, out)
-        assert job.future.cancelled()
-        assert params[bk.PARAMS_KEY] == _inline_params()
-    finally:
-        gate.set()
-
-
-def test_a_request_aborted_before_it_finishes_leaves_no_job(patched):
-    from vllm.v1.request import RequestStatus
-
-    sched, _ = _p_scheduled()
-    assert "req" in _ahead(sched)
-    sched.finish_requests("req", RequestStatus.FINISHED_ABORTED)
-    assert _ahead(sched) == {} and bk.stats()["sent"] == 0
-
-
-def test_jobs_of_requests_that_never_finish_are_bounded(patched, monkeypatch):
-    monkeypatch.setattr(bk, "MAX_AHEAD", 2)
-    sched = sc.scheduler(sc.BASE, "kv_producer")
-    for i in range(4):
-        sched.add_request(sc.request(sc.BASE, sched, f"r{i}", {"do_remote_decode": True},
-                                     max_tokens=1))
-    sched.schedule()
-    assert list(_ahead(sched)) == ["r2", "r3"]
 
 
 # ---------------------------------------------------------------------------- mismatch
@@ -334,7 +260,7 @@ def test_malformed_params_are_rejected_cleanly(patched, name):
 
 @pytest.mark.parametrize(("name", "why"), [
     ("stock_p", "sends no block keys"),
-    ("other_version", "sends block-key params version 3, this pdpatch reads version 2"),
+    ("other_version", "sends block-key params version 2, this pdpatch reads version 3"),
 ])
 def test_unchecked_peer_is_loaded_with_one_info_line(patched, name, why):
     obs = sc.run_unchecked(name)

@@ -109,6 +109,30 @@ def test_unexplained_difference_is_reported_as_keys() -> None:
     assert compare(hasher(), parse_params(p)) == ["keys"]
 
 
+def _digests_only(h: BlockKeyHasher, **over) -> dict:
+    """What P sends for a long prompt: no key chain, the input digests stand for it."""
+    from pdpatch.hashing.fingerprint import fingerprint_of
+    from pdpatch.hashing.key_params import digest_params
+
+    return {**json.loads(json.dumps(digest_params(fingerprint_of(h).to_dict(), len(h.keys),
+                                                  h.tokens, h.extra))), **over}
+
+
+def test_digests_only_compare_as_the_keys() -> None:
+    theirs = parse_params(_digests_only(hasher()))
+    assert theirs.keys_digest is None and theirs.keys is None
+    assert compare(hasher(), theirs) == []
+    assert compare(hasher(cache_salt="other"), theirs) == ["cache_salt"]
+    assert compare(hasher(pythonhashseed="1"), theirs) == ["seed"]
+    assert compare(hasher(prompt=PROMPT[:-1]), theirs) == ["prompt"]   # the partial block
+    assert compare(hasher(), parse_params(_digests_only(hasher(), n=7))) == ["keys"]
+
+
+def test_keys_without_their_digest_are_rejected() -> None:
+    with pytest.raises(PeerParamsError, match="'kd'"):
+        parse_params(_digests_only(hasher(), keys=_good()["keys"]))
+
+
 def _good() -> dict:
     return json.loads(json.dumps(build_params(hasher(), include_keys=8)))
 

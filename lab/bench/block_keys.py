@@ -138,24 +138,18 @@ def path_table(lengths: list[int], repeat: int, clock: Callable[[], float], bs: 
     prompt length, against vLLM's own work on the same prompt: its ``Request``'s block hashes
     (sha256, computed when every request arrives, P and D alike).
 
-    D's check of P's params (:func:`pdpatch.hashing.verdict.judge`: input digests) and, for
-    comparison, D's whole canonical key chain (what the check ran before it judged from the
-    input digests; still run where a digest differs).  P's params (``canonical_params``): computed
-    on a background thread while the request is prefilled, so only adding P's fingerprint is
-    left on the path when it finishes."""
+    D's check of P's params (:func:`pdpatch.hashing.verdict.judge`) and P's params for a
+    finished request (:func:`pdpatch.hashing.verdict.build_p_params`): the input digests, and
+    the keys only up to 32 blocks.  For comparison, one side's whole canonical key chain: what
+    each side computed before the digests stood for it (D still does where a digest
+    differs)."""
     from vllm import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils as K
     from vllm.v1.request import Request
 
-    from pdpatch.hashing.key_params import compare, input_causes, parse_params, request_summary
-    from pdpatch.hashing.verdict import (
-        RequestInputs,
-        canonical_params,
-        engine_keys,
-        judge,
-        with_engine,
-    )
+    from pdpatch.hashing.key_params import parse_params
+    from pdpatch.hashing.verdict import RequestInputs, build_p_params, engine_keys, judge
 
     fn = get_hash_fn_by_name("sha256")
     K.init_none_hash(fn)
@@ -164,13 +158,11 @@ def path_table(lengths: list[int], repeat: int, clock: Callable[[], float], bs: 
     print(f"\non a P/D request's path to its first token (hash block size {bs}), median of "
           f"{repeat} runs; ratio = pdpatch / vLLM's own block hashes of the same prompt")
     print(f"{'tokens':>7} {'vLLM Request':>12}   {'D check':>8} {'ratio':>6}   "
-          f"{'D key chain':>11} {'ratio':>6}   {'P ahead':>8} {'P at finish':>11} {'ratio':>6}")
+          f"{'P params':>8} {'ratio':>6}   {'key chain':>9} {'ratio':>6}")
     rng = random.Random(99)
     for n in lengths:
         tokens = [rng.randrange(151936) for _ in range(n)]
-        peer = parse_params(with_engine(engine, canonical_params(
-            RequestInputs(tokens, {}), bs, 32)))
-        ahead = canonical_params(RequestInputs(tokens, {}), bs, 32)
+        peer = parse_params(build_p_params(engine, RequestInputs(tokens, {}), 32))
 
         def vllm_request(tokens=tokens) -> object:
             return Request(request_id="b", prompt_token_ids=tokens,
@@ -182,20 +174,14 @@ def path_table(lengths: list[int], repeat: int, clock: Callable[[], float], bs: 
             assert verdict.status == "match", verdict
             return verdict
 
-        def d_chain(tokens=tokens, peer=peer) -> object:
-            mine = RequestInputs(tokens, {}).canonical(bs)
-            assert not compare(mine, peer) and not input_causes(request_summary(mine),
-                                                               peer.summary)
-            return mine
+        def p_params(tokens=tokens) -> object:
+            return build_p_params(engine, RequestInputs(tokens, {}), 32)
 
-        def p_ahead(tokens=tokens) -> object:
-            return canonical_params(RequestInputs(tokens, {}), bs, 32)
+        def key_chain(tokens=tokens) -> object:
+            return RequestInputs(tokens, {}).canonical(bs)
 
-        def p_finish(ahead=ahead) -> object:
-            return with_engine(engine, dict(ahead))
-
-        runs = (("vllm", vllm_request), ("check", d_check), ("chain", d_chain),
-                ("ahead", p_ahead), ("finish", p_finish))
+        runs = (("vllm", vllm_request), ("check", d_check), ("p", p_params),
+                ("chain", key_chain))
         times: dict[str, list[float]] = {name: [] for name, _ in runs}
         for _ in range(repeat):
             for name, fn_ in runs:
@@ -204,9 +190,9 @@ def path_table(lengths: list[int], repeat: int, clock: Callable[[], float], bs: 
                 times[name].append(clock() - t)
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         print(f"{n:7d} {med['vllm']:9.3f} ms   {med['check']:5.3f} ms "
-              f"{med['check'] / med['vllm']:5.2f}x   {med['chain']:8.3f} ms "
-              f"{med['chain'] / med['vllm']:5.2f}x   {med['ahead']:5.3f} ms "
-              f"{med['finish']:8.4f} ms {med['finish'] / med['vllm']:6.4f}x")
+              f"{med['check'] / med['vllm']:5.2f}x   {med['p']:5.3f} ms "
+              f"{med['p'] / med['vllm']:5.2f}x   {med['chain']:6.3f} ms "
+              f"{med['chain'] / med['vllm']:5.2f}x")
 
 
 if __name__ == "__main__":

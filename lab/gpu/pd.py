@@ -406,7 +406,8 @@ def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False,
     pair first, so two runs with opposite orders cross pdpatch over between the start slots."""
     rng = random.Random(11)
     sides = {"off": Scenario(False, "FLASH_ATTN", "FLASH_ATTN"),
-             "on": Scenario(not control, "FLASH_ATTN", "FLASH_ATTN", d_env=dict(on_env or {}))}
+             "on": Scenario(not control, "FLASH_ATTN", "FLASH_ATTN", p_env=dict(on_env or {}),
+                           d_env=dict(on_env or {}))}
     start_order = ["on", "off"] if on_first else ["off", "on"]
     pairs = {k: start_pair(f"speed-{k}", sides[k], paths) for k in start_order}
     ttft_by_len: dict[str, dict[int, list[float]]] = {k: {} for k in sides}
@@ -925,8 +926,8 @@ def main(argv: list[str] | None = None) -> int:
                     metavar="N,N,...", help="with --speed: its prompt lengths (default: "
                     f"{','.join(map(str, SPEED_LENGTHS))})")
     ap.add_argument("--speed-on-env", action="append", default=[], metavar="NAME=VALUE",
-                    help="with --speed: a setting of the pdpatch pair's D (e.g. "
-                         "PDPATCH_KV_COALESCE=1); repeatable")
+                    help="with --speed: a setting of the pdpatch pair's P and D (e.g. "
+                         "PDPATCH_KV_COALESCE=1, PDPATCH_BLOCK_KEYS=0); repeatable")
     ap.add_argument("--together", action="store_true",
                     help="start every scenario's pair at once (kvcached ones excepted), then "
                          "measure each alone while the others wait idle: saves ~2 min per TP-2 "

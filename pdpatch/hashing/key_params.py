@@ -8,11 +8,17 @@ only dicts/lists/str/int of known shapes, hex of exact lengths, never ``eval`` o
 and checks it against its own keys with :func:`compare`, which returns the causes of a
 mismatch (empty list: the keys are equal).
 
-The dict is O(1) in the prompt length: the number of blocks and a digest of all keys (the last
-key alone chains over the whole prefix, the digest also covers every intermediate key), plus
-optionally the keys themselves for short prompts.  Short digests of each extra-key input let D
-name the cause: ``prompt``, ``lora``, ``cache_salt``, ``mm``, ``prompt_embeds``, besides the
-configuration causes of :func:`pdpatch.hashing.fingerprint.fingerprint_diff`.
+The dict is O(1) in the prompt length: the number of blocks, short digests of each input that
+shapes the keys (``prompt``, ``lora``, ``cache_salt``, ``mm``, ``prompt_embeds``: they name the
+cause of a mismatch, besides the configuration causes of
+:func:`pdpatch.hashing.fingerprint.fingerprint_diff`) and, from :func:`build_params`, a digest of
+all keys (the last key alone chains over the whole prefix, the digest also covers every
+intermediate key), optionally with the keys themselves for short prompts.
+
+:func:`digest_params` leaves the keys out: the key chain is a function of the configuration
+(the fingerprint) and of the inputs (the digests), so the digests decide equality as the keys
+would, and the sender need not compute the chain (P's canonical keys of a long prompt, on the
+path of its first token).
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from pdpatch.hashing.fingerprint import fingerprint_diff, fingerprint_of
 from pdpatch.hashing.formats import KEY_FORMATS
 from pdpatch.hashing.keys import BlockKeyHasher
 
-PARAMS_VERSION = 2
+PARAMS_VERSION = 3
+"""3: ``kd`` optional (:func:`digest_params`); a peer speaking another version is not parsed."""
 DIGEST_HEX = 32
 REQUEST_CAUSES = ("prompt", "lora", "cache_salt", "mm", "prompt_embeds")
 SEED_SOURCES = ("PYTHONHASHSEED", "default", "reported")
@@ -61,7 +68,8 @@ class PeerBlockKeys:
 
     fingerprint: dict[str, Any]
     num_blocks: int
-    keys_digest: str
+    keys_digest: str | None
+    """None where the peer sent digests only (:func:`digest_params`)."""
     keys: tuple[bytes, ...] | None
     summary: dict[str, Any]
     engine: dict[str, Any] | None = None
@@ -123,6 +131,15 @@ def build_params(hasher: BlockKeyHasher, *, include_keys: int = 0) -> dict[str, 
     if 0 < len(keys) <= include_keys:
         params["keys"] = [k.hex() for k in keys]
     return params
+
+
+def digest_params(fingerprint: dict[str, Any], num_blocks: int, tokens: Sequence[int],
+                  ek: ExtraKeys) -> dict[str, Any]:
+    """:func:`build_params` without the keys: the configuration ``fingerprint`` (of
+    :func:`fingerprint_of`), the number of full blocks its keys have and the digests of the
+    inputs (``tokens`` and ``ek`` as :func:`pdpatch.hashing.keys.hashed_inputs` gives them)."""
+    return {"v": PARAMS_VERSION, "fp": fingerprint, "n": num_blocks,
+            "x": summary_of(tokens, ek)}
 
 
 def _fail(what: str, value: Any = None) -> PeerParamsError:
@@ -197,10 +214,12 @@ def parse_params(obj: Any, limits: Limits = DEFAULT_LIMITS) -> PeerBlockKeys:
     fp = _fingerprint(d.get("fp"), limits)
     n = _int(d, "n", 0, limits.max_blocks)
     assert n is not None
-    kd = _hex(d.get("kd"), DIGEST_HEX, "'kd'")
+    kd = None if d.get("kd") is None else _hex(d["kd"], DIGEST_HEX, "'kd'")
     keys = None
     raw = d.get("keys")
     if raw is not None:
+        if kd is None:
+            raise _fail("'keys' come with their digest 'kd'")
         if type(raw) is not list or len(raw) != n or len(raw) > limits.max_keys:
             raise _fail(f"'keys' must be a list of exactly 'n' (<= {limits.max_keys}) keys",
                         raw)
@@ -228,10 +247,13 @@ def compare(hasher: BlockKeyHasher, peer: PeerBlockKeys) -> list[str]:
 
     Causes, in order: configuration (``algo``, ``hash_block_size``, ``seed``, ``key_format``,
     ``pickle_protocol``, ``lookahead``), then request inputs (``prompt``, ``lora``,
-    ``cache_salt``, ``mm``, ``prompt_embeds``); ``keys`` when none of them explains it.
+    ``cache_salt``, ``mm``, ``prompt_embeds``); ``keys`` when none of them explains it.  A
+    peer that sent digests only (no ``kd``) has the same keys where the block count, the
+    configuration and every input digest are the same.
     """
     keys = hasher.keys
-    if len(keys) == peer.num_blocks and keys_digest(keys) == peer.keys_digest \
+    if peer.keys_digest is not None and len(keys) == peer.num_blocks \
+            and keys_digest(keys) == peer.keys_digest \
             and (peer.keys is None or tuple(keys) == peer.keys):
         return []
     causes = fingerprint_diff(fingerprint_of(hasher).to_dict(), peer.fingerprint)
@@ -239,6 +261,8 @@ def compare(hasher: BlockKeyHasher, peer: PeerBlockKeys) -> list[str]:
     # key_format cause is certain
     causes += input_causes(request_summary(hasher), peer.summary,
                            lora_and_salt="key_format" not in causes)
+    if peer.keys_digest is None and not causes and len(keys) == peer.num_blocks:
+        return []
     return causes or ["keys"]
 
 

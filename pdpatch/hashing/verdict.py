@@ -11,10 +11,12 @@ for the transfer: vLLM moves KV by block id and D caches the loaded blocks under
 So both sides compute *canonical* keys: vLLM's block-key chain (:mod:`pdpatch.hashing.keys`)
 with one fixed configuration -- :data:`CANONICAL_ALGO`, :data:`CANONICAL_FORMAT`'s key format and
 a NONE_HASH that is pdpatch's own constant -- at P's hash block size, over each side's own
-tokens and extra-key inputs.  P sends its canonical keys; D recomputes them from its request.
-Equal keys mean the same request, whatever the engines' seeds and algorithms; different keys
-are explained by the per-input digests (``prompt``, ``lora``, ``cache_salt``, ``mm``,
-``prompt_embeds``).  The engines' own fingerprints travel too, for the log only.
+tokens and extra-key inputs.  Equal keys mean the same request, whatever the engines' seeds and
+algorithms.  The keys are a function of the inputs, so P sends the digests of each input
+(``prompt``, ``lora``, ``cache_salt``, ``mm``, ``prompt_embeds``) and the number of blocks, and
+the keys themselves only for short prompts (to name the first differing block): neither side
+computes the key chain of a long prompt unless the digests differ.  The engines' own
+fingerprints travel too, for the log only.
 
 The ``block_keys`` patch (:mod:`pdpatch.patches.block_keys`) translates vLLM's objects into these
 (an :class:`EngineKeys` per engine, a :class:`RequestInputs` per request) and acts on the
@@ -37,6 +39,7 @@ from pdpatch.hashing.key_params import (
     PeerBlockKeys,
     build_params,
     compare,
+    digest_params,
     input_causes,
     request_summary,
     summary_of,
@@ -61,6 +64,16 @@ def canonical_config(hash_block_size: int) -> KeyConfig:
     return KeyConfig(vllm_version=CANONICAL_FORMAT, algo=CANONICAL_ALGO,
                      hash_block_size=hash_block_size, pythonhashseed=None,
                      none_hash=CANONICAL_NONE_HASH)
+
+
+@functools.cache
+def _canonical_fingerprint(hash_block_size: int) -> Fingerprint:
+    return fingerprint_of(canonical_config(hash_block_size).validate())
+
+
+def canonical_blocks(num_tokens: int, hash_block_size: int) -> int:
+    """How many canonical keys a prompt of ``num_tokens`` tokens has (full blocks only)."""
+    return max(0, num_tokens - canonical_config(hash_block_size).lookahead) // hash_block_size
 
 
 @dataclass(frozen=True)
@@ -134,9 +147,15 @@ class RequestInputs:
 
 def canonical_params(req: RequestInputs, hash_block_size: int, include_keys: int
                      ) -> dict[str, Any]:
-    """P's canonical keys at ``hash_block_size`` as sent (the keys themselves for prompts of at
-    most ``include_keys`` blocks, their digest always) and the digests of each input."""
-    return build_params(req.canonical(hash_block_size), include_keys=include_keys)
+    """P's canonical keys at ``hash_block_size`` as sent: the digests of each input and the
+    number of blocks; for prompts of at most ``include_keys`` blocks the keys themselves and
+    their digest too.  A longer prompt's key chain is not computed (P would compute it on the
+    path of the request's first token): D decides from the digests as from the keys."""
+    tokens, ek = hashed_inputs(_CANONICAL_FMT, req.tokens, **req.inputs)
+    blocks = canonical_blocks(len(tokens), hash_block_size)
+    if 0 < blocks <= include_keys:
+        return build_params(req.canonical(hash_block_size), include_keys=include_keys)
+    return digest_params(_canonical_fingerprint(hash_block_size).to_dict(), blocks, tokens, ek)
 
 
 def build_p_params(engine: EngineKeys, req: RequestInputs, include_keys: int) -> dict[str, Any]:
@@ -185,9 +204,8 @@ def same_request(req: RequestInputs, peer: PeerBlockKeys) -> bool:
     for on D's scheduler) to find a match; it does where a digest or the block count differs,
     to name the cause and the first differing block."""
     mine = req.summary()
-    hbs = peer.fingerprint["hbs"]
-    blocks = max(0, mine["nt"] - canonical_config(hbs).lookahead) // hbs
-    return peer.num_blocks == blocks and not input_causes(mine, peer.summary)
+    return peer.num_blocks == canonical_blocks(mine["nt"], peer.fingerprint["hbs"]) \
+        and not input_causes(mine, peer.summary)
 
 
 def judge(engine: EngineKeys | None, req: RequestInputs, peer: PeerBlockKeys) -> Verdict:

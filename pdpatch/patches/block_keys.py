@@ -28,14 +28,13 @@ With this patch:
   ``PYTHONHASHSEED`` -- vLLM's default leaves it unset --, algorithm, block size or release)
   still pair: the canonical keys do not depend on any of it, and D says so once per P.
 
-Cost per remote request, kept off the path of its first token where it can be:
-
-* P: one canonical key chain over the prompt (pdpatch's encoder, faster than vLLM's own chain)
-  and the input digests, on a background thread started when P schedules the request, so the
-  prefill's GPU time hides it; taken when the request finishes (computed then if not started).
-* D: the input digests (one sha256 over the prompt token ids, one per other input): equal
-  digests mean equal keys (:func:`pdpatch.hashing.verdict.same_request`).  D computes its key
-  chain only where they differ, to name the cause and the first differing block.
+Cost per remote request, on the path of its first token: the input digests (one sha256 over
+the prompt token ids, one per other input), on P when the request finishes and on D before it
+loads.  Equal digests mean equal keys (:func:`pdpatch.hashing.verdict.same_request`), so
+neither side computes the key chain of a long prompt: P only for prompts of at most
+:data:`MAX_HEX_KEYS` blocks, whose keys it sends, D only where the digests differ, to name the
+cause and the first differing block.  (P's keys on a background thread, during the prefill,
+hid nothing: that thread competes with the engine's own for the GIL.)
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -75,9 +73,6 @@ digest only.  Bounds the params at ~2.7 KiB."""
 ON_MISMATCH_ENV = config.BLOCK_KEYS_ON_MISMATCH.var
 WARN_INTERVAL_S = 60.0
 MAX_REMEMBERED_PEERS = 256
-MAX_AHEAD = 4096
-"""P's params computed ahead and not yet taken (a request that never finishes is forgotten
-once this many are pending)."""
 
 CAUSE_HINTS: dict[str, str] = {
     "prompt": "D received a different prompt than P prefilled (proxy or tokenizer mismatch)",
@@ -136,16 +131,6 @@ class BlockKeysState(State):
         "cause", "D: block-key mismatches and rejections by cause")
     warn: RateLimiter = field(default_factory=RateLimiter)
     once: set[tuple[str, str]] = field(default_factory=set)    # (kind, peer) logged once
-    pool: ThreadPoolExecutor | None = None
-    """The one background thread computing P's canonical params (:meth:`keys_thread`)."""
-
-    def keys_thread(self) -> ThreadPoolExecutor:
-        """The background thread for P's canonical params, made on first use (an idle one
-        exits with its state)."""
-        with self.lock:
-            if self.pool is None:
-                self.pool = ThreadPoolExecutor(1, thread_name_prefix="pdpatch-block-keys")
-            return self.pool
 
     def as_dict(self) -> dict[str, Any]:
         with self.lock:
@@ -158,21 +143,10 @@ class BlockKeysState(State):
 class Fingerprint:
     """On the object computing block keys (the connector's scheduler half, or vLLM's
     Scheduler; :mod:`pdpatch.attached`): its engine's fingerprint, for the NONE_HASH it was
-    computed with, and P's canonical params being computed ahead, by request id."""
+    computed with."""
 
     none_hash: Any = None
     keys: EngineKeys | None = None
-    ahead: dict[str, KeysAhead] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class KeysAhead:
-    """P's canonical params of one request, computed on the patch's background thread
-    (:meth:`BlockKeysState.keys_thread`) while the request is prefilled, for the hash block
-    size they were started with."""
-
-    hash_block_size: int
-    future: Future
 
 
 def stats() -> dict[str, Any]:
@@ -280,64 +254,28 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
     return kwargs[name] if name in kwargs else args[index]
 
 
-def _start_ahead(sched: Any, request: Any, version: Version) -> None:
-    """P, when it schedules a request for remote decode: start computing its canonical params
-    on the background thread, so that the prefill's GPU time hides them (they are needed when
-    the request finishes, on the path of its first token).  Nothing here may fail the request:
-    whatever goes wrong, :func:`_p_params` computes them inline as before."""
-    try:
-        from pdpatch.hashing.verdict import canonical_params
-
-        ahead = attached.entry(sched, NAME, Fingerprint).ahead
-        if request.request_id in ahead \
-                or not config.extra_config_allows(NAME, _extra_config(sched)):
-            return
-        engine = _engine_keys_for(sched, version)
-        if engine is None:
-            return
-        if len(ahead) >= MAX_AHEAD:     # requests never finished: forget the oldest
-            ahead.pop(next(iter(ahead))).future.cancel()
-        hbs = engine.hash_block_size
-        ahead[request.request_id] = KeysAhead(hbs, state_of(NAME).keys_thread().submit(
-            canonical_params, _request_inputs(request), hbs, MAX_HEX_KEYS))
-    except Exception:   # not silent: the finished request computes its params inline and
-        return          # p_request_finished counts and logs what fails there
-
-
-def _p_params(engine: EngineKeys, request: Any, ahead: KeysAhead | None) -> dict[str, Any]:
-    """P's params for a finished request: those computed ahead, or computed now (no job, one
-    for another hash block size, or one still queued behind other requests' -- cancelled)."""
-    from pdpatch.hashing.verdict import build_p_params, with_engine
-
-    if ahead is not None and ahead.hash_block_size == engine.hash_block_size \
-            and not ahead.future.cancel():
-        return with_engine(engine, ahead.future.result())
-    return build_p_params(engine, _request_inputs(request), MAX_HEX_KEYS)
-
-
 def make_p_hook(version: Version) -> Callable[..., Any]:
     """Post-hook on the facade's ``request_finished[_all_groups]``: P enriches the params."""
 
     def p_request_finished(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         result = wrapped(*args, **kwargs)
         try:
+            from pdpatch.hashing.verdict import build_p_params
+
             request = _arg(args, kwargs, 0, "request")
             incoming = request.kv_transfer_params
             if not incoming or not incoming.get("do_remote_decode"):
                 return result
-            sched = instance.connector_scheduler
-            held = attached.peek(sched, NAME)
-            ahead = held.ahead.pop(request.request_id, None) if held is not None else None
             _, params = result
-            if not isinstance(params, dict) or not params.get("do_remote_prefill") \
-                    or not config.extra_config_allows(NAME, _extra_config(sched)):
-                if ahead is not None:
-                    ahead.future.cancel()
+            if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+                return result
+            sched = instance.connector_scheduler
+            if not config.extra_config_allows(NAME, _extra_config(sched)):
                 return result
             engine = _engine_keys_for(sched, version)
             if engine is None:
                 return result
-            params[PARAMS_KEY] = _p_params(engine, request, ahead)
+            params[PARAMS_KEY] = build_p_params(engine, _request_inputs(request), MAX_HEX_KEYS)
             _count("sent")
         except Exception as exc:  # never fail a finished request over its proof
             _count("errors")
@@ -351,16 +289,13 @@ def make_p_hook(version: Version) -> Callable[..., Any]:
 
 
 def make_d_hook(version: Version) -> Callable[..., Any]:
-    """Pre-hook on the scheduler half's ``get_num_new_matched_tokens``: D checks first; P
-    starts its params for a request it will prefill (:func:`_start_ahead`)."""
+    """Pre-hook on the scheduler half's ``get_num_new_matched_tokens``: D checks first."""
 
     def d_get_num_new_matched_tokens(wrapped: Any, instance: Any, args: tuple,
                                      kwargs: dict) -> Any:
         request = _arg(args, kwargs, 0, "request")
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
-            if params and params.get("do_remote_decode"):
-                _start_ahead(instance, request, version)
             return wrapped(*args, **kwargs)
         memo = params.get(VERDICT_KEY)
         if memo is None:
