@@ -421,7 +421,8 @@ def _targets(version: Version) -> list[Target]:
 
 PATCH = Patch(
     name=NAME,
-    summary="P sends its block keys + fingerprint; D loads remote KV only when they match",
+    summary="P sends digests of the request's inputs (its block keys up to 32 blocks) + "
+            "fingerprint; D loads remote KV only when they match its own",
     versions=vllm_sites.SUPPORTED,
     why_version="the connector hooks and hashing rules were checked against 0.19-0.33 only",
     targets=_targets,
