@@ -30,6 +30,10 @@ VARS: dict[str, str] = {
                            "(lab/rig/wrapper_clock, summed by python -m lab.wrapper_clock)",
     "PDLAB_WRAPPER_CLOCK_STALL_S": "with PDLAB_WRAPPER_CLOCK: print all stacks for a wrapper call "
                                    "running longer than this (off)",
+    "PDLAB_STEP_CLOCK": "a directory: every rig engine, stock or not, times vLLM's per-step calls "
+                        "into it (python -m lab.wrapper_clock DIR --steps)",
+    "PDLAB_STEP_CLOCK_TARGETS": "with PDLAB_STEP_CLOCK: module:qualname,... to time instead of "
+                                "vLLM's step, schedule and update_from_output",
     "PDLAB_BENCH_NO_CTX": "1: gpu_kv_bench peers create no CUDA context before UCX starts",
     "PDLAB_BENCH_NO_IPC_DEFAULT": "1: gpu_kv_bench leaves UCX_CUDA_IPC_ENABLE_GET_ZCOPY unset",
 }

@@ -388,3 +388,18 @@ def test_start_pairs_leaves_kvcached_pairs_to_their_turn(launched, tmp_path):
     assert sorted(pairs) == ["ref-tp12", "tp21"]
     assert sorted(n for n, _, _ in launched) == ["ref-tp12-D", "ref-tp12-P", "tp21-D", "tp21-P"]
     assert {_arg(cmd, "--kv-cache-memory-bytes") for _, cmd, _ in launched} == {str(6 << 30)}
+
+
+def test_step_clock_reaches_stock_engines_and_the_wrapper_clock_only_pdpatch_ones():
+    """A TTFT comparison sets a stock engine's steps beside a pdpatch engine's: the step clock
+    goes on every engine's path, each engine recording into a directory of its own."""
+    both = {"PDLAB_WRAPPER_CLOCK": "/c/w", "PDLAB_STEP_CLOCK": "/c/s"}
+    stock, patched = dict(both), dict(both)
+    assert engines.lab_clocks(stock, "speed-off-D", pdpatch=False) == \
+        [str(engines.WRAPPER_CLOCK)]
+    assert stock == {"PDLAB_STEP_CLOCK": "/c/s/speed-off-D"}
+    assert engines.lab_clocks(patched, "speed-on-D", pdpatch=True) == \
+        [str(engines.WRAPPER_CLOCK)]
+    assert patched == {"PDLAB_WRAPPER_CLOCK": "/c/w/speed-on-D",
+                       "PDLAB_STEP_CLOCK": "/c/s/speed-on-D"}
+    assert engines.lab_clocks({"PDLAB_WRAPPER_CLOCK": "/c/w"}, "ref-D", pdpatch=False) == []

@@ -64,3 +64,39 @@ def test_the_rigs_sitecustomize_directories_chain_to_the_next(tmp_path: Path) ->
                          env={**os.environ, "PYTHONPATH": path}, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.count("next sitecustomize ran") == 1, run.stdout
+
+
+STEP_PROBE = """
+import time
+
+class Engine:
+    def step(self, s):
+        time.sleep(s)
+
+class Other:
+    pass
+"""
+
+
+def test_step_clock_times_whole_calls_in_any_engine(tmp_path: Path) -> None:
+    """The step clock needs no pdpatch (stock engines are timed alike): each call of a target
+    lands in its histogram, whose quantiles are the calls' durations; a target the module
+    lacks is named on stderr and the rest still timed."""
+    (tmp_path / "stepprobe.py").write_text(STEP_PROBE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(engine_env.WRAPPER_CLOCK),
+                                                        str(tmp_path)]),
+           "PDLAB_STEP_CLOCK": str(tmp_path / "steps" / "engine-a"),
+           "PDLAB_STEP_CLOCK_TARGETS": "stepprobe:Engine.step,stepprobe:Other.step"}
+    env.pop("PDLAB_WRAPPER_CLOCK", None)
+    code = "import stepprobe\ne = stepprobe.Engine()\nfor s in [0.01] * 8 + [0.08] * 2: e.step(s)"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "step clock: stepprobe has no Other.step (not timed)" in run.stderr, run.stderr
+    records = wrapper_clock.load_steps(tmp_path / "steps")
+    rec = records["engine-a"]["stepprobe:Engine.step"]
+    assert rec["calls"] == 10 and 230 <= rec["total_ms"] < 400, rec
+    # a bucket's value is within 1.2 % of its calls'
+    assert 9_800 <= wrapper_clock.quantile_us(rec["buckets"], 0.5) < 20_000, rec
+    assert 78_000 <= wrapper_clock.quantile_us(rec["buckets"], 0.95) < 100_000, rec
+    assert "| engine-a | Engine.step | 10 |" in wrapper_clock.step_table(records)

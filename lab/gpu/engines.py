@@ -116,6 +116,19 @@ def kvcached_used(ipc_name: str, shm: Path = Path("/dev/shm")) -> int | None:
     return int.from_bytes(raw[8:16], "little", signed=True) if len(raw) == 24 else None
 
 
+def lab_clocks(env: dict[str, str], name: str, pdpatch: bool) -> list[str]:
+    """The lab clocks' ``sitecustomize`` directory for engine ``name``'s path (none when no
+    clock is asked for), each clock's records given a directory of the engine's own in
+    ``env``: the wrapper clock times pdpatch's wrappers (a pdpatch engine only), the step
+    clock vLLM's steps in every engine."""
+    if not pdpatch:
+        env.pop("PDLAB_WRAPPER_CLOCK", None)
+    clocks = [c for c in ("PDLAB_WRAPPER_CLOCK", "PDLAB_STEP_CLOCK") if env.get(c)]
+    for c in clocks:
+        env[c] = os.path.join(env[c], name)
+    return [str(WRAPPER_CLOCK)] if clocks else []
+
+
 class Engine:
     def __init__(self, name: str, role: str, backend: str, sc: Scenario, paths: Paths,
                  gpus: str | None = None) -> None:
@@ -134,12 +147,11 @@ class Engine:
             self.kvcached_ipc = f"pdpatch-{name}-{os.getpid()}"
             env.update(KVCACHED_ENV, KVCACHED_IPC_NAME=self.kvcached_ipc)
         pdpatch = sc.pdpatch and not (producer and sc.p_stock)
+        clock = lab_clocks(env, name, pdpatch)
         if pdpatch:
-            clock = []
-            if env.get("PDLAB_WRAPPER_CLOCK"):     # one record directory per engine
-                env["PDLAB_WRAPPER_CLOCK"] = os.path.join(env["PDLAB_WRAPPER_CLOCK"], name)
-                clock = [str(WRAPPER_CLOCK)]
             path = [str(REPO / "sitecustomize"), *clock, str(REPO), *path]
+        else:
+            path = [*clock, *path]
         env.pop("PYTHONHASHSEED", None)
         if sc.hashseed is not None:
             env["PYTHONHASHSEED"] = sc.hashseed

@@ -229,7 +229,8 @@ def engine_env(
         # file: another release sharing it would make every engine start re-inspect the model.
         env["VLLM_CACHE_ROOT"] = str(Path.home() / ".cache" / "vllm" / _tree_release(tree))
     old_pp = env.get("PYTHONPATH")
-    clock = str(WRAPPER_CLOCK) if env.get("PDLAB_WRAPPER_CLOCK") else None
+    clock = str(WRAPPER_CLOCK) \
+        if env.get("PDLAB_WRAPPER_CLOCK") or env.get("PDLAB_STEP_CLOCK") else None
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), old_pp, clock,
                                                       str(QUIET_NIXL)]))
     env.update(

@@ -204,8 +204,9 @@ class Engine:
             side_channel_port=self.side_channel_port,
             extra=dict(self.spec.extra_env),
         )
-        if env.get("PDLAB_WRAPPER_CLOCK"):         # one record directory per engine
-            env["PDLAB_WRAPPER_CLOCK"] = os.path.join(env["PDLAB_WRAPPER_CLOCK"], self.spec.name)
+        for clock in ("PDLAB_WRAPPER_CLOCK", "PDLAB_STEP_CLOCK"):   # a directory per engine
+            if env.get(clock):
+                env[clock] = os.path.join(env[clock], self.spec.name)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_fh = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self._log_fh.write(f"$ {' '.join(self.command())}\n".encode())

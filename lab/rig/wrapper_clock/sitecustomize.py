@@ -14,7 +14,15 @@ sums a run's files).  The
 TTFT question it answers: what a request costs in pdpatch's code inside real engines, where
 benchmarks of single functions cannot see the calls per step.  With
 ``PDLAB_WRAPPER_CLOCK_STALL_S=<s>`` it also prints every thread's stack to the engine's log,
-once per call, for a wrapper call running longer than that."""
+once per call, for a wrapper call running longer than that.
+
+``PDLAB_STEP_CLOCK=<dir>`` (on in stock engines too: the rigs put this directory on every
+engine's path when it is set) times vLLM's own per-step calls, whole
+(:data:`STEP_TARGETS`, or ``PDLAB_STEP_CLOCK_TARGETS=module:qualname,...``), into
+``<dir>/step-clock-<pid>.json``: label -> ``calls``, ``total_ms`` and a histogram of the
+durations (``buckets``: bucket ``i`` holds calls of 10**(i/100) us, 2.3 % wide).  The question
+it answers: does a pdpatch engine's step take longer than a stock engine's by more than the
+wrapper clock's own time -- cost that no wrapper shows."""
 
 import os
 import runpy
@@ -22,7 +30,6 @@ import runpy
 
 def _clock(out_dir: str) -> None:
     import atexit
-    import functools
     import itertools
     import json
     import threading
@@ -47,7 +54,6 @@ def _clock(out_dir: str) -> None:
         def clocked(wrapped, instance, args, kwargs):
             inner = 0.0
 
-            @functools.wraps(wrapped)
             def call(*a, **k):
                 nonlocal inner
                 s = time.perf_counter()
@@ -55,6 +61,9 @@ def _clock(out_dir: str) -> None:
                     return wrapped(*a, **k)
                 finally:
                     inner += time.perf_counter() - s
+
+            # not functools.wraps: its ~2 us a call would count as pdpatch's own time
+            call.__name__ = getattr(wrapped, "__name__", "call")
 
             s = time.perf_counter()
             key = next(numbers)
@@ -114,6 +123,77 @@ def _clock(out_dir: str) -> None:
     wrapt.register_post_import_hook(on_installer, "pdpatch.installer")
 
 
+STEP_TARGETS = (
+    "vllm.v1.engine.core:EngineCore.step",
+    "vllm.v1.engine.core:EngineCore.step_with_batch_queue",
+    "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+    "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+)
+
+
+def _steps(out_dir: str, targets: list[str]) -> None:
+    import atexit
+    import math
+    import sys
+    import threading
+    import time
+
+    import wrapt
+
+    totals: dict[str, list] = {}        # label -> [calls, total s, {bucket: calls}]
+    lock = threading.Lock()
+    path = os.path.join(out_dir, f"step-clock-{os.getpid()}.json")
+
+    def record(label: str, took: float) -> None:
+        bucket = max(0, round(100 * math.log10(max(took, 1e-9) * 1e6)))
+        with lock:
+            t = totals.setdefault(label, [0, 0.0, {}])
+            t[0] += 1
+            t[1] += took
+            t[2][bucket] = t[2].get(bucket, 0) + 1
+
+    def timer(label: str):
+        def timed(wrapped, instance, args, kwargs):
+            s = time.perf_counter()
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                record(label, time.perf_counter() - s)
+        return timed
+
+    def hook(module_name: str, qualname: str):
+        def wrap(module) -> None:
+            try:
+                wrapt.wrap_function_wrapper(module, qualname, timer(f"{module_name}:{qualname}"))
+            except AttributeError:
+                print(f"step clock: {module_name} has no {qualname} (not timed)",
+                      file=sys.stderr, flush=True)
+        return wrap
+
+    def dump() -> None:
+        import json
+
+        with lock:
+            data = {k: {"calls": c, "total_ms": tot * 1e3, "buckets": dict(b)}
+                    for k, (c, tot, b) in totals.items()}
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+
+    def every_second() -> None:
+        while True:
+            time.sleep(1.0)
+            dump()
+
+    os.makedirs(out_dir, exist_ok=True)
+    for target in targets:
+        module_name, _, qualname = target.partition(":")
+        wrapt.register_post_import_hook(hook(module_name, qualname), module_name)
+    threading.Thread(target=every_second, daemon=True, name="pdlab-step-clock").start()
+    atexit.register(dump)
+
+
 def _chain() -> None:
     """Import the next ``sitecustomize`` on the path (``lab/rig/site_chain.py``)."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -123,5 +203,9 @@ def _chain() -> None:
 
 if os.environ.get("PDLAB_WRAPPER_CLOCK"):
     _clock(os.environ["PDLAB_WRAPPER_CLOCK"])
+if os.environ.get("PDLAB_STEP_CLOCK"):
+    _steps(os.environ["PDLAB_STEP_CLOCK"],
+           [t for t in os.environ.get("PDLAB_STEP_CLOCK_TARGETS", "").split(",") if t]
+           or list(STEP_TARGETS))
 _chain()
-del _clock, _chain
+del _clock, _steps, _chain
