@@ -90,6 +90,19 @@ _lock = threading.Lock()
 
 
 @dataclass
+class _Undrained:
+    """How many objects hold counts no drain has taken yet.  Every engine step drains (the
+    scheduler's ``make_stats``, the worker's stats) and counts come a few per request, so a
+    step with nothing counted returns at once (:func:`pending`).  With the objects, not with a
+    patch's state: their counts outlive ``reset_state``."""
+
+    owners: int = 0
+
+
+_undrained = _Undrained()
+
+
+@dataclass
 class MetricsState(State):
     """The ``metrics`` patch's per-process state: this process's exporters, by the
     ``NixlPromMetrics`` that built each (none outside a ``/metrics`` server); the newest takes
@@ -134,6 +147,8 @@ def count(owner: Any, metric: str, *labels: str, amount: int = 1) -> None:
                 if parent is None:
                     return
                 mine = object_state(NAME, parent)
+            if not mine.counts:
+                _undrained.owners += 1
             mine.counts[(metric, labels)] = mine.counts.get((metric, labels), 0) + amount
         except (AttributeError, TypeError):    # an object pdpatch cannot keep data on
             logger.debug("pdpatch: %s not counted for a %s [metrics]", metric, type(owner))
@@ -147,14 +162,23 @@ def attribute(obj: Any, owner: Any) -> None:
         object_state(NAME, obj).owner = weakref.ref(owner)
 
 
+def pending() -> bool:
+    """Whether any object holds counts not drained yet (read without the lock: a count made
+    meanwhile goes out with the next drain)."""
+    return _undrained.owners > 0
+
+
 def drain(*owners: Any) -> list[Record]:
     """The counts of ``owners`` since their last drain, as records; forgotten here."""
     records: list[Record] = []
+    if not pending():
+        return records
     with _lock:
         for owner in owners:
             mine = attached.peek(owner, NAME) if owner is not None else None
             if mine is not None and mine.counts:
                 taken, mine.counts = mine.counts, {}
+                _undrained.owners -= 1
                 records += [[m, list(labels), n] for (m, labels), n in taken.items()]
     return records
 

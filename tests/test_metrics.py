@@ -110,3 +110,21 @@ def test_several_api_servers_sum_like_vllm_own(tmp_path):
     assert {k: got.get(k) for k in (PULLED, FAILED, STAGED_BYTES, PARAMS_CHECK, NIXL_FAILED)} \
         == {PULLED: 2.0, FAILED: 2.0, STAGED_BYTES: 8192.0, PARAMS_CHECK: 2.0,
             NIXL_FAILED: 2.0}, got
+
+
+def test_drain_returns_at_once_only_when_no_object_holds_counts():
+    """Every engine step drains; ``pending`` lets a step with nothing counted skip the work,
+    and never while one object still holds counts another's drain did not take."""
+    import types
+
+    a, b = types.SimpleNamespace(), types.SimpleNamespace()
+    metrics.drain(a, b)
+    before = metrics._undrained.owners
+    metrics.count(a, metrics.KV_REQUESTS, *metrics.PULLED)
+    metrics.count(a, metrics.KV_REQUESTS, *metrics.PULLED)
+    metrics.count(b, metrics.STAGED_READS)
+    assert metrics.pending() and metrics._undrained.owners == before + 2
+    assert metrics.drain(b) == [["staged_reads", [], 1]]
+    assert metrics.pending() and metrics.drain(b) == []
+    assert metrics.drain(a) == [["kv_requests", ["pulled", ""], 2]]
+    assert metrics._undrained.owners == before

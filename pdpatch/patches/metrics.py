@@ -48,7 +48,8 @@ def _attach(stats: Any, build: Any, *owners: Any) -> Any:
 
 def worker_stats(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     stats = wrapped(*args, **kwargs)
-    if getattr(instance, "connector_worker", None) is None or not allowed(NAME, instance):
+    if not metrics.pending() or getattr(instance, "connector_worker", None) is None \
+            or not allowed(NAME, instance):
         return stats
     return _attach(stats, instance.build_kv_connector_stats, instance.connector_worker)
 
@@ -65,6 +66,8 @@ def make_scheduler_stats(version: Version) -> Wrapper:
     site = vllm_sites.lookup(vllm_sites.CONNECTOR_STATS, version)   # once, not every step
 
     def scheduler_stats(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if not metrics.pending():       # most steps: nothing counted, nothing to attach
+            return wrapped(*args, **kwargs)
         connector = _nixl_connector(instance, site)
         if connector is None or not getattr(instance, "log_stats", False) or \
                 not allowed(NAME, instance):
