@@ -112,10 +112,10 @@ def test_unexplained_difference_is_reported_as_keys() -> None:
 def _digests_only(h: BlockKeyHasher, **over) -> dict:
     """What P sends for a long prompt: no key chain, the input digests stand for it."""
     from pdpatch.hashing.fingerprint import fingerprint_of
-    from pdpatch.hashing.key_params import digest_params
+    from pdpatch.hashing.key_params import digest_params, request_summary
 
     return {**json.loads(json.dumps(digest_params(fingerprint_of(h).to_dict(), len(h.keys),
-                                                  h.tokens, h.extra))), **over}
+                                                  request_summary(h)))), **over}
 
 
 def test_digests_only_compare_as_the_keys() -> None:

@@ -133,13 +133,12 @@ def build_params(hasher: BlockKeyHasher, *, include_keys: int = 0) -> dict[str, 
     return params
 
 
-def digest_params(fingerprint: dict[str, Any], num_blocks: int, tokens: Sequence[int],
-                  ek: ExtraKeys) -> dict[str, Any]:
+def digest_params(fingerprint: dict[str, Any], num_blocks: int, summary: dict[str, Any]
+                  ) -> dict[str, Any]:
     """:func:`build_params` without the keys: the configuration ``fingerprint`` (of
     :func:`fingerprint_of`), the number of full blocks its keys have and the digests of the
-    inputs (``tokens`` and ``ek`` as :func:`pdpatch.hashing.keys.hashed_inputs` gives them)."""
-    return {"v": PARAMS_VERSION, "fp": fingerprint, "n": num_blocks,
-            "x": summary_of(tokens, ek)}
+    inputs (``summary``, of :func:`summary_of`)."""
+    return {"v": PARAMS_VERSION, "fp": fingerprint, "n": num_blocks, "x": summary}
 
 
 def _fail(what: str, value: Any = None) -> PeerParamsError:

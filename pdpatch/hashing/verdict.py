@@ -151,11 +151,11 @@ def canonical_params(req: RequestInputs, hash_block_size: int, include_keys: int
     number of blocks; for prompts of at most ``include_keys`` blocks the keys themselves and
     their digest too.  A longer prompt's key chain is not computed (P would compute it on the
     path of the request's first token): D decides from the digests as from the keys."""
-    tokens, ek = hashed_inputs(_CANONICAL_FMT, req.tokens, **req.inputs)
-    blocks = canonical_blocks(len(tokens), hash_block_size)
+    summary = req.summary()
+    blocks = canonical_blocks(summary["nt"], hash_block_size)
     if 0 < blocks <= include_keys:
         return build_params(req.canonical(hash_block_size), include_keys=include_keys)
-    return digest_params(_canonical_fingerprint(hash_block_size).to_dict(), blocks, tokens, ek)
+    return digest_params(_canonical_fingerprint(hash_block_size).to_dict(), blocks, summary)
 
 
 def build_p_params(engine: EngineKeys, req: RequestInputs, include_keys: int) -> dict[str, Any]:
