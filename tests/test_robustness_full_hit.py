@@ -22,6 +22,8 @@ Per release, stock (``tests/robust_worker.py::scenario_full_hit_dead_peer``):
 
 from __future__ import annotations
 
+import queue
+
 import pytest
 import robust_matrix
 import robust_worker as rw
@@ -98,3 +100,16 @@ def test_full_hit_dead_peer_on_old_release(ver):
         assert "notify-only receives are never stored from vLLM 0.30.0" in rep["summary"]
         for name in SCENARIOS:
             assert_clean(robust_matrix.scenario(ver, "patched", name), v)
+
+
+def test_guard_skips_its_work_only_when_no_receive_failed():
+    """``get_finished`` runs every engine step; the guard returns the release's own call at
+    once only when its failed-receive collection (a set up to 0.21, a queue from 0.22) is
+    empty: one failed receive, in either, takes the guard's full path (the scenarios above)."""
+    from pdpatch.patches.handshake_failure_guard import _none_failed
+
+    pending: queue.Queue[str] = queue.Queue()
+    assert _none_failed(set()) and _none_failed(pending)
+    pending.put("r-dead")
+    assert not _none_failed(pending) and not _none_failed({"r-dead"})
+    assert not _none_failed(None)          # not the release's state: the guard's checks decide

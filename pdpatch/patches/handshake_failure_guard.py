@@ -71,11 +71,23 @@ def _take_failed(failed: set | queue.Queue, keep: Callable[[str], bool]) -> set[
     return taken
 
 
+def _none_failed(failed: Any) -> bool:
+    """Whether the release's failed-receive collection is empty: the guard has nothing to take
+    then, on every engine step but the few after a failed handshake.  Read without the queue's
+    lock: a handshake thread's failure added after this read is taken at the next call, as one
+    added just after the guard's drain always was."""
+    if isinstance(failed, set):
+        return not failed
+    return isinstance(failed, queue.Queue) and not failed.queue
+
+
 def make_guard(version: Version) -> Wrapper:
     lookup_fault = version in vllm_sites.FAILED_RECV_LOOKUP
 
     def guard_get_finished(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         failed = getattr(instance, "_failed_recv_reqs", None)
+        if _none_failed(failed):
+            return wrapped(*args, **kwargs)        # nothing failed: what the guard returns then
         recving = getattr(instance, "_recving_metadata", None)
         if not allowed(NAME, instance) or not isinstance(failed, (set, queue.Queue)) \
                 or not isinstance(recving, dict):
