@@ -74,8 +74,9 @@ def _take_failed(failed: set | queue.Queue, keep: Callable[[str], bool]) -> set[
 def _none_failed(failed: Any) -> bool:
     """Whether the release's failed-receive collection is empty: the guard has nothing to take
     then, on every engine step but the few after a failed handshake.  Read without the queue's
-    lock: a handshake thread's failure added after this read is taken at the next call, as one
-    added just after the guard's drain always was."""
+    lock: a handshake thread's failure added after this read reaches the release's own call
+    unguarded, as one added just after the guard's drain always could (a window of
+    microseconds, against the handshake's 5 s timeout)."""
     if isinstance(failed, set):
         return not failed
     return isinstance(failed, queue.Queue) and not failed.queue
