@@ -89,17 +89,13 @@ NAME = "metrics"        # the patch that carries these counts: pdpatch.patches.m
 _lock = threading.Lock()
 
 
-@dataclass
-class _Undrained:
-    """How many objects hold counts no drain has taken yet.  Every engine step drains (the
-    scheduler's ``make_stats``, the worker's stats) and counts come a few per request, so a
-    step with nothing counted returns at once (:func:`pending`).  With the objects, not with a
-    patch's state: their counts outlive ``reset_state``."""
-
-    owners: int = 0
-
-
-_undrained = _Undrained()
+_undrained: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+"""The objects that hold counts no drain has taken yet, by ``id``.  Every engine step drains
+(the scheduler's ``make_stats``, the worker's stats) and counts come a few per request, so a
+step with nothing counted returns at once (:func:`pending`).  Weak, so an object collected with
+its counts undrained leaves it (its counts go with it) instead of keeping every later step on
+the full path; by ``id``, as vLLM's objects are told apart by identity, not by ``==``.  With
+the objects, not with a patch's state: their counts outlive ``reset_state``."""
 
 
 @dataclass
@@ -146,11 +142,11 @@ def count(owner: Any, metric: str, *labels: str, amount: int = 1) -> None:
                 parent = mine.owner()
                 if parent is None:
                     return
-                mine = object_state(NAME, parent)
+                mine, owner = object_state(NAME, parent), parent
             if not mine.counts:
-                _undrained.owners += 1
+                _undrained[id(owner)] = owner
             mine.counts[(metric, labels)] = mine.counts.get((metric, labels), 0) + amount
-        except (AttributeError, TypeError):    # an object pdpatch cannot keep data on
+        except (AttributeError, TypeError):    # no __dict__ or no weak reference to keep data
             logger.debug("pdpatch: %s not counted for a %s [metrics]", metric, type(owner))
 
 
@@ -165,7 +161,7 @@ def attribute(obj: Any, owner: Any) -> None:
 def pending() -> bool:
     """Whether any object holds counts not drained yet (read without the lock: a count made
     meanwhile goes out with the next drain)."""
-    return _undrained.owners > 0
+    return len(_undrained) > 0
 
 
 def drain(*owners: Any) -> list[Record]:
@@ -178,7 +174,7 @@ def drain(*owners: Any) -> list[Record]:
             mine = attached.peek(owner, NAME) if owner is not None else None
             if mine is not None and mine.counts:
                 taken, mine.counts = mine.counts, {}
-                _undrained.owners -= 1
+                _undrained.pop(id(owner), None)
                 records += [[m, list(labels), n] for (m, labels), n in taken.items()]
     return records
 

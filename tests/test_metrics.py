@@ -112,19 +112,36 @@ def test_several_api_servers_sum_like_vllm_own(tmp_path):
             NIXL_FAILED: 2.0}, got
 
 
+class _Owner:
+    """An object counts are made for, as vLLM's schedulers and workers are (a ``__dict__``
+    and weak references)."""
+
+
 def test_drain_returns_at_once_only_when_no_object_holds_counts():
     """Every engine step drains; ``pending`` lets a step with nothing counted skip the work,
     and never while one object still holds counts another's drain did not take."""
-    import types
-
-    a, b = types.SimpleNamespace(), types.SimpleNamespace()
+    a, b = _Owner(), _Owner()
     metrics.drain(a, b)
-    before = metrics._undrained.owners
+    before = len(metrics._undrained)
     metrics.count(a, metrics.KV_REQUESTS, *metrics.PULLED)
     metrics.count(a, metrics.KV_REQUESTS, *metrics.PULLED)
     metrics.count(b, metrics.STAGED_READS)
-    assert metrics.pending() and metrics._undrained.owners == before + 2
+    assert metrics.pending() and len(metrics._undrained) == before + 2
     assert metrics.drain(b) == [["staged_reads", [], 1]]
     assert metrics.pending() and metrics.drain(b) == []
     assert metrics.drain(a) == [["kv_requests", ["pulled", ""], 2]]
-    assert metrics._undrained.owners == before
+    assert len(metrics._undrained) == before
+
+
+def test_an_object_collected_with_counts_leaves_the_fast_path_on():
+    """An object garbage-collected before any drain took its counts (an engine torn down
+    mid-request) must not keep every later step of the process on the full path."""
+    import gc
+
+    metrics.drain(*list(metrics._undrained.values()))
+    gone = _Owner()
+    metrics.count(gone, metrics.STAGED_READS)
+    assert metrics.pending()
+    del gone
+    gc.collect()
+    assert not metrics.pending()
