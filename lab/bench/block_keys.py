@@ -21,7 +21,7 @@ A second baseline, vLLM's full request path (a real ``Request`` with
 
 A second table (:func:`path_table`) prices what the ``block_keys`` patch leaves on a P/D
 request's path to its first token (D's check, P's params at finish) against that ``Request``
-path at 1,500 and 16,000 tokens (``--path-tokens``).
+path at 100, 1,500, 4,000 and 16,000 tokens (``--path-tokens``): the GPU runs' lengths.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def main() -> int:
     ap.add_argument("--seed", default="0", help="PYTHONHASHSEED of both sides")
     ap.add_argument("--wall", action="store_true", help="wall-clock time instead of CPU time")
     ap.add_argument("--path-tokens", type=lambda v: [int(x) for x in v.split(",")],
-                    default=[1500, 16000], metavar="N,N,...",
+                    default=[100, 1500, 4000, 16000], metavar="N,N,...",
                     help="prompt lengths of the request-path table")
     args = ap.parse_args()
 
@@ -138,7 +138,8 @@ def path_table(lengths: list[int], repeat: int, clock: Callable[[], float], bs: 
     prompt length, against vLLM's own work on the same prompt: its ``Request``'s block hashes
     (sha256, computed when every request arrives, P and D alike).
 
-    D's check of P's params (:func:`pdpatch.hashing.verdict.judge`) and P's params for a
+    D's check of P's params (:func:`pdpatch.hashing.key_params.parse_params`, then
+    :func:`pdpatch.hashing.verdict.judge`) and P's params for a
     finished request (:func:`pdpatch.hashing.verdict.build_p_params`): the input digests, and
     the keys only up to 32 blocks.  For comparison, one side's whole canonical key chain: what
     each side computed before the digests stood for it (D still does where a digest
@@ -162,15 +163,15 @@ def path_table(lengths: list[int], repeat: int, clock: Callable[[], float], bs: 
     rng = random.Random(99)
     for n in lengths:
         tokens = [rng.randrange(151936) for _ in range(n)]
-        peer = parse_params(build_p_params(engine, RequestInputs(tokens, {}), 32))
+        sent = build_p_params(engine, RequestInputs(tokens, {}), 32)
 
         def vllm_request(tokens=tokens) -> object:
             return Request(request_id="b", prompt_token_ids=tokens,
                            sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
                            block_hasher=K.get_request_block_hasher(bs, fn))
 
-        def d_check(tokens=tokens, peer=peer) -> object:
-            verdict = judge(engine, RequestInputs(tokens, {}), peer)
+        def d_check(tokens=tokens, sent=sent) -> object:
+            verdict = judge(engine, RequestInputs(tokens, {}), parse_params(sent))
             assert verdict.status == "match", verdict
             return verdict
 
