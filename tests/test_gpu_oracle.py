@@ -235,6 +235,26 @@ def test_stage_takes_only_the_kernels_the_engines_load():
     assert not stage.wanted_vllm_member("vllm/vllm-rs")
 
 
+def test_stage_wheels_per_release_replace_or_add_but_never_duplicate_a_module():
+    """0.33 takes oss-harmony instead of openai-harmony (both install ``openai_harmony``) and
+    adds orjson; 0.25.1 takes the list as it is."""
+    assert stage.wheels_for("0.25.1") == stage.WHEELS
+    wheels = stage.wheels_for("0.33.0")
+    names = [w.split("==")[0] for w in wheels]
+    assert len(names) == len(set(names)) and "openai-harmony" not in names
+    assert {"oss-harmony==0.0.11", "orjson==3.13.0", "xgrammar==0.2.8"} <= set(wheels)
+
+
+def test_abi_check_counts_only_torch_symbols_torch_lacks():
+    from lab.gpu import abi_check
+
+    imports = {"aoti_torch_get_numel", "aoti_torch_new_thing", "_ZN3c1010ValueErrorC1Ev",
+               "_ZNSo5flushEv", "cudaMalloc", "memcpy"}
+    exports = {"aoti_torch_get_numel", "_ZN2at5emptyEv"}
+    assert abi_check.missing(imports, exports) == ["_ZN3c1010ValueErrorC1Ev",
+                                                   "aoti_torch_new_thing"]
+
+
 def test_results_table_says_how_d_fared_when_p_was_killed():
     row = {"scenario": "kill-p", "pdpatch": True, "P": "A", "D": "A", "hashseed": "0",
            "start_s": 1.0, "requests": {}, "controls": {},

@@ -1,8 +1,9 @@
 """Build the folder that carries real vLLM GPU engines to the device machine in one run.
 
 The device machine has Python 3.12, torch 2.11.0+cu130, triton, transformers and nvcc, but no
-package registry, and a run carries at most 64 MiB (the repository included).  vLLM 0.22-0.25
-pin exactly torch 2.11 and are CUDA 13 builds, so their compiled kernels load there.  The stage
+package registry, and a run carries at most 64 MiB (the repository included).  vLLM 0.22-0.26
+pin exactly torch 2.11 and are CUDA 13 builds, so their compiled kernels load there; 0.33's
+import nothing 2.11 lacks (:mod:`lab.gpu.abi_check`), see :data:`RELEASES`.  The stage
 holds, each xz-compressed:
 
 * ``vllm_C.so.xz`` -- ``_C_stable_libtorch.abi3.so`` with its CUDA fat binary pruned to sm_90
@@ -39,11 +40,20 @@ REPO = HERE.parents[1]
 LIMIT = 64 << 20
 """What one device run carries: the stage and the repository's tracked files together."""
 VLLM = "0.25.1"
-# Releases whose CUDA wheel pins the device's torch (2.11): 0.22-0.26.  0.27-0.32 pin torch
-# 2.13 and 0.33 torch 2.14, whose CUDA wheels cannot travel in 64 MiB runs.
-RELEASES = ("0.25.1", "0.26.0")
-# What a release needs in a different version than :data:`WHEELS` names (its METADATA).
-WHEEL_PINS = {"0.26.0": {"apache-tvm-ffi": "0.1.10"}}
+# 0.22-0.26 pin the device's torch (2.11).  0.27-0.32 pin torch 2.13 and 0.33 torch 2.14, whose
+# CUDA wheels cannot travel in 64 MiB runs; but from 0.30 the two kernels kept here ask torch
+# for no symbol that 2.11's libraries lack (0.27's FlashAttention 3 still does: two C++
+# symbols), so 0.33 is staged for the device's torch 2.11.  Whether its Python runs on 2.11
+# only the device can say.
+RELEASES = ("0.25.1", "0.26.0", "0.33.0")
+# What a release needs instead of a :data:`WHEELS` entry, by that entry's name (its METADATA's
+# pins; another distribution of the same module), or besides them (a name not in WHEELS):
+# 0.33 imports orjson serving, and openai_harmony from oss-harmony.
+WHEEL_PINS = {
+    "0.26.0": {"apache-tvm-ffi": "apache-tvm-ffi==0.1.10"},
+    "0.33.0": {"apache-tvm-ffi": "apache-tvm-ffi==0.1.11", "xgrammar": "xgrammar==0.2.8",
+               "openai-harmony": "oss-harmony==0.0.11", "orjson": "orjson==3.13.0"},
+}
 KEPT_KERNELS = {
     "vllm/_C_stable_libtorch.abi3.so": "vllm_C.so.xz",
     "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": "fa3.so.xz",
@@ -75,10 +85,11 @@ UCX_MODULE_DROP = ("_ib", "perftest", "rdmacm", "mlx5", "efa", "gda")
 
 
 def wheels_for(release: str) -> list[str]:
-    """:data:`WHEELS` with ``release``'s own pins."""
+    """:data:`WHEELS` with ``release``'s own entries (:data:`WHEEL_PINS`)."""
     pins = WHEEL_PINS.get(release, {})
-    return [f"{w.split('==')[0]}=={pins[w.split('==')[0]]}" if w.split("==")[0] in pins else w
-            for w in WHEELS]
+    names = [w.split("==")[0] for w in WHEELS]
+    return [pins.get(n, w) for n, w in zip(names, WHEELS, strict=True)] + \
+        [req for n, req in pins.items() if n not in names]
 
 
 def wanted_vllm_member(name: str, release: str = VLLM) -> bool:
