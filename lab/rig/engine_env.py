@@ -202,6 +202,10 @@ QUIET_NIXL = Path(__file__).resolve().parent / "quiet_nixl"
 """A ``sitecustomize`` that keeps each engine's idle NIXL progress thread from spinning a core
 (see its docstring); last on the engines' path, after anything a test puts there."""
 
+AMX_PERMISSION = Path(__file__).resolve().parent / "amx_permission"
+"""A ``sitecustomize`` that asks Linux for AMX's tile state before vLLM's CPU attention uses it
+(see its docstring: without it, the AMX kernels die of SIGILL)."""
+
 WRAPPER_CLOCK = Path(__file__).resolve().parent / "wrapper_clock"
 """A ``sitecustomize`` that times pdpatch's wrappers (see its docstring), on the engines' path
 when ``PDLAB_WRAPPER_CLOCK`` names a directory for its records."""
@@ -232,7 +236,7 @@ def engine_env(
     clock = str(WRAPPER_CLOCK) \
         if env.get("PDLAB_WRAPPER_CLOCK") or env.get("PDLAB_STEP_CLOCK") else None
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), old_pp, clock,
-                                                      str(QUIET_NIXL)]))
+                                                      str(AMX_PERMISSION), str(QUIET_NIXL)]))
     env.update(
         {
             "VLLM_TARGET_DEVICE": "cpu",

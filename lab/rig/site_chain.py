@@ -1,5 +1,5 @@
 """Chaining for the rig's ``sitecustomize`` directories (``lab/rig/quiet_nixl``,
-``lab/rig/wrapper_clock``).
+``lab/rig/amx_permission``, ``lab/rig/wrapper_clock``).
 
 Python imports only the first ``sitecustomize`` on ``sys.path``; each of the rig's imports the
 next one, as if it were not there, so the other's, kvcached's or a test's own still runs.
