@@ -4,7 +4,8 @@ from torch's libraries, looked up in that torch's exported symbols.
 The device has torch 2.11 and no package index; 0.27-0.33 pin torch 2.13-2.14, whose CUDA
 wheels cannot travel in 64 MiB runs.  The kernels a stage keeps (:data:`stage.KEPT_KERNELS`)
 are the only compiled code it carries, so if none of their imports is missing from 2.11's
-libraries, they can load there (then only the device can say whether vLLM's Python runs).
+libraries, they can load there (then only the device can say whether vLLM's Python runs:
+0.33.0's does, GPU runs bs-bw; :mod:`lab.gpu.import_sweep` names what a stage still lacks).
 The kernels and torch's libraries are range-read from the index (:mod:`lab.release_files`);
 symbols are read with binutils' ``nm``.
 
