@@ -152,7 +152,7 @@ def test_speed_pairs_each_request_with_its_twin_and_keeps_the_ratios(monkeypatch
     def pd_request(p, d, prompt, max_tokens, timeout_s):
         slower = 1.1 if p.on else 1.0
         moved = None if len(prompt) == 100 else TransferStats(
-            1, 0.002 * (2 if p.on else 1), 1e6, 0, len(prompt), 0, 0)
+            1, 0.002 * (2 if p.on else 1), 1e6, 32, 0, len(prompt), 0, 0)
         dec = Completion([1, 2, 3], [0.0] * 3, 0.1, token_times=[0.0, 0.01, 0.02])
         return PDResult(Completion([1], [0.0], 0.01), dec, 0.04 * len(prompt) / 100 * slower,
                         moved)
@@ -237,12 +237,13 @@ def test_stage_takes_only_the_kernels_the_engines_load():
 
 def test_stage_wheels_per_release_replace_or_add_but_never_duplicate_a_module():
     """0.33 takes oss-harmony instead of openai-harmony (both install ``openai_harmony``) and
-    adds orjson; 0.25.1 takes the list as it is."""
+    adds orjson, compressed-tensors and loguru; 0.25.1 takes the list as it is."""
     assert stage.wheels_for("0.25.1") == stage.WHEELS
     wheels = stage.wheels_for("0.33.0")
     names = [w.split("==")[0] for w in wheels]
     assert len(names) == len(set(names)) and "openai-harmony" not in names
-    assert {"oss-harmony==0.0.11", "orjson==3.13.0", "xgrammar==0.2.8"} <= set(wheels)
+    assert {"oss-harmony==0.0.11", "orjson==3.13.0", "xgrammar==0.2.8",
+            "compressed-tensors==0.17.0", "loguru==0.7.3"} <= set(wheels)
 
 
 def test_abi_check_counts_only_torch_symbols_torch_lacks():
@@ -271,11 +272,12 @@ def test_d_transfer_counters_are_summed_over_labels_and_missing_ones_count_zero(
     page = ("# HELP vllm:nixl_xfer_time_seconds x\n"
             'vllm:nixl_xfer_time_seconds_count{engine="0"} 2.0\n'
             'vllm:nixl_xfer_time_seconds_count{engine="1"} 1.0\n'
-            "vllm:nixl_bytes_transferred_sum 4096.0\n")
+            "vllm:nixl_bytes_transferred_sum 4096.0\n"
+            'vllm:nixl_num_descriptors_sum{engine="0"} 64.0\n')
     after = prometheus_counters(page)
     assert after["vllm:nixl_xfer_time_seconds_count"] == 3.0
     moved = TransferStats.delta({}, after)     # an unreachable /metrics reads as {}
-    assert (moved.transfers, moved.bytes, moved.failed) == (3, 4096.0, 0)
+    assert (moved.transfers, moved.bytes, moved.descriptors, moved.failed) == (3, 4096.0, 64, 0)
 
 
 def test_geometry_and_prompt_lengths_options():

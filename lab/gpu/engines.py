@@ -228,12 +228,12 @@ class Engine:
 
     def pulled(self, prompt: list[int], kvp: dict, salt: str | None = None,
                timeout_s: float = 120.0) -> dict:
-        """A decode with ``kvp``, and how many NIXL transfers (and bytes) it cost D."""
+        """A decode with ``kvp``, and how many NIXL transfers (bytes, descriptors) it cost D."""
         before = self.metrics()
         out = self.complete(prompt, MAX_TOKENS, kvp, salt=salt, timeout_s=timeout_s)
         moved = TransferStats.delta(before, self.metrics())
         out["pulled"], out["bytes"] = moved.transfers, int(moved.bytes)
-        out["xfer_s"] = moved.xfer_time_s
+        out["xfer_s"], out["descriptors"] = moved.xfer_time_s, moved.descriptors
         return out
 
 

@@ -493,8 +493,8 @@ def run_scenario(name: str, sc: Scenario, prompts: dict[str, list[int]], paths: 
             got = pd_request(p, d, prompt)
             base = d.complete(prompt, MAX_TOKENS, salt=BASELINE_SALT)
             entry = {k: got.get(k)
-                     for k in ("error", "pulled", "bytes", "xfer_s", "remote_blocks", "ms",
-                               "p_lp0")}
+                     for k in ("error", "pulled", "bytes", "xfer_s", "descriptors",
+                               "remote_blocks", "ms", "p_lp0")}
             if "error" not in got and "error" not in base:
                 entry["pd"], entry["base"] = got, base
             res["requests"][pname] = entry
@@ -801,8 +801,8 @@ def rejudge_recorded(run: dict, reference: dict) -> dict:
 def markdown(results: list[dict], gpu: str) -> str:
     rows = [f"GPU: {gpu}", "",
             "| scenario | pdpatch | P -> D | PYTHONHASHSEED | start s | intact / requests | "
-            "KV pulled (requests) | D's NIXL time per prompt, ms | max dlp0 | controls caught | "
-            "note |",
+            "KV pulled (requests) | D's NIXL time per prompt, ms (descriptors) | max dlp0 | "
+            "controls caught | note |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         reqs = r["requests"].values()
@@ -840,6 +840,7 @@ def markdown(results: list[dict], gpu: str) -> str:
                      for n, v in k.items() if n != "after"]
             note += f"; P killed: {', '.join(fails)}; after: {k['after']}"
         xfer = ", ".join(f"{n.removeprefix('len')}: {e['xfer_s'] * 1e3:.2f}"
+                         + (f" ({e['descriptors']} d)" if e.get("descriptors") else "")
                          for n, e in r["requests"].items() if e.get("xfer_s"))
         rows.append(f"| {r['scenario']} | {r['pdpatch']} | {r['P']} -> {r['D']} | "
                     f"{r['hashseed']} | {r['start_s']} | {intact}/{len(r['requests'])}"

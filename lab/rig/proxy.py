@@ -178,6 +178,7 @@ class TransferStats:
     transfers: int
     xfer_time_s: float
     bytes: float
+    descriptors: int
     failed: int
     external_hit_tokens: int
     external_query_tokens: int
@@ -192,6 +193,7 @@ class TransferStats:
             transfers=int(d("vllm:nixl_xfer_time_seconds_count")),
             xfer_time_s=d("vllm:nixl_xfer_time_seconds_sum"),
             bytes=d("vllm:nixl_bytes_transferred_sum"),
+            descriptors=int(d("vllm:nixl_num_descriptors_sum")),
             failed=int(d("vllm:nixl_num_failed_transfers_total")),
             external_hit_tokens=int(d("vllm:external_prefix_cache_hits_total")),
             external_query_tokens=int(d("vllm:external_prefix_cache_queries_total")),
