@@ -239,9 +239,11 @@ def test_stage_wheels_per_release_replace_or_add_but_never_duplicate_a_module():
     """0.33 takes oss-harmony instead of openai-harmony (both install ``openai_harmony``) and
     adds orjson, compressed-tensors and loguru; 0.25.1 takes the list as it is."""
     assert stage.wheels_for("0.25.1") == stage.WHEELS
+    for release in stage.RELEASES:
+        names = [w.split("==")[0] for w in stage.wheels_for(release)]
+        assert len(names) == len(set(names)), release
     wheels = stage.wheels_for("0.33.0")
-    names = [w.split("==")[0] for w in wheels]
-    assert len(names) == len(set(names)) and "openai-harmony" not in names
+    assert "openai-harmony" not in [w.split("==")[0] for w in wheels]
     assert {"oss-harmony==0.0.11", "orjson==3.13.0", "xgrammar==0.2.8",
             "compressed-tensors==0.17.0", "loguru==0.7.3"} <= set(wheels)
 

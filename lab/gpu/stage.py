@@ -43,15 +43,18 @@ VLLM = "0.25.1"
 # 0.22-0.26 pin the device's torch (2.11).  0.27-0.32 pin torch 2.13 and 0.33 torch 2.14, whose
 # CUDA wheels cannot travel in 64 MiB runs; but from 0.30 the two kernels kept here ask torch
 # for no symbol that 2.11's libraries lack (0.27's FlashAttention 3 still does: two C++
-# symbols), so 0.33 is staged for the device's torch 2.11; its engines serve there (GPU runs
-# bs-bw), with the packages :data:`WHEEL_PINS` adds.
-RELEASES = ("0.25.1", "0.26.0", "0.33.0")
+# symbols), so 0.30 and 0.33 are staged for the device's torch 2.11; 0.33's engines serve
+# there (GPU runs bs-bw), with the packages :data:`WHEEL_PINS` adds.
+RELEASES = ("0.25.1", "0.26.0", "0.30.0", "0.33.0")
 # What a release needs instead of a :data:`WHEELS` entry, by that entry's name (its METADATA's
 # pins; another distribution of the same module), or besides them (a name not in WHEELS):
-# 0.33 imports orjson serving, openai_harmony from oss-harmony, and compressed_tensors (which
-# imports loguru) loading any model.
+# 0.30 and 0.33 import compressed_tensors (which imports loguru) loading any model, 0.33 also
+# orjson serving and openai_harmony from oss-harmony.  0.30 is the newest release kvcached 0.1.6
+# runs with (its Model Runner V2 adapter covers 0.29-0.30; it refuses 0.33, GPU run bu).
 WHEEL_PINS = {
     "0.26.0": {"apache-tvm-ffi": "apache-tvm-ffi==0.1.10"},
+    "0.30.0": {"apache-tvm-ffi": "apache-tvm-ffi==0.1.11",
+               "compressed-tensors": "compressed-tensors==0.17.0", "loguru": "loguru==0.7.3"},
     "0.33.0": {"apache-tvm-ffi": "apache-tvm-ffi==0.1.11", "xgrammar": "xgrammar==0.2.8",
                "openai-harmony": "oss-harmony==0.0.11", "orjson": "orjson==3.13.0",
                "compressed-tensors": "compressed-tensors==0.17.0", "loguru": "loguru==0.7.3"},
