@@ -384,7 +384,7 @@ class StagingAgent(AgentProxy):
             self.stats.not_staged[reason] += 1
             first = self.stats.not_staged[reason] == 1
         (logger.info if first else logger.debug)(
-            "pdpatch kv_segments: READ posted per segment: %s", reason)
+            "pdpatch kv_segments: READ posted as vLLM built it: %s", reason)
 
 
 def _gap_words(read: StagedRead | ChunkedRead) -> str:

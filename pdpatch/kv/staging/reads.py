@@ -42,8 +42,9 @@ if TYPE_CHECKING:
 
 # Stage a READ only when it posts at most this fraction of vLLM's descriptors.
 MAX_STAGED_FRACTION = 0.75
-FEW_SAVED = ("staging saves under a quarter of the descriptors (blocks far apart, or head "
-             "slices of K and V)")
+FEW_SAVED = ("staging saves under a quarter of the descriptors vLLM's READ posts (NIXL merges "
+             "its runs of blocks already, as on vLLM 0.33's strided lists, or the blocks lie "
+             "far apart, or they are head slices of K and V)")
 # A chunked READ takes at most 1/CHUNKED_SHARE of the staging buffer, so that as many run at
 # once (vLLM posts every request of a step together); its lanes shrink to 1/LANE_SHRINK of
 # that while other READs hold staging, no further: each chunk is one more NIXL READ.
