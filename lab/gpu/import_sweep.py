@@ -15,6 +15,7 @@ import importlib
 import json
 import pkgutil
 from collections import defaultdict
+from typing import Any
 
 
 def sweep(packages: list[str]) -> dict[str, dict[str, list[str]]]:
@@ -24,21 +25,23 @@ def sweep(packages: list[str]) -> dict[str, dict[str, list[str]]]:
     failed: dict[str, list[str]] = {}
     names: list[str] = []
     for pkg in packages:
-        try:
-            mod = importlib.import_module(pkg)
-        except Exception as exc:
-            _record(pkg, exc, missing, failed)
-            continue
-        names.append(pkg)
-        if hasattr(mod, "__path__"):
+        mod = _imported(pkg, missing, failed)
+        if mod is not None and hasattr(mod, "__path__"):
             names += [m.name for m in pkgutil.walk_packages(mod.__path__, pkg + ".",
                                                             onerror=lambda _n: None)]
     for name in names:
-        try:
-            importlib.import_module(name)
-        except (Exception, SystemExit) as exc:  # a module may even call sys.exit
-            _record(name, exc, missing, failed)
+        _imported(name, missing, failed)
     return {"missing": dict(missing), "failed": failed}
+
+
+def _imported(name: str, missing: dict[str, list[str]],
+              failed: dict[str, list[str]]) -> Any:
+    """The module, or None with why it could not be imported recorded."""
+    try:
+        return importlib.import_module(name)
+    except (Exception, SystemExit) as exc:  # a module may even call sys.exit
+        _record(name, exc, missing, failed)
+        return None
 
 
 def _record(name: str, exc: BaseException, missing: dict[str, list[str]],
