@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.gpu import engines
+from lab.gpu import engines, unpack
 from lab.gpu import pd as gpu_pd
 from lab.rig.model import tiny_config
 
@@ -187,8 +187,53 @@ def _arg(cmd: list[str], flag: str) -> str | None:
     return cmd[cmd.index(flag) + 1] if flag in cmd else None
 
 
+def _site(path: Path, release: str = "0.25.1") -> Path:
+    """A site directory that says which vLLM release it holds, as an unpacked stage does."""
+    (path / f"vllm-{release}.dist-info").mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _stage(path: Path, release: str) -> Path:
+    """A stage as ``lab/gpu/stage.py`` writes one: the site's archive (vLLM's package and its
+    dist-info) and the two compressed kernels, here of a few bytes."""
+    import io
+    import lzma
+    import tarfile
+
+    path.mkdir(parents=True)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, data in (("vllm/__init__.py", f"# {release}\n".encode()),
+                           ("vllm/vllm_flash_attn/__init__.py", b""),
+                           (f"vllm-{release}.dist-info/METADATA", b"Name: vllm\n")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    (path / "site.tar.xz").write_bytes(lzma.compress(buf.getvalue()))
+    for name in unpack.KERNELS:
+        (path / name).write_bytes(lzma.compress(f"{name} of {release}".encode()))
+    return path
+
+
+def test_a_site_holds_the_stage_carried_or_is_unpacked_again(tmp_path):
+    """A warm device machine keeps ``/tmp``: run bz carried 0.33.0's stage and ran the 0.30.0
+    left unpacked by the call before.  The same stage is not unpacked twice; another one
+    replaces everything in the site."""
+    site = tmp_path / "site"
+    old, new = _stage(tmp_path / "a", "0.30.0"), _stage(tmp_path / "b", "0.33.0")
+    assert unpack.ensure(old, site) is not None
+    assert unpack.ensure(old, site) is None
+    (site / "vllm" / "left_behind.py").write_text("")
+    assert unpack.ensure(new, site) is not None
+    assert unpack.site_release(site) == "0.33.0"
+    assert (site / "vllm" / "__init__.py").read_text() == "# 0.33.0\n"
+    assert not (site / "vllm" / "left_behind.py").exists()
+    assert (site / unpack.KERNELS["fa3.so.xz"]).read_bytes() == b"fa3.so.xz of 0.33.0"
+
+
 def test_engines_get_tp_a_fixed_kv_cache_and_mla_backends(launched, tmp_path):
-    paths = engines.Paths(tmp_path, tmp_path / "model", tmp_path, tmp_path / "kvc", mla=True)
+    paths = engines.Paths(_site(tmp_path), tmp_path / "model", tmp_path, tmp_path / "kvc",
+                          mla=True)
     p, d, _ = engines.start_pair("fa-triton-tp12", gpu_pd.SCENARIOS["fa-triton-tp12"], paths,
                                  two_gpus=True)
     by_name = {n: (cmd, env) for n, cmd, env in launched}
@@ -204,14 +249,21 @@ def test_engines_get_tp_a_fixed_kv_cache_and_mla_backends(launched, tmp_path):
         assert env["NCCL_NVLS_ENABLE"] == "0" and env["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0"
 
 
-def test_kvcached_d_sizes_its_own_pool_and_starts_first_on_a_shared_gpu(launched, tmp_path):
-    paths = engines.Paths(tmp_path, tmp_path / "model", tmp_path, tmp_path / "kvc")
+@pytest.mark.parametrize(("release", "runner_v2"), [("0.25.1", "0"), ("0.30.0", "1")])
+def test_kvcached_d_sizes_its_own_pool_and_starts_first_on_a_shared_gpu(launched, tmp_path,
+                                                                       release, runner_v2):
+    """...on the model runner kvcached adapts for the release (V1 below 0.29, Model Runner V2
+    from 0.29: it refuses V1 there); P is left to its release's default."""
+    paths = engines.Paths(_site(tmp_path, release), tmp_path / "model", tmp_path,
+                          tmp_path / "kvc")
     engines.start_pair("kvc", gpu_pd.SCENARIOS["kvc"], paths)
-    (d_name, d_cmd, _), (p_name, p_cmd, _) = launched
+    (d_name, d_cmd, d_env), (p_name, p_cmd, p_env) = launched
     assert (d_name, p_name) == ("kvc-D", "kvc-P")
     assert "--kv-cache-memory-bytes" not in d_cmd
     assert _arg(p_cmd, "--kv-cache-memory-bytes") == str(engines.KV_CACHE_BYTES)
     assert _arg(p_cmd, "--attention-backend") == "FLASH_ATTN"
+    assert d_env["VLLM_USE_V2_MODEL_RUNNER"] == runner_v2
+    assert p_env.get("VLLM_USE_V2_MODEL_RUNNER") == os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
 
 
 @pytest.mark.parametrize(("name", "two_gpus", "d_first"), [
@@ -239,7 +291,7 @@ def test_p_starts_with_d_unless_kvcached_d_shares_its_gpu(monkeypatch, tmp_path,
     monkeypatch.setattr(engines.subprocess, "Popen", popen)
     monkeypatch.setattr(engines.Engine, "healthy", healthy)
     monkeypatch.setattr(engines.time, "sleep", lambda s: None)
-    paths = engines.Paths(tmp_path, tmp_path / "model", tmp_path, tmp_path / "kvc")
+    paths = engines.Paths(_site(tmp_path), tmp_path / "model", tmp_path, tmp_path / "kvc")
     engines.start_pair(name, gpu_pd.SCENARIOS[name], paths, two_gpus=two_gpus)
     assert at_p_launch == ([3] if d_first else [0])
 
@@ -254,18 +306,16 @@ def _intact_result(name: str, sc, prompts: dict) -> dict:
 
 
 def _run_rig(monkeypatch, tmp_path: Path, *argv: str) -> Path:
-    """``gpu_pd.main`` on this CPU machine: a stage already unpacked into ``--site`` (so the
-    rig skips unpacking it), no block-key encoder build, no GPU name; returns ``--out``."""
+    """``gpu_pd.main`` on this CPU machine: a stage of a few bytes to unpack, no block-key
+    encoder build, no GPU name; returns ``--out``."""
     import torch
 
-    site = tmp_path / "site"
-    (site / "vllm").mkdir(parents=True)
-    (site / "vllm" / "__init__.py").write_text("")
+    stage = _stage(tmp_path / "stage", "0.25.1")
     monkeypatch.setattr(gpu_pd, "build_encoder", lambda: "skipped")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "no GPU")
     out = tmp_path / "out"
-    assert gpu_pd.main(["--stage", str(tmp_path), "--site", str(site), "--out", str(out),
-                        "--work", str(tmp_path / "work"), *argv]) == 0
+    assert gpu_pd.main(["--stage", str(stage), "--site", str(tmp_path / "site"),
+                        "--out", str(out), "--work", str(tmp_path / "work"), *argv]) == 0
     return out
 
 

@@ -18,6 +18,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lab.gpu.unpack import site_release
 from lab.rig.engine_env import WRAPPER_CLOCK
 from lab.rig.proxy import TransferStats
 from lab.rig.servers import free_port, prometheus_counters
@@ -71,13 +72,26 @@ class Scenario:
 KVCACHED_ENV = {
     "ENABLE_KVCACHED": "true",
     "KVCACHED_CONTIGUOUS_LAYOUT": "false",   # kvcached refuses NixlConnector otherwise
-    "VLLM_USE_V2_MODEL_RUNNER": "0",         # kvcached 0.1.6 patches the V1 runner below 0.29
     "KVCACHED_GPU_UTILIZATION": "0.3",
     # kvcached keeps only 16,000 tokens of freed blocks for prefix hits by default, so the rig's
     # repeated prompts were pulled again (runs z, aa, ab); no cap keeps them until the memory
     # is needed, as stock vLLM does (README's troubleshooting advice)
     "KVCACHED_MAX_CACHED_TOKENS": "-1",
 }
+
+
+def kvcached_env(release: str) -> dict[str, str]:
+    """:data:`KVCACHED_ENV` plus the model runner kvcached 0.1.6 adapts on ``release``: vLLM's V1
+    runner below 0.29, Model Runner V2 from 0.29 (its ``VLLM_MRV2_RANGE``), where it refuses
+    V1 at engine start (``KVCachedConfigError``: runs bx, by asked for V1 on 0.30)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        v2 = Version(release) >= Version("0.29")
+    except InvalidVersion:
+        raise SystemExit(f"no vLLM release known for the kvcached D ({release!r}): "
+                         "is the stage unpacked?") from None
+    return {**KVCACHED_ENV, "VLLM_USE_V2_MODEL_RUNNER": "1" if v2 else "0"}
 
 
 @dataclass(frozen=True)
@@ -145,7 +159,8 @@ class Engine:
                                  "(scripts/gpu_stage.sh --kvcached)")
             path = [str(paths.kvcached), *path]
             self.kvcached_ipc = f"pdpatch-{name}-{os.getpid()}"
-            env.update(KVCACHED_ENV, KVCACHED_IPC_NAME=self.kvcached_ipc)
+            env.update(kvcached_env(site_release(paths.site)),
+                       KVCACHED_IPC_NAME=self.kvcached_ipc)
         pdpatch = sc.pdpatch and not (producer and sc.p_stock)
         clock = lab_clocks(env, name, pdpatch)
         if pdpatch:

@@ -49,6 +49,7 @@ import itertools
 import json
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -255,12 +256,6 @@ def build_encoder() -> str:
     except (OSError, subprocess.SubprocessError) as exc:
         return f"pure Python ({type(exc).__name__}: {getattr(exc, 'stderr', '') or exc})"[:300]
     return f"compiled ({target.name})"
-
-
-def staged_vllm(site: Path) -> str:
-    """The vLLM release unpacked in ``site`` (from its dist-info's name)."""
-    found = sorted(site.glob("vllm-*.dist-info"))
-    return found[0].name.removeprefix("vllm-").removesuffix(".dist-info") if found else "?"
 
 
 def hit_prompts(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
@@ -972,9 +967,11 @@ def main(argv: list[str] | None = None) -> int:
                  "earlier run's tolerances with --tolerances")
     args.out.mkdir(parents=True, exist_ok=True)
     logs = args.work / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    if not (args.site / "vllm" / "__init__.py").exists():
-        print(f"unpacked in {unpack.unpack(args.stage, args.site):.1f}s", flush=True)
+    shutil.rmtree(logs, ignore_errors=True)     # an earlier call's logs are not this run's
+    logs.mkdir(parents=True)
+    took = unpack.ensure(args.stage, args.site)
+    print(f"unpacked in {took:.1f}s" if took is not None else
+          f"{args.stage} already unpacked in {args.site}", flush=True)
     print(f"block-key encoder: {build_encoder()}", flush=True)
     import torch
 
@@ -989,8 +986,8 @@ def main(argv: list[str] | None = None) -> int:
                   kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)))
     gpu = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
            f"{' (P on GPU 0, D on GPU 1, TP 2 on both)' if args.two_gpus else ''}, "
-           f"torch {torch.__version__}, "
-           f"vLLM {staged_vllm(args.site)}, model geometry {args.geometry}, prefix caching on")
+           f"torch {torch.__version__}, vLLM {unpack.site_release(args.site)}, "
+           f"model geometry {args.geometry}, prefix caching on")
     rng = random.Random(7)
     prompts = {f"len{n}": [rng.randrange(3, 512) for _ in range(n)]
                for n in args.prompt_lengths}
