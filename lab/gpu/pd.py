@@ -163,6 +163,11 @@ SCENARIOS: dict[str, Scenario] = {
     "kvc": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, d_kvcached=True,
                     controls=True, load=96,
                     note="kvcached pool on D with pdpatch's defaults, P stock"),
+    # 0.29+: vLLM refuses a head-major P for a token-major D unless its receive-side reorder
+    # is on; pdpatch turns it on only where that reorder is checked (<= 0.28)
+    "kvc-permute": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, d_kvcached=True,
+                            controls=True, d_ktc={"enable_permute_local_kv": True},
+                            note="as kvc, with the operator's enable_permute_local_kv on D"),
     "kvc-unstaged": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, d_kvcached=True,
                              load=96, d_env={"PDPATCH_KV_STAGING_MIB": "0"},
                              note="as kvc, converted READs straight into the VMM pool"),
