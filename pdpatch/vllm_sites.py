@@ -320,22 +320,28 @@ def layout_names(version: Version) -> tuple[str, str]:
 # as bound in the worker module that calls it.  Up to 0.28 it handles only 4-D caches (one K or
 # V tensor `[N, H, bs, D]`, or packed K|V from 0.26); a blocks-first `[N, 2, bs, H, D]` cache
 # (Triton/FlashInfer <= 0.25, FlashAttention 0.23-0.25) raises in `index_copy_` inside
-# `get_finished`, which kills the worker.  0.29 handles 5-D caches itself.
+# `get_finished`, which kills the worker.  0.26-0.31 reshape a token-major packed cache's logical
+# view (see RECEIVE_PERMUTE_SCRAMBLES).  From 0.32 the worker calls only
+# `kv_postprocess_blksize_and_layout_on_receive`, which reads the bytes in memory order itself.
 RECEIVE_PERMUTE = (
     _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "kv_postprocess_layout_on_receive"),
     _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", "kv_postprocess_layout_on_receive"),
-    _site(">=0.24,<0.29", f"{NIXL_PKG}.base_worker", "kv_postprocess_layout_on_receive"),
+    _site(">=0.24,<0.32", f"{NIXL_PKG}.base_worker", "kv_postprocess_layout_on_receive"),
 )
 
 # Releases whose receive-side reorder yields the peer's heads in the right place for every cache
 # shape their backends allocate, through the layout patch's wrapper above (blocks-first caches
 # as their K and V views; 0.26-0.28's token-major packed caches as their memory-order view),
 # checked on each release's real worker code (`pair_reorder*` in test_kv_segments_harness).
-# Stock 0.26-0.28 reshape the *logical* view of a token-major cache, whose logical shape is
+# Stock 0.26-0.31 reshape the *logical* view of a token-major cache, whose logical shape is
 # head-major `(N, H, bs, 2D)` there, instead of its memory order: without the wrapper the
-# reordered blocks come out scrambled.  0.29+ (5-D LBNHC names) not checked yet.
+# reordered blocks come out scrambled (0.29-0.31: vLLM's own function on the LBNHC cache
+# kvcached's Model Runner V2 pools hold, `receive_reorder` in tests/robust_worker.py; on GPU
+# engines run cc, 0.30 with the operator's flag: 0/6 answers intact).  The pair through
+# the 0.29+ worker (5-D LBNHC names) is not checked end to end on CPU yet, so pdpatch does not
+# turn the flag on itself there.
 RECEIVE_PERMUTE_SOUND = VersionRange(">=0.19,<0.29")
-RECEIVE_PERMUTE_SCRAMBLES = VersionRange(">=0.26,<0.29")
+RECEIVE_PERMUTE_SCRAMBLES = VersionRange(">=0.26,<0.32")
 
 
 def reorders_heads_on_receive(worker: Any, meta: Any, version: Version) -> bool:

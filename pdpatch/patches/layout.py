@@ -229,16 +229,16 @@ def let_decode_reorder(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
 
 
 def reorder_in_memory_order(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Wrapper of vLLM's ``kv_postprocess_layout_on_receive(cache, indices)`` (0.19-0.28),
+    """Wrapper of vLLM's ``kv_postprocess_layout_on_receive(cache, indices)`` (0.19-0.31),
     which reads a cache's *logical* shape as ``[N, bs, H, D]`` and its bytes in that order.
 
     * a blocks-first cache ``[N, 2, bs, H, D]`` (Triton/FlashInfer <= 0.25, FlashAttention
       0.23-0.25) is reordered as its K and its V views; stock raises in ``get_finished`` and
       the decode worker dies on the first block it receives;
     * a token-major cache whose logical shape is head-major ``[N, H, bs, 2D]`` with its bytes in
-      ``[N, bs, H, 2D]`` order (0.26-0.28's packed K|V) is handed over as its memory-order
-      view; stock reinterprets the bytes in logical order and the received blocks come out
-      scrambled, with no error.
+      ``[N, bs, H, 2D]`` order (0.26-0.31's packed K|V; from 0.29 the LBNHC cache of kvcached's
+      Model Runner V2 pools) is handed over as its memory-order view; stock reinterprets the
+      bytes in logical order and the received blocks come out scrambled, with no error.
     Any other cache is the release's own case."""
     cache = args[0] if args else kwargs["cache"]
     indices = args[1] if len(args) > 1 else kwargs["indices"]
