@@ -13,6 +13,7 @@ import pytest
 HERE = Path(__file__).parent
 CHILD = HERE / "activation_child.py"
 SUMMARY = "[pdpatch] pdpatch: pid="
+XDIST_SPREAD = True      # each test starts its own processes (tests/xdist_groups.py)
 
 
 def run_child(mode: str, *, enable: bool, flags: tuple[str, ...] = ()) -> tuple[dict, str]:

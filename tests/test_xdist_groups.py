@@ -1,7 +1,7 @@
 """The test command's worker split (``tests/xdist_groups.py``) really groups: a small suite run
-with ``-n 2 --dist loadgroup`` as ``scripts/run_tests.sh`` does.  Before the fix, pytest 9.2
-with pytest-xdist 3.8 spread every group over both workers (module fixtures built twice, each
-release's reports computed twice)."""
+with ``--dist loadgroup`` as ``scripts/run_tests.sh`` does (on two workers here).  Before the
+fix, pytest 9.2 with pytest-xdist 3.8 spread every group over both workers (module fixtures
+built twice, each release's reports computed twice)."""
 
 from __future__ import annotations
 
@@ -36,11 +36,26 @@ def test_release_group(ver, n):
     seen(ver)
 '''
 
+SPREAD = '''
+import os
+import time
+import pytest
+
+XDIST_SPREAD = True
+
+@pytest.mark.parametrize("n", range(20))
+def test_spread(n):
+    time.sleep(0.05)
+    with open(os.environ["SEEN"], "a") as f:
+        f.write(f"spread {os.environ['PYTEST_XDIST_WORKER']}\\n")
+'''
+
 
 def test_each_group_runs_on_one_worker(tmp_path: Path) -> None:
     (tmp_path / "conftest.py").write_text(
         "from xdist_groups import pytest_collection_modifyitems  # noqa: F401\n")
     (tmp_path / "test_suite.py").write_text(SUITE)
+    (tmp_path / "test_spread.py").write_text(SPREAD)
     seen = tmp_path / "seen.txt"
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         "-n", "2", "--dist", "loadgroup", str(tmp_path)],
@@ -54,8 +69,11 @@ def test_each_group_runs_on_one_worker(tmp_path: Path) -> None:
         tag, worker = line.split()
         workers[tag].add(worker)
         count[tag] += 1
-    assert count == {"module-fixture": 1, "module": 20, "0.19.1": 20, "0.20.2": 20}
+    assert count == {"module-fixture": 1, "module": 20, "0.19.1": 20, "0.20.2": 20,
+                     "spread": 20}
+    spread = workers.pop("spread")
     assert all(len(w) == 1 for w in workers.values()), dict(workers)
+    assert len(spread) == 2, spread            # XDIST_SPREAD: each test a group of its own
     # three groups on two workers: both were used
     assert len(set().union(*workers.values())) == 2, dict(workers)
 

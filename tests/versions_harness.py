@@ -221,7 +221,7 @@ def child_env(version: str, env: dict[str, str] | None = None) -> dict[str, str]
 
 
 def _check_worker_group(version: str) -> None:
-    """Under the test command's ``-n 2 --dist loadgroup`` every test taking a release parameter
+    """Under the test command's ``--dist loadgroup`` every test taking a release parameter
     runs in that release's group (``tests/xdist_groups.py``), where the callers cache their
     reports; a test outside the group would run the release's code again on the other worker
     (a test hard-coding 0.21.0 once cost CI 73 s that way).  Node ids carry the group only

@@ -1,10 +1,12 @@
-"""Which pytest-xdist worker runs which test (``pytest -n 2 --dist loadgroup``).
+"""Which pytest-xdist worker runs which test (``pytest -n 4 --dist loadgroup``).
 
 Every test of one old vLLM release runs on one worker: a release's subprocess reports are
 cached per process (one subprocess per release and test family), so spreading a release over
 the workers would run its real code twice for the same facts.  Every other test runs with the
 rest of its module, so that module-scoped fixtures (a pool of 23 releases' hashers, a NIXL
-bench run) are built once.
+bench run) are built once -- unless the module sets ``XDIST_SPREAD = True``: independent tests
+that each start their own processes (``test_activation.py``'s ~320 s ran last, alone, on one
+worker while the others idled).
 
 ``--dist loadgroup`` groups the node ids that end in ``@group``.  pytest-xdist 3.8 writes that
 suffix into ``item._nodeid``, which pytest 9.2 no longer reads (node ids come from the
@@ -15,6 +17,8 @@ pytest reads, and a worker whose collected ids lack it stops the run instead of 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 
@@ -23,6 +27,8 @@ def group_of(item: pytest.Item) -> str:
     release = params.get("ver") or params.get("version")
     if isinstance(release, str) and release[:1].isdigit():
         return f"vllm-{release}"
+    if getattr(getattr(item, "module", None), "XDIST_SPREAD", False):
+        return re.sub(r"[\[\]@]", "_", item.nodeid)      # a group of its own
     return item.nodeid.split("::", 1)[0]
 
 
