@@ -264,7 +264,7 @@ LAYOUT_FORCE = Setting("PDPATCH_LAYOUT_FORCE", "switch", "0",
                        patch="layout")
 LAYOUT_PERMUTE = Setting(
     "PDPATCH_LAYOUT_PERMUTE", "switch", "1",
-    "a token-major decode engine turns on vLLM's own `enable_permute_local_kv` (0.19-0.25), "
+    "a token-major decode engine turns on vLLM's own `enable_permute_local_kv` (0.19-0.33), "
     "so stock head-major prefill engines pair with it", patch="layout")
 BLOCK_KEYS_ON_MISMATCH = Setting(
     "PDPATCH_BLOCK_KEYS_ON_MISMATCH", "choice", "recompute",

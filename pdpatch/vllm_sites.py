@@ -331,16 +331,14 @@ RECEIVE_PERMUTE = (
 
 # Releases whose receive-side reorder yields the peer's heads in the right place for every cache
 # shape their backends allocate, through the layout patch's wrapper above (blocks-first caches
-# as their K and V views; 0.26-0.28's token-major packed caches as their memory-order view),
-# checked on each release's real worker code (`pair_reorder*` in test_kv_segments_harness).
-# Stock 0.26-0.31 reshape the *logical* view of a token-major cache, whose logical shape is
-# head-major `(N, H, bs, 2D)` there, instead of its memory order: without the wrapper the
-# reordered blocks come out scrambled (0.29-0.31: vLLM's own function on the LBNHC cache
-# kvcached's Model Runner V2 pools hold, `receive_reorder` in tests/robust_worker.py; on GPU
-# engines run cc, 0.30 with the operator's flag: 0/6 answers intact).  The pair through
-# the 0.29+ worker (5-D LBNHC names) is not checked end to end on CPU yet, so pdpatch does not
-# turn the flag on itself there.
-RECEIVE_PERMUTE_SOUND = VersionRange(">=0.19,<0.29")
+# as their K and V views; 0.26-0.31's token-major packed caches as their memory-order view),
+# checked on each release's real worker code (`pair_reorder*` in test_kv_segments_harness,
+# which sets 0.29+'s resolved LBNHC/LBHNC layout per side).  Stock 0.26-0.31 reshape the
+# *logical* view of a token-major cache, whose logical shape is head-major `(N, H, bs, 2D)`
+# there, instead of its memory order: without the wrapper the reordered blocks come out
+# scrambled, with no error (on GPU engines, run cc: vLLM 0.30, a kvcached decode engine with
+# the flag vLLM's own handshake error advises, 0/6 answers intact).  0.32 reads memory order.
+RECEIVE_PERMUTE_SOUND = VersionRange(">=0.19,<0.34")
 RECEIVE_PERMUTE_SCRAMBLES = VersionRange(">=0.26,<0.32")
 
 

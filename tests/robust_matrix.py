@@ -39,8 +39,6 @@ def scenarios_for(version: str) -> list[str]:
         names += ["spec_types", "readback_bidirectional"]
     if v >= Version("0.24"):
         names.append("rejected_push")      # the push connector exists from 0.24
-    if v >= Version("0.26"):
-        names.append("receive_reorder")    # packed K|V caches from 0.26
     return names
 
 

@@ -1130,34 +1130,7 @@ def scenario_readback(extra: dict | None = None) -> dict[str, Any]:
             "warnings": warnings}
 
 
-def scenario_receive_reorder() -> dict[str, Any]:
-    """The release's receive-side reorder (``enable_permute_local_kv``), called as its worker
-    calls it (the name bound in the worker module), on head-major blocks 1-3 written raw into a
-    token-major packed cache: logical ``(N, H, bs, 2D)`` with its bytes in ``(N, bs, H, 2D)``
-    order, as vLLM 0.26+ allocates LBNHC/NHD and kvcached's pools hold it.  Which blocks then
-    hold the peer's values, and whether the others were left alone."""
-    import torch
-
-    mod = worker_module()
-    n, h, bs, c = 6, 4, 16, 8
-    peer = torch.arange(n * h * bs * c, dtype=torch.float32).reshape(n, h, bs, c)
-    memory = torch.zeros(n, bs, h, c)
-    blocks = [1, 2, 3]
-    for b in blocks:
-        memory[b].view(-1).copy_(peer[b].reshape(-1))     # as NIXL writes them: bytes as sent
-    cache, indices = memory.permute(0, 2, 1, 3), torch.tensor(blocks)
-    if hasattr(mod, "kv_postprocess_layout_on_receive"):
-        name = "kv_postprocess_layout_on_receive"
-        mod.kv_postprocess_layout_on_receive(cache, indices)
-    else:
-        name = "kv_postprocess_blksize_and_layout_on_receive"
-        mod.kv_postprocess_blksize_and_layout_on_receive(cache, indices, 1)
-    return {"function": name, "right": [b for b in blocks if torch.equal(cache[b], peer[b])],
-            "others_untouched": all(not cache[b].any() for b in range(n) if b not in blocks)}
-
-
 SCENARIOS = {
-    "receive_reorder": scenario_receive_reorder,
     "block_ids": scenario_block_ids,
     "block_ids_ratio": scenario_block_ids_ratio,
     "transport": scenario_transport,

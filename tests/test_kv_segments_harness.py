@@ -83,11 +83,16 @@ def physical_order(backend: type, shape: tuple[int, ...]) -> tuple[tuple[int, ..
 
 
 def allocate(backend: type, num_blocks: int, block_size: int, heads: int, seed: int,
-             layers: list[str]) -> dict[str, torch.Tensor]:
+             layers: list[str], token_major: bool = False) -> dict[str, torch.Tensor]:
     """Random KV tensors allocated like vLLM's model runner: physical order from the backend's
-    stride order, then permuted back to the logical shape."""
-    physical, inverse = physical_order(backend, logical_shape(backend, num_blocks, block_size,
-                                                              heads))
+    stride order (0.29+: from the layout, ``token_major`` LBNHC), then permuted back to the
+    logical shape."""
+    shape = logical_shape(backend, num_blocks, block_size, heads)
+    if token_major and not hasattr(backend, "get_kv_cache_shape"):
+        # 0.29+: the packed page (N, H, bs, 2D) with its bytes in (N, bs, H, 2D) order
+        physical, inverse = (shape[0], shape[2], shape[1], shape[3]), [0, 2, 1, 3]
+    else:
+        physical, inverse = physical_order(backend, shape)
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name in layers:
@@ -200,6 +205,10 @@ def build(engine_id: str, role: str, backend: str, *, num_blocks: int = 12,
     cfg = rw.vllm_config("llama", kv_heads, role, tp_size, extra)
     cfg.cache_config.block_size = block_size
     cfg.kv_transfer_config.enable_permute_local_kv = permute
+    token_major = layout == "NHD"
+    if layout is not None and version() >= vllm_sites.LAYOUT_5D_NAMES_FROM:
+        # 0.29+ read the layout EngineCore resolved into the config, not get_kv_cache_layout
+        cfg.cache_config.kv_cache_layout = vllm_sites.layout_names(version())[not token_major]
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
     heads = max(1, kv_heads // tp_size)
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=HEAD_DIM,
@@ -209,7 +218,7 @@ def build(engine_id: str, role: str, backend: str, *, num_blocks: int = 12,
     with runtime(tp_rank, tp_size, cls, layout), set_current_vllm_config(cfg), \
             patch("threading.Thread"), patch.dict(os.environ, env or {}):
         worker = rw.worker_class()(cfg, engine_id, kvc)
-        caches = allocate(cls, num_blocks, block_size, heads, seed, layers)
+        caches = allocate(cls, num_blocks, block_size, heads, seed, layers, token_major)
         worker.register_kv_caches(caches)
     return Side(worker, caches, backend, block_size, heads, tp_rank, tp_size)
 

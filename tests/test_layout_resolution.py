@@ -144,14 +144,16 @@ def test_mla_is_left_alone(patched, kvcached_running, monkeypatch):
     assert decide(c) == (False, "MLA model: the layout does not matter, vLLM's choice stands")
 
 
-@pytest.mark.parametrize(("role", "permute", "level", "text"), [
-    ("kv_consumer", False, logging.WARNING, "enable_permute_local_kv=true on this decode engine"),
-    ("kv_consumer", True, logging.INFO, "enable_permute_local_kv=true on this decode engine "
-                                        "makes the pair work"),
-    ("kv_producer", False, logging.WARNING, "rejects a token-major prefill"),
+@pytest.mark.parametrize(("role", "permute", "env", "level", "text"), [
+    ("kv_consumer", False, "1", logging.INFO, "its NIXL workers run with enable_permute_local_kv"),
+    ("kv_consumer", True, "1", logging.INFO, "its NIXL workers run with enable_permute_local_kv"),
+    ("kv_consumer", False, "0", logging.WARNING, "set kv_transfer_config.enable_permute_local_kv"
+                                                 "=true on this decode engine (PDPATCH_LAYOUT"),
+    ("kv_producer", False, "1", logging.WARNING, "rejects a token-major prefill"),
 ])
-def test_operator_is_told_about_a_head_major_peer(patched, kvcached_running, role, permute,
-                                                 level, text):
+def test_operator_is_told_about_a_head_major_peer(patched, kvcached_running, monkeypatch, role,
+                                                 permute, env, level, text):
+    monkeypatch.setenv("PDPATCH_LAYOUT_PERMUTE", env)
     records = []
     handler = logging.Handler()
     handler.emit = records.append

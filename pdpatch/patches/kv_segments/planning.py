@@ -255,7 +255,7 @@ def peer_read_ranges(worker: Any, meta: Any, remote_tp_size: int, version: Versi
 HEAD_ORDER_ADVICE = (
     "To pair a head-major prefill with a token-major decode (kvcached, PDPATCH_LAYOUT_FORCE), "
     "set enable_permute_local_kv=true in the decode engine's --kv-transfer-config (pdpatch's "
-    "layout patch does so where it makes the decode engine token-major, on vLLM 0.19-0.25), "
+    "layout patch does so where it makes the decode engine token-major), "
     "or run the prefill engine token-major too (PDPATCH_LAYOUT_FORCE=1)")
 HEAD_ORDER_BLOCK_SIZE_ADVICE = (
     "The decode engine already reorders received blocks (enable_permute_local_kv), but only "
