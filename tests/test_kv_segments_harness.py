@@ -174,7 +174,7 @@ def runtime(tp_rank: int, tp_size: int, backend: type, layout: str | None = None
             ) -> Iterator[Any]:
     """The worker module as one rank of ``backend`` sees it; ``layout`` (<= 0.28) overrides the
     KV layout name for the worker and the backend's stride order (per side, unlike
-    ``VLLM_KV_CACHE_LAYOUT``)."""
+    ``VLLM_KV_CACHE_LAYOUT``); 0.29+ read it from the config (:func:`build` sets it)."""
     mod = rw.worker_module()
     patches = [patch.object(mod, "NixlWrapper", CopyingNixlWrapper),
                patch.object(mod, "get_tensor_model_parallel_rank", return_value=tp_rank),
