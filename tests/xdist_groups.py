@@ -1,4 +1,4 @@
-"""Which pytest-xdist worker runs which test (``pytest -n 4 --dist loadgroup``).
+"""Which pytest-xdist worker runs which test (``pytest -n 2 --dist loadgroup``).
 
 Every test of one old vLLM release runs on one worker: a release's subprocess reports are
 cached per process (one subprocess per release and test family), so spreading a release over
@@ -6,7 +6,7 @@ the workers would run its real code twice for the same facts.  Every other test 
 rest of its module, so that module-scoped fixtures (a pool of 23 releases' hashers, a NIXL
 bench run) are built once -- unless the module sets ``XDIST_SPREAD = True``: independent tests
 that each start their own processes (``test_activation.py``'s ~320 s ran last, alone, on one
-worker while the others idled).
+worker while the other idled).
 
 ``--dist loadgroup`` groups the node ids that end in ``@group``.  pytest-xdist 3.8 writes that
 suffix into ``item._nodeid``, which pytest 9.2 no longer reads (node ids come from the
