@@ -163,8 +163,8 @@ SCENARIOS: dict[str, Scenario] = {
     "kvc": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, d_kvcached=True,
                     controls=True, load=96,
                     note="kvcached pool on D with pdpatch's defaults, P stock"),
-    # 0.29+: vLLM refuses a head-major P for a token-major D unless its receive-side reorder
-    # is on; pdpatch turns it on only where that reorder is checked (<= 0.28)
+    # vLLM refuses a head-major P for a token-major D unless its receive-side reorder is on;
+    # here the operator sets it (run cc, 0.30, before pdpatch turned it on past 0.28 itself)
     "kvc-permute": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, d_kvcached=True,
                             controls=True, d_ktc={"enable_permute_local_kv": True},
                             note="as kvc, with the operator's enable_permute_local_kv on D"),
