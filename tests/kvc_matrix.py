@@ -66,6 +66,12 @@ def run(version: str, kvcached_order: str | None = None, timeout: int = 600) -> 
            if not k.startswith("PDPATCH_") and k not in ("ENABLE_PDPATCH", "PYTHONPATH")}
     env.update(PYTHONPATH=os.pathsep.join(path), VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
                ENABLE_KVCACHED="true", KVCACHED_CONTIGUOUS_LAYOUT="false")
+    if version != INSTALLED:
+        # the release's own vLLM cache: a model-info entry another release wrote is stale
+        # here and costs a model-inspecting subprocess (~9 s of CPU)
+        from versions_harness import vllm_cache_root
+
+        env["VLLM_CACHE_ROOT"] = str(vllm_cache_root(version))
     cmd = [sys.executable, str(Path(__file__).resolve()), version]
     if kvcached_order:
         cmd += ["--kvcached", kvcached_order]

@@ -617,6 +617,30 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+#: Every release's handshake waits ``RCVTIMEO`` = 5,000 ms (a literal in its code) for the peer's
+#: reply.  To a closed port that wait is the whole failure, so the closed-port scenarios let it
+#: last this long: the release's code takes the same path (``zmq.Again`` out of ``recv``),
+#: sooner.  Four such scenarios, stock and patched, had waited 40-45 s of each release's report.
+CLOSED_PORT_RCVTIMEO_MS = 250
+
+
+@contextlib.contextmanager
+def closed_port_timeout() -> Iterator[None]:
+    """The release's 5-second handshake reply timeout shortened to
+    :data:`CLOSED_PORT_RCVTIMEO_MS`; other socket options are set as the release sets them."""
+    import zmq
+
+    real = zmq.Socket.setsockopt
+
+    def setsockopt(self: Any, option: int, optval: Any, *args: Any) -> Any:
+        if option == zmq.RCVTIMEO and optval == 5000:
+            optval = CLOSED_PORT_RCVTIMEO_MS
+        return real(self, option, optval, *args)
+
+    with patch.object(zmq.Socket, "setsockopt", setsockopt):
+        yield
+
+
 def next_request_served(d: Any, groups: int) -> tuple[dict[str, Any], str | None]:
     """A healthy request (``r-ok``, a live peer) after a failing one: what the worker reports
     for it, and the crash, if any (the worker must go on serving)."""
@@ -627,9 +651,11 @@ def next_request_served(d: Any, groups: int) -> tuple[dict[str, Any], str | None
     return after, crash or crash2
 
 
+@closed_port_timeout()
 def scenario_dead_peer(hma: bool = False) -> dict[str, Any]:
     """A prefill engine that is gone before the decode side handshakes with it: the release's
-    real ZMQ handshake to a closed port times out (5 s).  ``r-dead`` must fail alone; a request
+    real ZMQ handshake to a closed port times out (its 5 s shortened:
+    :func:`closed_port_timeout`).  ``r-dead`` must fail alone; a request
     to a live peer (``prefill-ok``) afterwards must be served.  ``hma``: the same on a hybrid
     (full + sliding-window) layout with the hybrid KV-cache manager on (vllm#52234: before
     0.30 the release reports the failed request as finished receiving with no failure signal,
@@ -710,10 +736,12 @@ def scheduler_takes_report(req_id: str, reported: list[str]) -> str | None:
     return None
 
 
+@closed_port_timeout()
 def scenario_full_hit_dead_peer(hma: bool = False) -> dict[str, Any]:
     """A prompt D holds entirely in its prefix cache, whose prefill engine is gone: the
     notify-only receive (:func:`notify_only_recv`) sends the release's real ZMQ handshake to
-    a closed port, which times out (5 s).  The request is running on D and never waits for
+    a closed port, which times out (5 s, shortened: :func:`closed_port_timeout`).  The
+    request is running on D and never waits for
     this receive, so the worker must survive and must not list the request as finished or
     failed receiving (the scheduler asserts the request is parked or finished:
     :func:`scheduler_takes_report`); a request to a live peer afterwards must be served.

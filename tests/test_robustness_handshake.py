@@ -1,9 +1,10 @@
 """A prefill engine that is gone before the decode side handshakes with it (found while testing
-issue 7): the release's real ZMQ handshake to a closed port times out after 5 s and the waiting
-request is marked failed.  On 0.19-0.21 the next ``get_finished`` then looks the never-registered
-engine up for post-processing and raises ``KeyError`` on the model-runner thread -- the decode
-worker dies.  ``handshake_failure_guard`` (0.19-0.21 for this fault) reports such requests as
-failed without the lookup; 0.22+ already does, and where the patch is still active for its
+issue 7): the release's real ZMQ handshake to a closed port times out after 5 s (shortened in
+the rig: ``robust_worker.closed_port_timeout``) and the waiting request is marked failed.  On
+0.19-0.21 the next ``get_finished`` then looks the never-registered engine up for
+post-processing and raises ``KeyError`` on the model-runner thread -- the decode worker dies.
+``handshake_failure_guard`` (0.19-0.21 for this fault) reports such requests as failed without
+the lookup; 0.22+ already does, and where the patch is still active for its
 notify-only fault (0.22-0.29, ``test_robustness_full_hit.py``) this path runs as stock.  The
 same path is taken when ``division_checks`` rejects a peer, so on 0.19-0.21 the two patches
 work together."""
@@ -29,6 +30,41 @@ def assert_clean(obs: dict, version: Version) -> None:
     assert {1, 2} <= set(res["invalid_blocks"]), res
     assert "r-dead" not in obs["reads"] and obs["reads"]["r-ok"], obs
     assert obs["after"]["done_recving"] == ["r-ok"], obs
+
+
+def test_the_rig_shortens_only_the_handshakes_reply_timeout():
+    """Inside ``closed_port_timeout`` the release's ``RCVTIMEO`` of 5,000 ms reads as the rig's
+    value and a closed port's reply times out as ``zmq.Again``; any other value or option is
+    set as given, and outside it 5,000 ms is 5,000 ms again."""
+    import time
+
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        with rw.closed_port_timeout():
+            sock = ctx.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{rw.HOST}:{rw.free_port()}")
+            sock.setsockopt(zmq.SNDTIMEO, 5000)
+            assert sock.getsockopt(zmq.SNDTIMEO) == 5000
+            sock.setsockopt(zmq.RCVTIMEO, 1000)
+            assert sock.getsockopt(zmq.RCVTIMEO) == 1000
+            sock.setsockopt(zmq.RCVTIMEO, 5000)
+            assert sock.getsockopt(zmq.RCVTIMEO) == rw.CLOSED_PORT_RCVTIMEO_MS < 5000
+            sock.send(b"query")
+            t0 = time.monotonic()
+            with pytest.raises(zmq.Again):
+                sock.recv()
+            assert time.monotonic() - t0 < 4.0
+            sock.close()
+        after = ctx.socket(zmq.REQ)
+        after.setsockopt(zmq.LINGER, 0)
+        after.setsockopt(zmq.RCVTIMEO, 5000)
+        assert after.getsockopt(zmq.RCVTIMEO) == 5000
+        after.close()
+    finally:
+        ctx.term()
 
 
 def test_dead_peer_0_33_fails_the_request_only(fresh_pdpatch):
