@@ -197,6 +197,18 @@ SCENARIOS: dict[str, Scenario] = {
     "coalesce-tp21": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, controls=True,
                               p_tp=2, d_env={"PDPATCH_KV_COALESCE": "1"},
                               note="P TP 2 -> D TP 1, D's READs coalesced, P stock"),
+    # the coalesced READ with a 1 GiB staging buffer: an 8,000-token request at 70B's KV is
+    # 2.5 GiB, 20 chunks of the default 128 MiB; does the time follow the chunks?
+    "coalesce-tp12-stage1g": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True,
+                                      controls=True, d_tp=2,
+                                      d_env={"PDPATCH_KV_COALESCE": "1",
+                                             "PDPATCH_KV_STAGING_MIB": "1024"},
+                                      note="as coalesce-tp12, staging buffer 1 GiB"),
+    "coalesce-tp21-stage1g": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True,
+                                      controls=True, p_tp=2,
+                                      d_env={"PDPATCH_KV_COALESCE": "1",
+                                             "PDPATCH_KV_STAGING_MIB": "1024"},
+                                      note="as coalesce-tp21, staging buffer 1 GiB"),
     "fa-triton-tp12": Scenario(True, "FLASH_ATTN", "TRITON_ATTN", hashseed=None, controls=True,
                                d_tp=2, note="P TP 1 -> D TP 2, mixed backends"),
     "kvc-tp21": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, d_kvcached=True,
