@@ -329,6 +329,18 @@ RECEIVE_PERMUTE = (
     _site(">=0.24,<0.32", f"{NIXL_PKG}.base_worker", "kv_postprocess_layout_on_receive"),
 )
 
+# The same reorder for a peer with smaller blocks (`kv_postprocess_blksize_and_layout_on_receive`,
+# which the worker calls instead when the decode engine's blocks are a multiple of the peer's):
+# one body in 0.19-0.31 (docstrings aside), reading the cache's logical shape as
+# `[N, bs, H, D]` as the reorder above does, so the same wrapper; 0.32 rewrote it to read memory
+# order.
+RECEIVE_PERMUTE_BLOCK_RATIO = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "kv_postprocess_blksize_and_layout_on_receive"),
+    _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", "kv_postprocess_blksize_and_layout_on_receive"),
+    _site(">=0.24,<0.32", f"{NIXL_PKG}.base_worker",
+          "kv_postprocess_blksize_and_layout_on_receive"),
+)
+
 # Releases whose receive-side reorder yields the peer's heads in the right place for every cache
 # shape their backends allocate, through the layout patch's wrapper above (blocks-first caches
 # as their K and V views; 0.26-0.31's token-major packed caches as their memory-order view),

@@ -466,16 +466,21 @@ def scenario_pair(p_backend: str = P_BACKEND, d_backend: str = D_BACKEND,
 
 
 def scenario_pair_reorder(d_env: dict[str, str], d_backend: str = D_BACKEND,
-                          permute: bool = False) -> dict[str, Any]:
+                          permute: bool = False, d_block_size: int = 16) -> dict[str, Any]:
     """Head-major P (FlashAttention, stock layout) -> D token-major (kvcached's layout, forced
     with pdpatch's settings ``d_env``; ``permute``: vLLM's ``enable_permute_local_kv`` set by
-    the operator): blocks 4, 5, 6 of P into 1, 2, 3 of D."""
+    the operator): blocks 4, 5, 6 of P into 1, 2, 3 of D; with ``d_block_size`` 32, P's 16-token
+    blocks 4 and 5 into D's block 1 (vLLM's block-size and layout post-processing at once)."""
     _reset()
     p = build("prefill", "kv_producer", P_BACKEND, num_blocks=12, seed=1, layout="HND")
     d = build("decode", "kv_consumer", d_backend, num_blocks=10, seed=2, layout="NHD",
-              env=d_env, permute=permute)
-    out = pull(d, {0: p}, [1, 2, 3], [4, 5, 6])
-    out["mismatches"] = compare(d, p, [(1, 4), (2, 5), (3, 6)])
+              env=d_env, permute=permute, block_size=d_block_size)
+    if d_block_size == p.block_size:
+        out = pull(d, {0: p}, [1, 2, 3], [4, 5, 6])
+        out["mismatches"] = compare(d, p, [(1, 4), (2, 5), (3, 6)])
+    else:
+        out = pull(d, {0: p}, [1], [4, 5])
+        out["mismatches"] = compare_ratio(d, p, 1, [4, 5])
     out["permute_flag"] = bool(d.worker.kv_transfer_config.enable_permute_local_kv)
     out["stats"] = _stats()
     return out
@@ -719,6 +724,12 @@ SCENARIOS = {
         {"PDPATCH_LAYOUT_FORCE": "1", "PDPATCH_LAYOUT_PERMUTE": "0"}),
     # the operator's own enable_permute_local_kv, same backend on both sides (stock vLLM)
     "pair_reorder_same": lambda: scenario_pair_reorder({}, P_BACKEND, permute=True),
+    # the same backend on both sides with D's blocks twice P's (16 -> 32 tokens): vLLM's block
+    # size and layout post-processing at once, turned on by pdpatch or by the operator
+    "pair_reorder_ratio": lambda: scenario_pair_reorder({"PDPATCH_LAYOUT_FORCE": "1"},
+                                                        P_BACKEND, d_block_size=32),
+    "pair_reorder_ratio_same": lambda: scenario_pair_reorder({}, P_BACKEND, permute=True,
+                                                             d_block_size=32),
     "tp_up": scenario_tp_up,
     "tp_down": scenario_tp_down,
     # head-major P, token-major D (kvcached's layout, forced by pdpatch) with TP on either side

@@ -40,13 +40,14 @@ STOCK = ["pair", "pair_no_enforce"]
 # A head-major P and a token-major D (kvcached's layout) with vLLM's receive-side reorder:
 # releases whose reorder is right, 0.26-0.28 through the layout patch
 # (`vllm_sites.RECEIVE_PERMUTE_SOUND`).
-REORDER = ["pair_reorder", "pair_reorder_off", "pair_reorder_same"]
+REORDER = ["pair_reorder", "pair_reorder_off", "pair_reorder_same", "pair_reorder_ratio",
+           "pair_reorder_ratio_same"]
 REORDER_TP = ["tp_up_reorder", "tp_down_reorder"]     # from 0.20: 0.19 runs token-major only
 
 
 def stock_scenarios(version: Version) -> list[str]:
     reorder = version in vllm_sites.RECEIVE_PERMUTE_SOUND
-    return [*STOCK, "pair_reorder_same"] if reorder else STOCK
+    return [*STOCK, "pair_reorder_same", "pair_reorder_ratio_same"] if reorder else STOCK
 
 
 # Same-layout peers with PDPATCH_KV_COALESCE (opt-in), FlashAttention on both sides.  Coalescing
@@ -494,23 +495,36 @@ def test_stock_reorder_on_receive(ver: str) -> None:
     a reorder written for 4-D ones -- the decode worker dies on the first received block
     (IndexError in index_copy_, raised in get_finished)."""
     out = scenario(ver, "stock", "pair_reorder_same")
+    ratio = scenario(ver, "stock", "pair_reorder_ratio_same")     # D's blocks twice P's
     if v(ver) < SPLIT_ERA or v(ver) >= Version("0.32"):
         ok_pull(out, [1, 2, 3])
+        ok_pull(ratio, [1])
     else:
         assert out["crash"] is not None and "index_copy_" in out["crash"], out["crash"]
+        assert ratio["crash"] is not None and "too many values to unpack" in ratio["crash"], \
+            ratio["crash"]
 
 
 @pytest.mark.parametrize("ver", REORDER_VERSIONS)
-@pytest.mark.parametrize("name", ["pair_reorder", "pair_reorder_same"])
+@pytest.mark.parametrize("name", ["pair_reorder", "pair_reorder_same", "pair_reorder_ratio",
+                                  "pair_reorder_ratio_same"])
 def test_head_major_prefill_into_token_major_decode(ver: str, name: str) -> None:
     """With pdpatch: a decode engine forced token-major (as kvcached forces it) turns on vLLM's
     reorder itself, kv_segments copies P's head-major segments verbatim (a split <-> fused
     conversion up to 0.22), and D's blocks then hold exactly P's K and V -- blocks-first caches
     included, and 0.26-0.31's token-major packed caches (their memory-order view).  The
-    operator's own flag on a same-backend pair works too."""
+    operator's own flag on a same-backend pair works too, and so do D's blocks twice the size
+    of P's (``*_ratio``: vLLM's block-size-and-layout reorder, which stock 0.26-0.31 scramble
+    with) -- except into 0.23-0.25's blocks-first caches, where the release's READ overruns
+    into the next block (test_block_size_ratio_into_blocks_first_memory) and its reorder then
+    raises, as without pdpatch: left to the release."""
     out = scenario(ver, "patched", name)
-    ok_pull(out, [1, 2, 3])
+    ratio = name.endswith(("_ratio", "_ratio_same"))
     assert out["permute_flag"] is True
+    if ratio and SPLIT_ERA <= v(ver) < PACKED_ERA:
+        assert out["crash"] is not None and "too many values to unpack" in out["crash"], out
+        return
+    ok_pull(out, [1] if ratio else [1, 2, 3])
 
 
 @pytest.mark.parametrize("ver", [ver for ver in REORDER_VERSIONS if v(ver) >= TRITON_HND])
@@ -544,3 +558,7 @@ def test_stock_reorder_scrambles_token_major_packed_caches(ver: str) -> None:
     assert out["changed_blocks"] == [1, 2, 3]
     wrong = {m.split(" <- ")[0].rsplit(" ", 1)[-1] for m in out["mismatches"]}
     assert wrong == {"1", "2", "3"}, out["mismatches"]
+    # D's blocks twice P's: its block-size-and-layout reorder reads the logical view too
+    ratio = scenario(ver, "stock", "pair_reorder_ratio_same")
+    assert ratio["crash"] is None and ratio["changed_blocks"] == [1], ratio
+    assert len(ratio["mismatches"]) == 8, ratio["mismatches"]   # K and V of both P blocks

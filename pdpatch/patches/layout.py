@@ -229,27 +229,33 @@ def let_decode_reorder(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
 
 
 def reorder_in_memory_order(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Wrapper of vLLM's ``kv_postprocess_layout_on_receive(cache, indices)`` (0.19-0.31),
-    which reads a cache's *logical* shape as ``[N, bs, H, D]`` and its bytes in that order.
+    """Wrapper of vLLM's ``kv_postprocess_layout_on_receive(cache, indices)`` and
+    ``kv_postprocess_blksize_and_layout_on_receive(cache, indices, block_size_ratio)``
+    (0.19-0.31), which read a cache's *logical* shape as ``[N, bs, H, D]`` and its bytes in that
+    order.
 
     * a blocks-first cache ``[N, 2, bs, H, D]`` (Triton/FlashInfer <= 0.25, FlashAttention
       0.23-0.25) is reordered as its K and its V views; stock raises in ``get_finished`` and
-      the decode worker dies on the first block it receives;
+      the decode worker dies on the first block it receives.  Not with a block-size ratio:
+      the release's READ into such a cache already overruns into the next block (its V
+      descriptors are not divided by the ratio), and its own error is what stops it there;
     * a token-major cache whose logical shape is head-major ``[N, H, bs, 2D]`` with its bytes in
       ``[N, bs, H, 2D]`` order (0.26-0.31's packed K|V; from 0.29 the LBNHC cache of kvcached's
       Model Runner V2 pools) is handed over as its memory-order view; stock reinterprets the
       bytes in logical order and the received blocks come out scrambled, with no error.
     Any other cache is the release's own case."""
-    cache = args[0] if args else kwargs["cache"]
-    indices = args[1] if len(args) > 1 else kwargs["indices"]
+    cache = args[0] if args else kwargs.get("cache")
+    indices = args[1] if len(args) > 1 else kwargs.get("indices")
+    rest = args[2:]
+    extra = {k: v for k, v in kwargs.items() if k not in ("cache", "indices")}
     ndim = getattr(cache, "ndim", None)     # None: not a tensor, the release's own error
-    if ndim == 5 and cache.shape[1] == 2:
+    if ndim == 5 and cache.shape[1] == 2 and not rest and "block_size_ratio" not in extra:
         for kv in (0, 1):
-            wrapped(cache[:, kv], indices)
+            wrapped(cache[:, kv], indices, *rest, **extra)
         return None
     if ndim == 4 and cache.stride(2) > cache.stride(1) and cache.shape[1] > 1 \
             and cache.shape[2] > 1:
-        return wrapped(cache.permute(0, 2, 1, 3), indices)
+        return wrapped(cache.permute(0, 2, 1, 3), indices, *rest, **extra)
     return wrapped(*args, **kwargs)
 
 
@@ -444,9 +450,10 @@ def _targets(version: Version) -> list[Target]:
     site = vllm_sites.lookup(vllm_sites.REGISTER_KV_CACHES, version)
     if site is not None:
         out.append(Target(site.module, site.qualname, let_decode_reorder))
-    site = vllm_sites.lookup(vllm_sites.RECEIVE_PERMUTE, version)
-    if site is not None:
-        out.append(Target(site.module, site.qualname, reorder_in_memory_order))
+    for sites in (vllm_sites.RECEIVE_PERMUTE, vllm_sites.RECEIVE_PERMUTE_BLOCK_RATIO):
+        site = vllm_sites.lookup(sites, version)
+        if site is not None:
+            out.append(Target(site.module, site.qualname, reorder_in_memory_order))
     if not vllm_sites.checks_hetero_tp_layout(version):
         site = vllm_sites.lookup(vllm_sites.VALIDATE_HANDSHAKE, version)
         if site is not None:
