@@ -341,6 +341,12 @@ RECEIVE_PERMUTE_BLOCK_RATIO = (
           "kv_postprocess_blksize_and_layout_on_receive"),
 )
 
+# Releases whose READ into a blocks-first cache `[N, 2, bs, H, D]` (FlashAttention 0.23-0.25)
+# from a peer with smaller blocks overruns into the next block (its V descriptors are not
+# divided by the ratio), after which the block-size-and-layout reorder raises in `get_finished`
+# and the decode worker dies (`pair_reorder_ratio*` in test_kv_segments_harness).
+BLOCKS_FIRST_RATIO_OVERRUN = VersionRange(">=0.23,<0.26")
+
 # Releases whose receive-side reorder yields the peer's heads in the right place for every cache
 # shape their backends allocate, through the layout patch's wrapper above (blocks-first caches
 # as their K and V views; 0.26-0.31's token-major packed caches as their memory-order view),

@@ -237,8 +237,8 @@ def reorder_in_memory_order(wrapped: Any, instance: Any, args: tuple, kwargs: di
     * a blocks-first cache ``[N, 2, bs, H, D]`` (Triton/FlashInfer <= 0.25, FlashAttention
       0.23-0.25) is reordered as its K and its V views; stock raises in ``get_finished`` and
       the decode worker dies on the first block it receives.  Not with a block-size ratio:
-      the release's READ into such a cache already overruns into the next block (its V
-      descriptors are not divided by the ratio), and its own error is what stops it there;
+      the release's READ into such a cache overruns into the next block (its V descriptors
+      are not divided by the ratio), and :func:`blocks_first_ratio_guard` refuses that peer;
     * a token-major cache whose logical shape is head-major ``[N, H, bs, 2D]`` with its bytes in
       ``[N, bs, H, 2D]`` order (0.26-0.31's packed K|V; from 0.29 the LBNHC cache of kvcached's
       Model Runner V2 pools) is handed over as its memory-order view; stock reinterprets the
@@ -434,6 +434,43 @@ def hetero_tp_guard(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     return result
 
 
+# ------------------------------------------------- 0.23-0.25 blocks-first block-size ratio
+
+
+def blocks_first_ratio_guard(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """0.23-0.25 ``_validate_remote_agent_handshake``: refuse a head-major peer with smaller
+    blocks than this token-major decode worker's blocks-first cache, which the release would
+    reorder on receive.
+
+    Why: the release's READ into such a cache overruns into the next block, and its
+    block-size-and-layout reorder then raises in ``get_finished``: the decode worker dies
+    (``vllm_sites.BLOCKS_FIRST_RATIO_OVERRUN``).  Stock refuses a head-major peer of a
+    token-major worker here unless ``enable_permute_local_kv`` is on, and pdpatch turns that
+    on for the token-major decode engines it makes.  Raised in the handshake thread after the
+    release's own checks: that peer's requests fail, the worker serves on."""
+    result = wrapped(*args, **kwargs)
+    meta = kwargs.get("nixl_agent_meta", args[0] if args else None)
+    token_major, head_major = vllm_sites.layout_names(_version())
+    if meta is None or not getattr(instance, "enable_permute_local_kv", False) \
+            or getattr(instance, "kv_cache_layout", None) != token_major \
+            or getattr(meta, "kv_cache_layout", None) != head_major:
+        return result
+    local_bs, remote_bs = getattr(instance, "block_size", None), getattr(meta, "block_size", None)
+    if not (isinstance(local_bs, int) and isinstance(remote_bs, int) and remote_bs < local_bs):
+        return result
+    cache = next(iter((getattr(instance, "device_kv_caches", None) or {}).values()), None)
+    if getattr(cache, "ndim", None) == 5 and cache.shape[1] == 2:
+        raise RuntimeError(
+            f"pdpatch layout: remote engine {meta.engine_id} sends {head_major} blocks of "
+            f"{remote_bs} tokens, and this decode engine's {local_bs}-token blocks-first "
+            f"{token_major} blocks would be reordered on receive (enable_permute_local_kv); "
+            f"vLLM {_version()} reads such blocks past their end and then fails in that "
+            f"reorder, which kills the worker, so the handshake is refused.  Run both engines "
+            f"with the same --block-size, or this decode engine head-major (no kvcached, no "
+            f"PDPATCH_LAYOUT_FORCE).")
+    return result
+
+
 # ----------------------------------------------------------------------------- registration
 
 
@@ -454,10 +491,11 @@ def _targets(version: Version) -> list[Target]:
         site = vllm_sites.lookup(sites, version)
         if site is not None:
             out.append(Target(site.module, site.qualname, reorder_in_memory_order))
-    if not vllm_sites.checks_hetero_tp_layout(version):
-        site = vllm_sites.lookup(vllm_sites.VALIDATE_HANDSHAKE, version)
-        if site is not None:
-            out.append(Target(site.module, site.qualname, hetero_tp_guard))
+    site = vllm_sites.lookup(vllm_sites.VALIDATE_HANDSHAKE, version)
+    if site is not None and not vllm_sites.checks_hetero_tp_layout(version):
+        out.append(Target(site.module, site.qualname, hetero_tp_guard))
+    if site is not None and version in vllm_sites.BLOCKS_FIRST_RATIO_OVERRUN:
+        out.append(Target(site.module, site.qualname, blocks_first_ratio_guard))
     return out
 
 
