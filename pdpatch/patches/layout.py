@@ -249,9 +249,9 @@ def reorder_in_memory_order(wrapped: Any, instance: Any, args: tuple, kwargs: di
     rest = args[2:]
     extra = {k: v for k, v in kwargs.items() if k not in ("cache", "indices")}
     ndim = getattr(cache, "ndim", None)     # None: not a tensor, the release's own error
-    if ndim == 5 and cache.shape[1] == 2 and not rest and "block_size_ratio" not in extra:
+    if ndim == 5 and cache.shape[1] == 2 and not rest and not extra:   # no block-size ratio
         for kv in (0, 1):
-            wrapped(cache[:, kv], indices, *rest, **extra)
+            wrapped(cache[:, kv], indices)
         return None
     if ndim == 4 and cache.stride(2) > cache.stride(1) and cache.shape[1] > 1 \
             and cache.shape[2] > 1:
