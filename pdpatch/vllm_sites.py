@@ -341,11 +341,13 @@ RECEIVE_PERMUTE_BLOCK_RATIO = (
           "kv_postprocess_blksize_and_layout_on_receive"),
 )
 
-# Releases whose READ into a blocks-first cache `[N, 2, bs, H, D]` (FlashAttention 0.23-0.25)
-# from a peer with smaller blocks overruns into the next block (its V descriptors are not
-# divided by the ratio), after which the block-size-and-layout reorder raises in `get_finished`
-# and the decode worker dies (`pair_reorder_ratio*` in test_kv_segments_harness).
-BLOCKS_FIRST_RATIO_OVERRUN = VersionRange(">=0.23,<0.26")
+# Releases whose READ into a blocks-first cache `[N, 2, bs, H, D]` (Triton/FlashInfer 0.19-0.25,
+# FlashAttention 0.23-0.25) from a peer with smaller blocks overruns into the next block (its V
+# descriptors are not divided by the ratio), after which the block-size-and-layout reorder
+# raises in `get_finished` and the decode worker dies (`pair_reorder_ratio*` in
+# test_kv_segments_harness: FlashAttention 0.23-0.25, Triton 0.20-0.25; 0.19's Triton ignores
+# the head-major layout, so no head-major peer of it reaches the reorder there).
+BLOCKS_FIRST_RATIO_OVERRUN = VersionRange(">=0.19,<0.26")
 
 # Releases whose receive-side reorder yields the peer's heads in the right place for every cache
 # shape their backends allocate, through the layout patch's wrapper above (blocks-first caches

@@ -466,13 +466,14 @@ def scenario_pair(p_backend: str = P_BACKEND, d_backend: str = D_BACKEND,
 
 
 def scenario_pair_reorder(d_env: dict[str, str], d_backend: str = D_BACKEND,
-                          permute: bool = False, d_block_size: int = 16) -> dict[str, Any]:
+                          permute: bool = False, d_block_size: int = 16,
+                          p_backend: str = P_BACKEND) -> dict[str, Any]:
     """Head-major P (FlashAttention, stock layout) -> D token-major (kvcached's layout, forced
     with pdpatch's settings ``d_env``; ``permute``: vLLM's ``enable_permute_local_kv`` set by
     the operator): blocks 4, 5, 6 of P into 1, 2, 3 of D; with ``d_block_size`` 32, P's 16-token
     blocks 4 and 5 into D's block 1 (vLLM's block-size and layout post-processing at once)."""
     _reset()
-    p = build("prefill", "kv_producer", P_BACKEND, num_blocks=12, seed=1, layout="HND")
+    p = build("prefill", "kv_producer", p_backend, num_blocks=12, seed=1, layout="HND")
     d = build("decode", "kv_consumer", d_backend, num_blocks=10, seed=2, layout="NHD",
               env=d_env, permute=permute, block_size=d_block_size)
     if d_block_size == p.block_size:
@@ -730,6 +731,10 @@ SCENARIOS = {
                                                         P_BACKEND, d_block_size=32),
     "pair_reorder_ratio_same": lambda: scenario_pair_reorder({}, P_BACKEND, permute=True,
                                                              d_block_size=32),
+    "pair_reorder_ratio_fused": lambda: scenario_pair_reorder(
+        {"PDPATCH_LAYOUT_FORCE": "1"}, D_BACKEND, d_block_size=32, p_backend=D_BACKEND),
+    "pair_reorder_ratio_same_fused": lambda: scenario_pair_reorder(
+        {}, D_BACKEND, permute=True, d_block_size=32, p_backend=D_BACKEND),
     "tp_up": scenario_tp_up,
     "tp_down": scenario_tp_down,
     # head-major P, token-major D (kvcached's layout, forced by pdpatch) with TP on either side

@@ -14,7 +14,11 @@ Found by fault injection (bad peers).  Two faults of the release's own failure p
   listed as failed whose remote engine is unknown are taken out of ``_failed_recv_reqs``
   before the original runs and added to its ``done_recving`` afterwards, with their metadata
   dropped.  Their blocks were already marked invalid by the release's own handshake-failure
-  callback, so the scheduler recomputes or fails them.  On a hybrid (HMA) layout the callback
+  callback, so the scheduler recomputes or fails them.  The same is done for failed requests
+  whose engine *is* known (a handshake refused after registration, as by ``layout``'s
+  blocks-first guard): the post-processing would reorder blocks that never arrived, and on a
+  blocks-first cache with a block-size ratio that reorder raises ``ValueError`` -- the worker
+  dies the same way.  On a hybrid (HMA) layout the callback
   marks nothing (those releases cannot express the failure) and a report would have the
   scheduler decode from KV that never arrived (vllm#52234): there the release's own error
   stands, as ``read_guard`` leaves it.
@@ -121,14 +125,17 @@ def make_guard(version: Version) -> Wrapper:
                     "arrived (vllm#52234), so the release's own KeyError stands; vLLM 0.30+ "
                     "fails them alone [handshake_failure_guard]", unknown, version)
             return wrapped(*args, **kwargs)
-        orphans = _take_failed(failed, engine_known)
+        taken = _take_failed(failed, lambda req_id: False)
         done_sending, done_recving = wrapped(*args, **kwargs)
-        for req_id in orphans:
+        for req_id in sorted(taken):
+            known = engine_known(req_id)
             recving.pop(req_id, None)
             done_recving.add(req_id)
-            logger.warning("pdpatch: request %s failed before its prefill engine was known; "
-                           "reported as failed without post-processing "
-                           "[handshake_failure_guard]", req_id)
+            logger.warning("pdpatch: request %s failed %s; reported as failed without vLLM's "
+                           "receive post-processing, as vLLM 0.22+ does "
+                           "[handshake_failure_guard]", req_id,
+                           "after its prefill engine was known" if known
+                           else "before its prefill engine was known")
         return done_sending, done_recving
 
     return guard_get_finished

@@ -434,11 +434,11 @@ def hetero_tp_guard(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> A
     return result
 
 
-# ------------------------------------------------- 0.23-0.25 blocks-first block-size ratio
+# ------------------------------------------------- 0.19-0.25 blocks-first block-size ratio
 
 
 def blocks_first_ratio_guard(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """0.23-0.25 ``_validate_remote_agent_handshake``: refuse a head-major peer with smaller
+    """0.19-0.25 ``_validate_remote_agent_handshake``: refuse a head-major peer with smaller
     blocks than this token-major decode worker's blocks-first cache, which the release would
     reorder on receive.
 
