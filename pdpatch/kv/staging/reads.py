@@ -205,14 +205,25 @@ class ReadPlanner(GapCalibration):
         joins = contiguous if rng is None else \
             contiguous & (rng[1:] == rng[:-1]) & (rng[1:] >= 0)
         runs = lid.size - int(np.count_nonzero(joins))
-        if rng is not None and need > capacity:
+        local_addr = ltab.addr[lid[order]]
+        spans, at = None, None
+        if rng is not None:
             self._staging.register(ltab.dev)
-            gapped = self._gap_chunked(peer, start, rng, slot, runs, stock,
-                                       ltab.addr[lid[order]], ltab.dev)
-            if gapped is not None:
-                return gapped
+            if need <= capacity:    # a gap READ in one piece, where one saves descriptors
+                spans = self._gap_spans(peer, start, rng, slot, runs, ltab.dev)
+                if spans is not None and spans.posted <= MAX_STAGED_FRACTION * stock \
+                        and spans.posted <= RUN_LIST_MAX:
+                    at = self._staging.reserve(spans.nbytes, slot)
+            if at is None:
+                spans = None
+                # larger than the buffer, or the gaps shrunk to fit it merge too little, or
+                # other READs hold its room: a gap READ in chunks (None where it saves little)
+                gapped = self._gap_chunked(peer, start, rng, slot, runs, stock, local_addr,
+                                           ltab.dev)
+                if gapped is not None:
+                    return gapped
         r_ids = None
-        if rng is None or runs > RUN_LIST_MAX:
+        if at is None and (rng is None or runs > RUN_LIST_MAX):
             if runs > MAX_STAGED_FRACTION * stock and not self.direct_slow():
                 raise NotStaged(FEW_SAVED)      # before the twin: it would merge no more
             # NIXL merges what it may itself (it knows the registrations), in the twin
@@ -220,14 +231,7 @@ class ReadPlanner(GapCalibration):
             joins = contiguous & (r_ids[1:] == r_ids[:-1] + 1)
             runs = lid.size - int(np.count_nonzero(joins))
         self._staging.register(ltab.dev)
-        spans = None
-        if r_ids is None and need <= capacity:
-            spans = self._gap_spans(peer, start, rng, slot, runs, ltab.dev)
-        at = None
-        if spans is not None and spans.posted <= MAX_STAGED_FRACTION * stock:
-            at = self._staging.reserve(spans.nbytes, slot)
         if at is None:              # no gap READ, or other READs hold the room its gaps need
-            spans = None
             if runs > MAX_STAGED_FRACTION * stock and not self.direct_slow():
                 # the gather would cost more than the few descriptors it saves (measured:
                 # 256 KiB isolated blocks from a split peer, 881 of 1024 descriptors, 0.6x)
@@ -235,13 +239,13 @@ class ReadPlanner(GapCalibration):
             if need <= capacity:
                 at = self._staging.reserve(need, slot)
             if at is None:          # larger than the buffer, or than its free room: chunks
-                return self._chunked(peer, joins, start, r_ids, ltab.addr[lid[order]], slot,
-                                     ltab.dev, stock)
+                return self._chunked(peer, joins, start, r_ids, local_addr, slot, ltab.dev,
+                                     stock)
             if r_ids is None:                 # one span per run
                 spans = spans_of(start, slot, joins, 0, None)
-        read = StagedRead(at, need if spans is None else spans.nbytes, ltab.addr[lid[order]],
-                          slot, peer.name, stock, runs if spans is None else spans.posted,
-                          ltab.dev, spans)
+        read = StagedRead(at, need if spans is None else spans.nbytes, local_addr, slot,
+                          peer.name, stock, runs if spans is None else spans.posted, ltab.dev,
+                          spans)
         if r_ids is not None:
             read.ids = (self._staging.slot_list(slot, ltab.dev),
                         at // slot + np.arange(lid.size, dtype=np.int64),
@@ -284,13 +288,20 @@ class ReadPlanner(GapCalibration):
         row by row posts as many descriptors as vLLM's own READ: 1.25 GiB of a 70B TP-2 rank's
         8,000-token request took 0.27-0.39 s on an H200 (runs ay, ba), descriptor-bound."""
         worth = self._gap_worth(peer, rng, runs, slot, dev)
-        held = None if worth is None else self._lanes_for(start.size, slot)
+        if worth is None:
+            return None
+        apart, gap = worth
+        first, last, _ = read_spans(start, start + slot, ~apart, gap, None)
+        # lanes sized for the bytes the gap READ moves, not only the requested rows: a request
+        # that fits the buffer but whose gaps do not is then two chunks, not many
+        spanned = int((start[last] + slot - start[first]).sum())
+        held = self._lanes_for(max(start.size, -(-spanned // slot)), slot)
         if held is None:
             return None
-        (apart, gap), (lanes, rows) = worth, held
+        lanes, rows = held
         lane = rows * slot
-        # a gap is read only inside a lane, so no gap wider than half of one
-        first, last, _ = read_spans(start, start + slot, ~apart, min(gap, lane // 2), None)
+        if gap > lane // 2:         # a gap is read only inside a lane: none wider than half
+            first, last, _ = read_spans(start, start + slot, ~apart, lane // 2, None)
         packed = pack_spans(start, slot, first, last, lane)
         pieces = int(packed.start.size)
         if pieces >= runs or pieces > MAX_STAGED_FRACTION * stock or pieces > RUN_LIST_MAX:
