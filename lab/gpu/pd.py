@@ -184,6 +184,14 @@ SCENARIOS: dict[str, Scenario] = {
     "kvc-tp12": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, d_kvcached=True,
                          controls=True, load=96, d_tp=2,
                          note="kvcached pool on D (TP 2) with pdpatch's defaults, P stock TP 1"),
+    # a kvcached D's READ at TP 1 -> 2 is vLLM's own, one descriptor per head slice (run ce,
+    # 0.30: 15,040 at 1,500 tokens); staged and coalesced with the opt-in?
+    "kvc-tp12-coalesce": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True,
+                                  d_kvcached=True, controls=True, d_tp=2,
+                                  d_env={"PDPATCH_KV_COALESCE": "1",
+                                         "PDPATCH_KV_STAGING_MIB": "1024"},
+                                  note="as kvc-tp12 with D's READs coalesced "
+                                       "(PDPATCH_KV_COALESCE=1), staging buffer 1 GiB"),
     "ref-tp21": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", controls=True, p_tp=2,
                          note="reference: stock, P TP 2 -> D TP 1"),
     "tp21": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", controls=True, p_tp=2,
