@@ -168,6 +168,11 @@ SCENARIOS: dict[str, Scenario] = {
     "kvc-permute": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, d_kvcached=True,
                             controls=True, d_ktc={"enable_permute_local_kv": True},
                             note="as kvc, with the operator's enable_permute_local_kv on D"),
+    # at 8B on 0.30 a kvcached D's own READ posts more descriptors as prompts grow (run cd:
+    # 128 at 1,500 tokens, 544 at 16,000, stock 32): does the coalesced opt-in merge them?
+    "kvc-coalesce": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, d_kvcached=True,
+                             controls=True, d_env={"PDPATCH_KV_COALESCE": "1"},
+                             note="as kvc with D's READs coalesced (PDPATCH_KV_COALESCE=1)"),
     "kvc-unstaged": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, d_kvcached=True,
                              load=96, d_env={"PDPATCH_KV_STAGING_MIB": "0"},
                              note="as kvc, converted READs straight into the VMM pool"),
