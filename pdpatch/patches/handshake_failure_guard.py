@@ -18,10 +18,9 @@ Found by fault injection (bad peers).  Two faults of the release's own failure p
   whose engine *is* known (a handshake refused after registration, as by ``layout``'s
   blocks-first guard): the post-processing would reorder blocks that never arrived, and on a
   blocks-first cache with a block-size ratio that reorder raises ``ValueError`` -- the worker
-  dies the same way.  On a hybrid (HMA) layout the callback
-  marks nothing (those releases cannot express the failure) and a report would have the
-  scheduler decode from KV that never arrived (vllm#52234): there the release's own error
-  stands, as ``read_guard`` leaves it.
+  dies the same way.  On a hybrid (HMA) layout the callback marks nothing (those releases
+  cannot express the failure) and a report would have the scheduler decode from KV that never
+  arrived (vllm#52234): there the release's own error stands, as ``read_guard`` leaves it.
 * **Notify-only receive of an HMA model (0.19-0.29).**  A full local prefix hit (or a request
   aborted before it was scheduled) still queues a receive, with no local blocks: the worker
   only owes P the notification that frees P's blocks, and the scheduler never parks the
