@@ -733,8 +733,6 @@ SCENARIOS = {
                                                              d_block_size=32),
     "pair_reorder_ratio_fused": lambda: scenario_pair_reorder(
         {"PDPATCH_LAYOUT_FORCE": "1"}, D_BACKEND, d_block_size=32, p_backend=D_BACKEND),
-    "pair_reorder_ratio_same_fused": lambda: scenario_pair_reorder(
-        {}, D_BACKEND, permute=True, d_block_size=32, p_backend=D_BACKEND),
     "tp_up": scenario_tp_up,
     "tp_down": scenario_tp_down,
     # head-major P, token-major D (kvcached's layout, forced by pdpatch) with TP on either side
