@@ -468,7 +468,7 @@ def scenario_pair(p_backend: str = P_BACKEND, d_backend: str = D_BACKEND,
 def scenario_pair_reorder(d_env: dict[str, str], d_backend: str = D_BACKEND,
                           permute: bool = False, d_block_size: int = 16,
                           p_backend: str = P_BACKEND) -> dict[str, Any]:
-    """Head-major P (FlashAttention, stock layout) -> D token-major (kvcached's layout, forced
+    """Head-major P (``p_backend``, stock layout) -> D token-major (kvcached's layout, forced
     with pdpatch's settings ``d_env``; ``permute``: vLLM's ``enable_permute_local_kv`` set by
     the operator): blocks 4, 5, 6 of P into 1, 2, 3 of D; with ``d_block_size`` 32, P's 16-token
     blocks 4 and 5 into D's block 1 (vLLM's block-size and layout post-processing at once)."""
