@@ -228,6 +228,11 @@ def let_decode_reorder(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -
     return wrapped(*args, **kwargs)
 
 
+def _blocks_first(cache: Any) -> bool:
+    """Whether ``cache`` is a blocks-first ``[N, 2, bs, H, D]`` cache (K and V per block)."""
+    return getattr(cache, "ndim", None) == 5 and cache.shape[1] == 2
+
+
 def reorder_in_memory_order(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Wrapper of vLLM's ``kv_postprocess_layout_on_receive(cache, indices)`` and
     ``kv_postprocess_blksize_and_layout_on_receive(cache, indices, block_size_ratio)``
@@ -248,13 +253,13 @@ def reorder_in_memory_order(wrapped: Any, instance: Any, args: tuple, kwargs: di
     indices = args[1] if len(args) > 1 else kwargs.get("indices")
     rest = args[2:]
     extra = {k: v for k, v in kwargs.items() if k not in ("cache", "indices")}
-    ndim = getattr(cache, "ndim", None)     # None: not a tensor, the release's own error
-    if ndim == 5 and cache.shape[1] == 2 and not rest and not extra:   # no block-size ratio
+    if _blocks_first(cache) and not rest and not extra:   # no block-size ratio
         for kv in (0, 1):
             wrapped(cache[:, kv], indices)
         return None
-    if ndim == 4 and cache.stride(2) > cache.stride(1) and cache.shape[1] > 1 \
-            and cache.shape[2] > 1:
+    # not a tensor (no ndim): the release's own error
+    if getattr(cache, "ndim", None) == 4 and cache.stride(2) > cache.stride(1) \
+            and cache.shape[1] > 1 and cache.shape[2] > 1:
         return wrapped(cache.permute(0, 2, 1, 3), indices, *rest, **extra)
     return wrapped(*args, **kwargs)
 
@@ -459,7 +464,7 @@ def blocks_first_ratio_guard(wrapped: Any, instance: Any, args: tuple, kwargs: d
     if not (isinstance(local_bs, int) and isinstance(remote_bs, int) and remote_bs < local_bs):
         return result
     cache = next(iter((getattr(instance, "device_kv_caches", None) or {}).values()), None)
-    if getattr(cache, "ndim", None) == 5 and cache.shape[1] == 2:
+    if _blocks_first(cache):
         raise RuntimeError(
             f"pdpatch layout: remote engine {meta.engine_id} sends {head_major} blocks of "
             f"{remote_bs} tokens, and this decode engine's {local_bs}-token blocks-first "
