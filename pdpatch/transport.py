@@ -1,11 +1,14 @@
 """Say when NIXL/UCX will move KV over a slow transport, and what to set instead.
 
 Why: UCX picks its transport silently.  Measured on an H200 with NIXL 1.5.1's bundled UCX:
-CUDA-VMM memory without an exportable handle (kvcached's pages) cannot
-use the same-node ``cuda_ipc`` path, so UCX falls back to TCP loopback at about 0.5 GB/s -- some
-4000x below a device copy -- and UCX's default ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto`` switched
-cuda_ipc off for GETs, which is vLLM's pull (READ) mode, even for cudaMalloc memory.  Nothing
-fails; KV transfer just becomes the bottleneck.
+a peer cannot map CUDA-VMM memory without an exportable handle (kvcached's pages) over the
+same-node ``cuda_ipc`` path, so READs *of* such memory fell back to TCP loopback at about
+0.5 GB/s -- some 4000x below a device copy -- and UCX's default
+``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto`` switched cuda_ipc off for GETs, which is vLLM's pull
+(READ) mode, even for cudaMalloc memory.  Nothing fails; KV transfer just becomes the
+bottleneck.  Only the memory a peer maps matters: the initiator copies into or out of its own
+memory in its own process, so a decode engine's READs *into* its kvcached pool ran at cuda_ipc
+pace on GPU engines (2 GB in 14 ms; docs/gpu_results.md, runs z, ce, cn).
 
 :func:`check_transport` is pure (an environment mapping and facts in, findings out), so
 ``pdpatch doctor`` can run it anywhere; :func:`probe_memory` reads a pointer's CUDA attributes
@@ -61,8 +64,8 @@ class MemoryFacts:
 
     @property
     def vmm_without_ipc(self) -> bool:
-        """CUDA VMM memory cuda_ipc cannot hand to a peer (kvcached's pools): UCX moves
-        same-node KV in and out of it over TCP loopback."""
+        """CUDA VMM memory cuda_ipc cannot hand to a peer (kvcached's pools): UCX moves a
+        peer's same-node transfers of it over TCP loopback."""
         return self.kind == KIND_VMM and self.cuda_ipc_exportable is False
 
 
@@ -117,6 +120,7 @@ def check_transport(
     engine_config: str | None = None,
     kv_buffer_device: str = "cuda",
     cuda_context_at_agent: bool | None = None,
+    peers_map_memory: bool = True,
 ) -> list[Finding]:
     """Findings for one worker's NIXL/UCX setup (empty when nothing is known to be slow).
 
@@ -129,6 +133,9 @@ def check_transport(
     agent was created (:func:`cuda_context_current` just before creating it); ``False`` is a
     finding: measured on an H200, such an agent's first peer connection ran over TCP loopback
     (0.55 GB/s; 4.65 GB/s for the same transfer with the context made first).
+    ``peers_map_memory``: whether peers transfer *this* worker's KV memory (a prefill worker
+    in pull mode, a decode worker in push mode, ``kv_both``); only then does memory cuda_ipc
+    cannot export slow the transfers.
     """
     env = env or {}
     findings: list[Finding] = []
@@ -174,7 +181,7 @@ def check_transport(
             "moved its first peer's KV over TCP loopback (measured 0.55 GB/s vs 4.65 GB/s)",
             "create the CUDA context first (torch.cuda.set_device(dev) and a first allocation) "
             "before the NIXL agent"))
-    for m in memory:
+    for m in memory if peers_map_memory else ():
         if m.vmm_without_ipc:
             what = f"KV memory {m.label} " if m.label else "KV memory "
             posix = " (its POSIX_FD handle does not help)" if (
@@ -182,9 +189,11 @@ def check_transport(
             findings.append(Finding(
                 "vmm-no-ipc-handle", ERROR,
                 what + "is CUDA VMM (e.g. kvcached) with no legacy-IPC or FABRIC handle"
-                + posix + ": UCX cannot use cuda_ipc for it and moves same-node KV over TCP "
-                "loopback (measured ~0.5 GB/s on an H200, ~4000x below a device copy)",
-                "use cudaMalloc KV memory on P/D workers (no kvcached there), or VMM pages "
+                + posix + ": peers cannot map it over cuda_ipc, so UCX moves their same-node "
+                "transfers of it over TCP loopback (measured ~0.5 GB/s on an H200, ~4000x "
+                "below a device copy)",
+                "use cudaMalloc KV memory where peers map it (prefill workers in vLLM's pull "
+                "mode: kvcached on the decode side only), or VMM pages "
                 "created with CU_MEM_HANDLE_TYPE_FABRIC (needs an IMEX channel); across nodes "
                 "use an RDMA NIC"))
     return findings

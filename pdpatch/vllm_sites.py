@@ -698,6 +698,19 @@ SCHEDULER_HOME = (
 )
 
 
+# The push mode's worker (0.24+): P WRITEs into D's KV, where in pull mode D READs P's.
+PUSH_WORKER = (
+    _site(">=0.24", f"{NIXL_PKG}.push_worker", "NixlPushConnectorWorker"),
+)
+
+
+def pushes(worker: Any, version: Version) -> bool:
+    """Whether ``worker`` is a push-mode NIXL worker (P writes into D's KV memory)."""
+    site = lookup(PUSH_WORKER, version)
+    cls = None if site is None else loaded_class(site)
+    return cls is not None and isinstance(worker, cls)
+
+
 def loaded_class(site: Site) -> type | None:
     """The class a site's qualname starts with, if its module is imported in this process
     (a connector of that class can exist only then): no import is triggered."""

@@ -270,35 +270,6 @@ def test_settings_readers_and_the_names_the_staging_agent_reports() -> None:
     assert (agent._gap_setting, agent._capacity_setting) == (ks.GAP_ENV, ks.STAGING_ENV)
 
 
-@pytest.mark.parametrize(("facts", "slow"), [
-    ({"kind": "vmm", "legacy_ipc": False, "handle_types": 1}, True),    # kvcached: POSIX_FD
-    ({"kind": "vmm", "legacy_ipc": False, "handle_types": 8}, False),   # FABRIC: cuda_ipc
-    ({"kind": "device", "legacy_ipc": True}, False),                    # cudaMalloc
-    ({"kind": "unknown"}, False),                                       # no CUDA driver
-])
-def test_reads_are_staged_for_transport_only_into_vmm_memory_without_ipc(monkeypatch, caplog,
-                                                                        facts, slow) -> None:
-    """What the staging agent is told about READs straight into the worker's KV memory."""
-    import logging
-    import types
-
-    from pdpatch import transport
-    from pdpatch.patches.kv_segments import staged_reads
-
-    probed = []
-    monkeypatch.setattr(transport, "probe_memory",
-                        lambda ptr, label="": probed.append(ptr) or
-                        transport.MemoryFacts(**facts, label=label))
-    kv = torch.zeros(4)
-    worker = types.SimpleNamespace(use_host_buffer=False)
-    with caplog.at_level(logging.INFO, logger="pdpatch"):
-        assert staged_reads._direct_reads_slow(worker, {"layer.0": kv}) is slow
-    assert probed == [kv.data_ptr()]
-    assert ("would cross TCP loopback" in caplog.text) is slow
-    host = types.SimpleNamespace(use_host_buffer=True, host_xfer_buffers={"layer.0": kv})
-    assert staged_reads._direct_reads_slow(host, {"layer.0": kv}) is False
-
-
 @pytest.mark.parametrize(("role", "reads"), [("kv_producer", False), ("kv_consumer", True),
                                              ("kv_both", True)])
 def test_only_a_worker_that_pulls_kv_builds_its_list_table_at_start_up(role: str,

@@ -332,7 +332,7 @@ class StagedRun:
 
 def staged_read(pair: NixlPair, s: Setup, lids: list[int], rids: list[int], *,
                 capacity: int = STAGING, memory: list | None = None, gap: int | None = 0,
-                read_ranges: list | None = None, direct_slow: bool = False) -> StagedRun:
+                read_ranges: list | None = None) -> StagedRun:
     """One READ the way vLLM posts it (tables prepared once, ids per request), through a
     :class:`StagingAgent` around the real agent with the remote list marked converted
     (with the peer's ``read_ranges``, gap reads of up to ``gap`` bytes; None measures it).
@@ -342,7 +342,7 @@ def staged_read(pair: NixlPair, s: Setup, lids: list[int], rids: list[int], *,
     drain_notifs(pair)
     ledger = Ledger(pair.agent)
     agent = StagingAgent(ledger, mem_type="DRAM", capacity=capacity, memory=lambda: tensors,
-                         gap=gap, direct_slow=lambda: direct_slow)
+                         gap=gap)
     lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", s.plan.local_table(), "DRAM")
     rh = agent.prep_xfer_dlist(PEER, s.plan.remote_table(), "DRAM")
     try:
@@ -481,21 +481,6 @@ def test_every_read_logs_its_polls_at_debug(pair: NixlPair, caplog, staged: bool
         assert "DONE" in lines[0].split("polls at")[1], lines[0]
     assert ("NIXL done at +" in lines[0]) == staged
     assert ("gathered by +" in lines[0]) == ("gather planned by +" in lines[0]) == staged
-
-
-@pytest.mark.parametrize("name", [n for n in READS if CASES[n].remote_slice.parts > 1])
-def test_head_slices_are_staged_where_direct_reads_cross_a_slow_transport(pair: NixlPair,
-                                                                         name: str) -> None:
-    """Local memory READs reach only over a slow transport (kvcached's VMM pool: TCP
-    loopback): the peer's head slices go through staging although they merge nothing."""
-    s = set_up(pair, name)
-    lids, rids = LIDS, remote_ids(s.case)
-    s.lbuf[:] = 0
-    run = staged_read(pair, s, lids, rids, direct_slow=True)
-    assert run.state == "DONE"
-    assert np.array_equal(s.lbuf, expected_read(s, lids, rids)), name
-    assert run.stats.staged_reads == 1 and not run.stats.not_staged
-    assert run.free_after == STAGING
 
 
 @pytest.mark.parametrize("name", [n for n in READS if CASES[n].remote_slice.parts > 1])

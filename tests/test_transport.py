@@ -89,6 +89,8 @@ def test_vmm_memory_without_handles() -> None:
     fabric = MemoryFacts(KIND_VMM, False, HANDLE_FABRIC | HANDLE_POSIX_FD)
     assert fabric.cuda_ipc_exportable and check_transport(GOOD, memory=[fabric]) == []
     assert MemoryFacts(tp.KIND_UNKNOWN).cuda_ipc_exportable is None
+    # memory no peer maps (a decode worker's READs land in it): no finding
+    assert check_transport(GOOD, memory=[kvc], peers_map_memory=False) == []
 
 
 def test_everything_at_once_and_host_buffers() -> None:

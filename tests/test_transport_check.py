@@ -35,6 +35,40 @@ def test_host_kv_buffers_have_no_findings(monkeypatch):
     assert transport_check.findings_for(worker, {"layer0": torch.zeros(4)}) == []
 
 
+@pytest.mark.parametrize(("role", "push", "finding"), [
+    ("kv_consumer", False, False),   # D's READs into its own pool: runs z, ce, cn at cuda_ipc pace
+    ("kv_producer", False, True),    # P's pool, read by D
+    ("kv_both", False, True),
+    ("kv_consumer", True, True),     # push mode: P WRITEs into D's pool
+    ("kv_producer", True, False),
+])
+def test_vmm_memory_is_a_finding_only_where_peers_map_it(monkeypatch, role: str, push: bool,
+                                                        finding: bool) -> None:
+    """kvcached's pool (CUDA VMM without an IPC handle; faked: no VMM on this machine) on a
+    worker of each role and transfer mode.  Before, a decode worker in pull mode logged an
+    [error] saying its READs crossed TCP loopback, where they ran at stock pace."""
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
+        NixlPushConnectorWorker,
+    )
+
+    from pdpatch import transport
+
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
+    monkeypatch.setattr(transport, "probe_memory", lambda ptr, label="": transport.MemoryFacts(
+        transport.KIND_VMM, False, transport.HANDLE_POSIX_FD, label))
+    cfg = KVTransferConfig(kv_connector="NixlConnector", kv_role=role)
+    if push:        # the release's own push worker class, its state set as a test's
+        worker = object.__new__(NixlPushConnectorWorker)
+        worker.kv_buffer_device, worker.kv_transfer_config = "cuda", cfg
+    else:
+        worker = SimpleNamespace(kv_buffer_device="cuda", kv_transfer_config=cfg)
+    codes = [f.code for f in transport_check.findings_for(worker, {"l0": torch.zeros(4)})]
+    assert codes == (["vmm-no-ipc-handle"] if finding else [])
+
+
 def _assert_warns_on_real_registration(stock: dict, patched: dict) -> None:
     assert stock["warnings"] == [], stock
     [line] = [w for w in patched["warnings"] if "ucx-tls-no-cuda-ipc" in w]

@@ -1,9 +1,11 @@
 """Patch ``transport_check``: after KV registration, say when NIXL/UCX will move KV slowly.
 
-UCX picks its transport silently; measured on an H200 (docs/gpu_results.md), kvcached's CUDA-VMM
-pages and UCX's default cuda_ipc GET setting each turned a same-node KV pull into TCP loopback at
-~0.5 GB/s.  Nothing fails, so without this the operator only sees slow TTFT.  The check runs once
-per worker, on the tensors just registered, and only logs (``pdpatch.transport`` holds the rules).
+UCX picks its transport silently; measured on an H200 (docs/gpu_results.md), READs of kvcached's
+CUDA-VMM pages and UCX's default cuda_ipc GET setting each turned a same-node KV pull into TCP
+loopback at ~0.5 GB/s.  Nothing fails, so without this the operator only sees slow TTFT.  The
+check runs once per worker, on the tensors just registered, and only logs (``pdpatch.transport``
+holds the rules).  The worker's role and transfer mode say whether peers map its memory: a
+decode worker's READs into its own kvcached pool are not slowed (runs z, ce, cn).
 """
 
 from __future__ import annotations
@@ -39,7 +41,19 @@ def findings_for(worker: Any, kv_caches: dict[str, Any]) -> list[transport.Findi
     if device == "cuda" and kv_caches:
         first = next(iter(kv_caches.values()))
         memory.append(transport.probe_memory(first.data_ptr(), label="kv_caches"))
-    return transport.check_transport(os.environ, memory=memory, kv_buffer_device=device)
+    push = vllm_sites.pushes(worker, vllm_sites.running_release())
+    return transport.check_transport(os.environ, memory=memory, kv_buffer_device=device,
+                                     pull=not push,
+                                     peers_map_memory=_peers_map_memory(worker, push))
+
+
+def _peers_map_memory(worker: Any, push: bool) -> bool:
+    """Whether peers transfer this worker's KV memory: P's in pull mode (D READs it), D's in
+    push mode (P WRITEs into it); both for ``kv_both``, and where the role is not known."""
+    config = getattr(worker, "kv_transfer_config", None)
+    if config is None:
+        return True
+    return bool(config.is_kv_consumer if push else config.is_kv_producer)
 
 
 def check_after_register(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

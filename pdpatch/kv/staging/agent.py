@@ -75,10 +75,6 @@ class StagingAgent(AgentProxy):
 
     ``stats``: where to count (the patch passes its process state's; default: a fresh one).
 
-    ``direct_slow``: asked once, whether READs straight into the local memory cross a slower
-    transport than READs into staging (kvcached's VMM memory: TCP loopback); then READs are
-    staged even where they merge few descriptors (head slices, blocks far apart).
-
     ``eager``: the worker will stage READs (coalescing on, or a kvcached pool): the table of
     each of its own lists is built when the list is prepared -- at start-up, for the list
     vLLM registers with its KV caches -- not in a peer's first READ (~35 ms per 500k rows);
@@ -91,8 +87,7 @@ class StagingAgent(AgentProxy):
                  memory: Callable[[], Sequence[Any]], gap: int | None = None,
                  capacity_setting: str = "the staging capacity",
                  gap_setting: str = "the gap budget",
-                 stats: StagingStats | None = None,
-                 direct_slow: Callable[[], bool] | None = None, eager: bool = False) -> None:
+                 stats: StagingStats | None = None, eager: bool = False) -> None:
         AgentProxy.__init__(self, agent)
         self._eager = eager
         # The calls this agent, its parts and the chunk driver thread make to the agent below
@@ -117,7 +112,7 @@ class StagingAgent(AgentProxy):
         self._planner = ReadPlanner(self._nixl, mem_type=mem_type, staging=self._staging,
                                     lists=self._lists, lock=self._lock, stats=self.stats,
                                     gap=gap, capacity_setting=capacity_setting,
-                                    gap_setting=gap_setting, direct_slow=direct_slow)
+                                    gap_setting=gap_setting)
 
     @property
     def agent(self) -> Any:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -155,11 +154,8 @@ class ReadPlanner(GapCalibration):
 
     def __init__(self, agent: Any, *, mem_type: str, staging: StagingBuffer,
                  lists: PreparedLists, lock: Any, stats: StagingStats, gap: int | None,
-                 capacity_setting: str, gap_setting: str,
-                 direct_slow: Callable[[], bool] | None = None) -> None:
+                 capacity_setting: str, gap_setting: str) -> None:
         self._agent = agent
-        self._direct_slow = direct_slow
-        self._slow: bool | None = None
         self._mem_type = mem_type
         self._staging = staging
         self._lists = lists
@@ -224,7 +220,7 @@ class ReadPlanner(GapCalibration):
                     return gapped
         r_ids = None
         if at is None and (rng is None or runs > RUN_LIST_MAX):
-            if runs > MAX_STAGED_FRACTION * stock and not self.direct_slow():
+            if runs > MAX_STAGED_FRACTION * stock:
                 raise NotStaged(FEW_SAVED)      # before the twin: it would merge no more
             # NIXL merges what it may itself (it knows the registrations), in the twin
             r_ids = self._twin(peer).position[rid[order]]
@@ -232,7 +228,7 @@ class ReadPlanner(GapCalibration):
             runs = lid.size - int(np.count_nonzero(joins))
         self._staging.register(ltab.dev)
         if at is None:              # no gap READ, or other READs hold the room its gaps need
-            if runs > MAX_STAGED_FRACTION * stock and not self.direct_slow():
+            if runs > MAX_STAGED_FRACTION * stock:
                 # the gather would cost more than the few descriptors it saves (measured:
                 # 256 KiB isolated blocks from a split peer, 881 of 1024 descriptors, 0.6x)
                 raise NotStaged(FEW_SAVED)
@@ -263,7 +259,7 @@ class ReadPlanner(GapCalibration):
         lanes, rows = held
         bounds = chunk_bounds(start.size, rows)
         staged = int(chunk_descriptors(joins, bounds).sum())
-        if staged > MAX_STAGED_FRACTION * stock and not self.direct_slow():
+        if staged > MAX_STAGED_FRACTION * stock:
             # chunks too small to hold the runs
             self._free_lanes(lanes, rows * slot)
             raise NotStaged("staging saves under a quarter of the descriptors (chunks of "
@@ -312,15 +308,6 @@ class ReadPlanner(GapCalibration):
         read.runs = ChunkRuns(packed.first, packed.start, packed.length, packed.lane_off)
         read.row_off = packed.row_off
         return read
-
-    def direct_slow(self) -> bool:
-        """Whether READs straight into the local memory cross a slower transport than READs
-        into staging (CUDA VMM memory without an IPC handle: TCP loopback, ~1 GB/s, where
-        staging is device memory NIXL reads over cuda_ipc): then staging pays even when it
-        merges few descriptors.  Asked once, at the first READ that saves few."""
-        if self._slow is None:
-            self._slow = bool(self._direct_slow and self._direct_slow())
-        return self._slow
 
     def _gap_worth(self, peer: StagedPeer, rng: np.ndarray, runs: int, slot: int, dev: int
                    ) -> tuple[np.ndarray, int] | None:

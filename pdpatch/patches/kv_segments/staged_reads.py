@@ -11,7 +11,6 @@ from typing import Any
 
 from pdpatch import agent_layers, kvcached, metrics
 from pdpatch.installer import state_of
-from pdpatch.log import logger
 from pdpatch.patches.kv_segments.settings import (
     GAP_ENV,
     NAME,
@@ -27,24 +26,6 @@ def _kv_memory(worker: Any, kv_caches: Any) -> list:
     if getattr(worker, "use_host_buffer", False):
         return list((getattr(worker, "host_xfer_buffers", None) or {}).values())
     return list(kv_caches.values()) if isinstance(kv_caches, Mapping) else []
-
-
-def _direct_reads_slow(worker: Any, kv_caches: Any) -> bool:
-    """Whether the worker's KV memory is CUDA VMM with no IPC handle (kvcached's pools): UCX
-    then moves READs into it over TCP loopback (~1 GB/s measured, run z of the GPU results),
-    while READs into the staging buffer (device memory) go over cuda_ipc."""
-    from pdpatch import transport
-
-    memory = _kv_memory(worker, kv_caches)
-    if not memory or getattr(worker, "use_host_buffer", False) or \
-            not hasattr(memory[0], "data_ptr"):
-        return False
-    slow = transport.probe_memory(memory[0].data_ptr(), label="kv_caches").vmm_without_ipc
-    if slow:
-        logger.info("pdpatch kv_segments: READs staged even where they merge few descriptors "
-                    "(head slices, blocks far apart): the KV memory is CUDA VMM with no IPC "
-                    "handle, so READs straight into it would cross TCP loopback")
-    return slow
 
 
 def _reads_kv(worker: Any) -> bool:
@@ -69,7 +50,6 @@ def install_staging(worker: Any, kv_caches: Any) -> None:
         capacity=mib << 20, memory=lambda: _kv_memory(worker, kv_caches),
         gap=None if gap is None else gap << 10, capacity_setting=STAGING_ENV,
         gap_setting=GAP_ENV, stats=state_of(NAME).staging_stats(),
-        direct_slow=lambda: _direct_reads_slow(worker, kv_caches),
         eager=_reads_kv(worker) and (coalesce() or kvcached.read_state().in_deployment))
     metrics.attribute(agent, worker)      # its staged READs reach /metrics as the worker's
 
