@@ -273,7 +273,8 @@ BLOCK_KEYS_ON_MISMATCH = Setting(
 KV_STAGING_MIB = Setting(
     "PDPATCH_KV_STAGING_MIB", "int", "128",
     "staging memory per decode worker for a converted peer's READs (0.19-0.25) and, with "
-    "`PDPATCH_KV_COALESCE`, a same-layout peer's; 0 turns staging off", unit="MiB",
+    "`PDPATCH_KV_COALESCE`, a same-layout peer's (allocated at the first staged READ, or "
+    "at start-up with `PDPATCH_KV_COALESCE`); 0 turns staging off", unit="MiB",
     minimum=0, maximum=65536, patch="kv_segments")
 KV_GAP_KIB = Setting(
     "PDPATCH_KV_GAP_KIB", "int", "auto",

@@ -284,3 +284,23 @@ def test_only_a_worker_that_pulls_kv_builds_its_list_table_at_start_up(role: str
 
     cfg = KVTransferConfig(kv_connector="NixlConnector", kv_role=role)
     assert _reads_kv(SimpleNamespace(kv_transfer_config=cfg)) is reads
+
+
+@pytest.mark.parametrize(("role", "coalescing", "at_start"), [
+    ("kv_consumer", True, True), ("kv_both", True, True), ("kv_producer", True, False),
+    ("kv_consumer", False, False)])
+def test_a_worker_that_will_stage_every_read_makes_its_buffer_at_start_up(
+        monkeypatch, role: str, coalescing: bool, at_start: bool) -> None:
+    """Coalescing on and a worker that READs: its staging buffer is made when vLLM prepares
+    its list (``buffer_at_start``), not in its first request's READ."""
+    from vllm.config import KVTransferConfig
+
+    from pdpatch.kv.staging import StagingAgent
+    from pdpatch.patches.kv_segments.staged_reads import install_staging
+
+    monkeypatch.setenv("PDPATCH_KV_COALESCE", "1" if coalescing else "0")
+    cfg = KVTransferConfig(kv_connector="NixlConnector", kv_role=role)
+    worker = type("W", (), {"nixl_wrapper": object(), "kv_transfer_config": cfg})()
+    install_staging(worker, {})
+    assert isinstance(worker.nixl_wrapper, StagingAgent)
+    assert worker.nixl_wrapper._buffer_at_start is at_start

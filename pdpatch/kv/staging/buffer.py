@@ -1,5 +1,6 @@
 """A staging agent's memory: ``capacity`` bytes on the KV cache's device, made at the first READ
-to stage (a worker that only writes to a converted peer never pays for it), registered with
+to stage (a worker that only writes to a converted peer never pays for it), or at start-up where
+every READ will be staged (coalescing on: the agent's ``buffer_at_start``), registered with
 NIXL once per device id the local lists use (and, for READs through a peer's twin, prepared as
 a list of equal slots per slot length), shared out by a first-fit allocator, and copied into
 the KV memory by a :class:`~pdpatch.kv.staging.copier.ByteCopier`.  Needs torch once made."""

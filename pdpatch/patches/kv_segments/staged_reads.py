@@ -50,7 +50,8 @@ def install_staging(worker: Any, kv_caches: Any) -> None:
         capacity=mib << 20, memory=lambda: _kv_memory(worker, kv_caches),
         gap=None if gap is None else gap << 10, capacity_setting=STAGING_ENV,
         gap_setting=GAP_ENV, stats=state_of(NAME).staging_stats(),
-        eager=_reads_kv(worker) and (coalesce() or kvcached.read_state().in_deployment))
+        eager=_reads_kv(worker) and (coalesce() or kvcached.read_state().in_deployment),
+        buffer_at_start=_reads_kv(worker) and coalesce())
     metrics.attribute(agent, worker)      # its staged READs reach /metrics as the worker's
 
 
