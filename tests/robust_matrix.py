@@ -35,6 +35,7 @@ def scenarios_for(version: str) -> list[str]:
         names.append("block_ids_ratio")
     if v < Version("0.22"):
         names.append("mla_notif")          # bug in 0.19/0.20; 0.21.0 is the fixed control
+        names.append("dead_peer_queued")   # where handshake_failure_guard takes failed requests
     if v >= Version("0.21"):
         names += ["spec_types", "readback_bidirectional"]
     if v >= Version("0.24"):

@@ -652,35 +652,46 @@ def next_request_served(d: Any, groups: int) -> tuple[dict[str, Any], str | None
 
 
 @closed_port_timeout()
-def scenario_dead_peer(hma: bool = False) -> dict[str, Any]:
+def scenario_dead_peer(hma: bool = False, queued: tuple[str, ...] = ("r-dead",)
+                       ) -> dict[str, Any]:
     """A prefill engine that is gone before the decode side handshakes with it: the release's
     real ZMQ handshake to a closed port times out (its 5 s shortened:
     :func:`closed_port_timeout`).  ``r-dead`` must fail alone; a request
     to a live peer (``prefill-ok``) afterwards must be served.  ``hma``: the same on a hybrid
     (full + sliding-window) layout with the hybrid KV-cache manager on (vllm#52234: before
     0.30 the release reports the failed request as finished receiving with no failure signal,
-    and the scheduler decodes from the KV that never arrived)."""
+    and the scheduler decodes from the KV that never arrived).  ``queued``: the requests
+    queued for the dead engine in that step (blocks 1-2, 9-10, ...); the ``pdpatch`` warnings
+    logged meanwhile are returned."""
     d = build_worker("decode-engine", num_blocks=32, hma=hma, hybrid_manager=hma)
     ok = build_worker("prefill-ok", role="kv_producer", num_blocks=40, hma=hma,
                       hybrid_manager=hma)
     g = 2 if hma else 1
     errors = connect_by_handshake(d, {0: remote_metadata(ok, "prefill-ok", "OK0")}, 1)
-    crash = step(d, recv_metadata([{"req_id": "r-dead", "local_ids": [[1, 2]] * g,
-                                    "remote_ids": [[3, 4]] * g, "engine": "prefill-dead",
-                                    "port": free_port()}]))
-    acc, crash2 = run_until(
-        d, lambda a: "r-dead" in set(a["done_recving"]) | set(a["failed_recving"]),
-        timeout=60)
+    port = free_port()
+    dead = [{"req_id": req_id, "local_ids": [[1 + 8 * i, 2 + 8 * i]] * g,
+             "remote_ids": [[3 + 8 * i, 4 + 8 * i]] * g, "engine": "prefill-dead",
+             "port": port} for i, req_id in enumerate(queued)]
+    with pdpatch_warnings() as warnings:
+        crash = step(d, recv_metadata(dead))
+        acc, crash2 = run_until(
+            d, lambda a: set(queued) <= set(a["done_recving"]) | set(a["failed_recving"]),
+            timeout=60)
     crash = crash or crash2
     after = None
     if crash is None:
         after, crash = next_request_served(d, g)
     return {"crash": crash, "handshake_errors": errors, "results": acc, "after": after,
-            "reads": _reads_by_req(d), "hma": bool(d._is_hma_required)}
+            "reads": _reads_by_req(d), "hma": bool(d._is_hma_required), "warnings": warnings}
 
 
 def scenario_dead_peer_hma() -> dict[str, Any]:
     return scenario_dead_peer(hma=True)
+
+
+def scenario_dead_peer_queued() -> dict[str, Any]:
+    """Three requests queued for one dead prefill engine in one step."""
+    return scenario_dead_peer(queued=("r-dead", "r-dead-2", "r-dead-3"))
 
 
 def notify_only_recv(req_id: str, engine: str, port: int, hma: bool) -> tuple[Any, bool]:
@@ -799,24 +810,18 @@ def scenario_transport() -> dict[str, Any]:
     KV lives on the GPU (the worker's ``kv_buffer_device``, what the check reads; the CPU
     registration path is unchanged) under ``UCX_TLS=tcp``, which keeps same-node KV off
     cuda_ipc.  Returns the ``pdpatch`` warnings that registration logged."""
-    import logging
     import os
 
     from pdpatch import installer
 
-    records: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda r: records.append(r.getMessage())
-    logger = logging.getLogger("pdpatch")
-    logger.addHandler(handler)
     saved = os.environ.get("UCX_TLS")
     os.environ["UCX_TLS"] = "tcp"
     installer.reset_state()          # the check runs once per process: let it run again
     try:
-        build_worker("engine-t",
-                     before_register=lambda w: setattr(w, "kv_buffer_device", "cuda"))
+        with pdpatch_warnings() as records:
+            build_worker("engine-t",
+                         before_register=lambda w: setattr(w, "kv_buffer_device", "cuda"))
     finally:
-        logger.removeHandler(handler)
         if saved is None:
             os.environ.pop("UCX_TLS", None)
         else:
@@ -1166,6 +1171,7 @@ SCENARIOS = {
     "read_assert_hma": scenario_read_assert_hma,
     "dead_peer": scenario_dead_peer,
     "dead_peer_hma": scenario_dead_peer_hma,
+    "dead_peer_queued": scenario_dead_peer_queued,
     "full_hit_dead_peer": scenario_full_hit_dead_peer,
     "full_hit_dead_peer_hma": scenario_full_hit_dead_peer_hma,
     "read_assert": scenario_read_assert,

@@ -93,6 +93,24 @@ def test_dead_peer_on_old_release(ver):
     assert_clean(robust_matrix.scenario(ver, "patched", "dead_peer"), v)
 
 
+@pytest.mark.parametrize("ver", [r for r in robust_matrix.OLD_RELEASES
+                                 if r == "<none>" or Version(r) in vllm_sites.FAILED_RECV_LOOKUP])
+def test_requests_queued_for_a_dead_peer_fail_alone_with_one_line(ver):
+    """Three requests queued for one dead prefill engine (0.19-0.21, where the guard takes
+    failed requests out of the receive post-processing): each fails alone, the worker goes
+    on serving, and pdpatch says so in one line for the three, not one line per request
+    (the release logs each request's failure itself)."""
+    if ver == "<none>":
+        pytest.skip("no old vLLM source tree extracted (scripts/fetch_vllm_sources.sh)")
+    obs = robust_matrix.scenario(ver, "patched", "dead_peer_queued")
+    queued = ["r-dead", "r-dead-2", "r-dead-3"]
+    assert obs["crash"] is None and sorted(obs["results"]["done_recving"]) == queued, obs
+    assert obs["after"]["done_recving"] == ["r-ok"], obs
+    [line] = [w for w in obs["warnings"] if "[handshake_failure_guard]" in w]
+    assert line.startswith("pdpatch: 3 request(s) failed their handshake (r-dead, r-dead-2, "
+                           "r-dead-3 before their prefill engine was known)"), line
+
+
 def assert_hma_outcome(obs: dict, version: Version) -> None:
     """vllm#52234 on a hybrid (HMA) layout: where the release can express the failure (0.30+)
     the request fails alone; before, the release reports it as a finished load with no

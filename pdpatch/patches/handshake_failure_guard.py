@@ -85,6 +85,12 @@ def _none_failed(failed: Any) -> bool:
     return isinstance(failed, queue.Queue) and not failed.queue
 
 
+def _some(req_ids: list[str], shown: int = 4) -> str:
+    """Request ids for a log line: the first few, and how many more."""
+    more = len(req_ids) - shown
+    return ", ".join(req_ids[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
 def make_guard(version: Version) -> Wrapper:
     lookup_fault = version in vllm_sites.FAILED_RECV_LOOKUP
 
@@ -124,17 +130,23 @@ def make_guard(version: Version) -> Wrapper:
                     "arrived (vllm#52234), so the release's own KeyError stands; vLLM 0.30+ "
                     "fails them alone [handshake_failure_guard]", unknown, version)
             return wrapped(*args, **kwargs)
-        taken = _take_failed(failed, lambda req_id: False)
+        taken = sorted(_take_failed(failed, lambda req_id: False))
         done_sending, done_recving = wrapped(*args, **kwargs)
-        for req_id in sorted(taken):
-            known = engine_known(req_id)
+        if not taken:
+            return done_sending, done_recving
+        known: list[str] = []
+        unknown: list[str] = []
+        for req_id in taken:
+            (known if engine_known(req_id) else unknown).append(req_id)
             recving.pop(req_id, None)
             done_recving.add(req_id)
-            logger.warning("pdpatch: request %s failed %s; reported as failed without vLLM's "
-                           "receive post-processing, as vLLM 0.22+ does "
-                           "[handshake_failure_guard]", req_id,
-                           "after its prefill engine was known" if known
-                           else "before its prefill engine was known")
+        # one line per engine step, not per request: a refused handshake fails every request
+        # queued for that engine at once, and the release logs each of them itself
+        logger.warning("pdpatch: %d request(s) failed their handshake (%s); reported as "
+                       "failed without vLLM's receive post-processing, as vLLM 0.22+ does "
+                       "[handshake_failure_guard]", len(taken), "; ".join(
+                           f"{_some(ids)} {when} their prefill engine was known"
+                           for ids, when in ((known, "after"), (unknown, "before")) if ids))
         return done_sending, done_recving
 
     return guard_get_finished
