@@ -205,8 +205,9 @@ class ReadPlanner(GapCalibration):
         spans, at = None, None
         if rng is not None:
             self._staging.register(ltab.dev)
+            worth = self._gap_worth(peer, rng, runs, slot, ltab.dev)
             if need <= capacity:    # a gap READ in one piece, where one saves descriptors
-                spans = self._gap_spans(peer, start, rng, slot, runs, ltab.dev)
+                spans = self._gap_spans(start, slot, runs, worth)
                 if spans is not None and spans.posted <= MAX_STAGED_FRACTION * stock \
                         and spans.posted <= RUN_LIST_MAX:
                     at = self._staging.reserve(spans.nbytes, slot)
@@ -214,8 +215,8 @@ class ReadPlanner(GapCalibration):
                 spans = None
                 # larger than the buffer, or the gaps shrunk to fit it merge too little, or
                 # other READs hold its room: a gap READ in chunks (None where it saves little)
-                gapped = self._gap_chunked(peer, start, rng, slot, runs, stock, local_addr,
-                                           ltab.dev)
+                gapped = self._gap_chunked(peer, start, slot, runs, stock, local_addr,
+                                           ltab.dev, worth)
                 if gapped is not None:
                     return gapped
         r_ids = None
@@ -272,9 +273,9 @@ class ReadPlanner(GapCalibration):
             read.twin_ids = (self._staging.slot_list(slot, dev), peer.twin.handle, r_ids)
         return read
 
-    def _gap_chunked(self, peer: StagedPeer, start: np.ndarray, rng: np.ndarray, slot: int,
-                     runs: int, stock: int, local_addr: np.ndarray, dev: int
-                     ) -> ChunkedRead | None:
+    def _gap_chunked(self, peer: StagedPeer, start: np.ndarray, slot: int, runs: int,
+                     stock: int, local_addr: np.ndarray, dev: int,
+                     worth: tuple[np.ndarray, int] | None) -> ChunkedRead | None:
         """A gap READ larger than the staging buffer, in chunks (:func:`~.plans.pack_spans`),
         where it posts fewer descriptors than the request's runs -- and no more than
         :data:`MAX_STAGED_FRACTION` of vLLM's, or :data:`RUN_LIST_MAX` (each chunk prepares a
@@ -283,7 +284,6 @@ class ReadPlanner(GapCalibration):
         Why: head slices (D's TP above P's) are one run per row, so a large request staged
         row by row posts as many descriptors as vLLM's own READ: 1.25 GiB of a 70B TP-2 rank's
         8,000-token request took 0.27-0.39 s on an H200 (runs ay, ba), descriptor-bound."""
-        worth = self._gap_worth(peer, rng, runs, slot, dev)
         if worth is None:
             return None
         apart, gap = worth
@@ -375,11 +375,11 @@ class ReadPlanner(GapCalibration):
                     (time.perf_counter() - t0) * 1e3)
         return peer.twin
 
-    def _gap_spans(self, peer: StagedPeer, start: np.ndarray, rng: np.ndarray | None,
-                   slot: int, runs: int, dev: int) -> Spans | None:
-        """The gap READ for address-sorted rows at ``start`` (read ranges ``rng``), when it
-        posts fewer descriptors than their ``runs`` and fits the staging buffer; else None."""
-        worth = None if rng is None else self._gap_worth(peer, rng, runs, slot, dev)
+    def _gap_spans(self, start: np.ndarray, slot: int, runs: int,
+                   worth: tuple[np.ndarray, int] | None) -> Spans | None:
+        """The gap READ for address-sorted rows at ``start`` (``worth``: :meth:`_gap_worth`),
+        when it posts fewer descriptors than their ``runs`` and fits the staging buffer; else
+        None."""
         if worth is None:
             return None
         apart, gap = worth
