@@ -81,8 +81,8 @@ def _targets(version: Version) -> list[Target]:
 
 PATCH = Patch(
     name=NAME,
-    summary="warn when NIXL/UCX will move KV over a slow transport (VMM memory, cuda_ipc READ "
-            "off) and say what to set",
+    summary="warn when NIXL/UCX will move KV over a slow transport (VMM memory peers map, "
+            "cuda_ipc READ off) and say what to set",
     versions=vllm_sites.SUPPORTED,
     why_version="written against vLLM 0.19-0.33 sources",
     targets=_targets,
