@@ -638,12 +638,10 @@ PUSH_SEEDS_REMOTE_BLOCK_IDS = VersionRange(">=0.26")
 def seeded_recv_params(scheduler: Any, version: Version) -> tuple[str, ...]:
     """The keys of :data:`RECV_PARAMS_INDEXED` that ``scheduler`` (a scheduler half) fills in
     itself before it queues a never-scheduled request's receive."""
-    site = lookup(PUSH_SCHEDULER, version)
-    if site is None or version not in PUSH_SEEDS_REMOTE_BLOCK_IDS:
+    if version not in PUSH_SEEDS_REMOTE_BLOCK_IDS:
         return ()
-    push_cls = getattr(sys.modules.get(site.module), site.qualname, None)
-    return ("remote_block_ids",) if push_cls is not None and isinstance(scheduler, push_cls) \
-        else ()
+    pushes_here = is_loaded_instance(scheduler, lookup(PUSH_SCHEDULER, version))
+    return ("remote_block_ids",) if pushes_here else ()
 
 
 # The pull scheduler's KV *readback* (0.21+, "bidirectional KV transfer"): a request with
@@ -706,12 +704,17 @@ PUSH_WORKER = (
 
 def pushes(worker: Any, version: Version) -> bool:
     """Whether ``worker`` is a push-mode NIXL worker (P writes into D's KV memory)."""
-    site = lookup(PUSH_WORKER, version)
-    cls = None if site is None else loaded_class(site)
-    return cls is not None and isinstance(worker, cls)
+    return is_loaded_instance(worker, lookup(PUSH_WORKER, version))
 
 
 def loaded_class(site: Site) -> type | None:
     """The class a site's qualname starts with, if its module is imported in this process
     (a connector of that class can exist only then): no import is triggered."""
     return getattr(sys.modules.get(site.module), site.qualname.split(".")[0], None)
+
+
+def is_loaded_instance(obj: Any, site: Site | None) -> bool:
+    """Whether ``obj`` is an instance of the class ``site`` names (None: the release has no
+    such class), its module imported (:func:`loaded_class`)."""
+    cls = None if site is None else loaded_class(site)
+    return cls is not None and isinstance(obj, cls)

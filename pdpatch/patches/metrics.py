@@ -58,8 +58,7 @@ def _nixl_connector(scheduler: Any, site: vllm_sites.Site | None) -> Any:
     """The scheduler's connector if it is a NIXL one (pull or push: ``site``, the release's
     :data:`vllm_sites.CONNECTOR_STATS`), else None."""
     connector = getattr(scheduler, "connector", None)
-    cls = vllm_sites.loaded_class(site) if site is not None else None
-    return connector if cls is not None and isinstance(connector, cls) else None
+    return connector if vllm_sites.is_loaded_instance(connector, site) else None
 
 
 def make_scheduler_stats(version: Version) -> Wrapper:
