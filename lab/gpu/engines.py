@@ -131,16 +131,16 @@ def kvcached_used(ipc_name: str, shm: Path = Path("/dev/shm")) -> int | None:
 
 
 def lab_clocks(env: dict[str, str], name: str, pdpatch: bool) -> list[str]:
-    """The lab clocks' ``sitecustomize`` directory for engine ``name``'s path (none when no
-    clock is asked for), each clock's records given a directory of the engine's own in
-    ``env``: the wrapper clock times pdpatch's wrappers (a pdpatch engine only), the step
-    clock vLLM's steps in every engine."""
+    """The lab clocks' ``sitecustomize`` directory for engine ``name``'s path (none when
+    neither a clock nor a switch interval is asked for), each clock's records given a
+    directory of the engine's own in ``env``: the wrapper clock times pdpatch's wrappers (a
+    pdpatch engine only), the step clock vLLM's steps in every engine."""
     if not pdpatch:
         env.pop("PDLAB_WRAPPER_CLOCK", None)
     clocks = [c for c in ("PDLAB_WRAPPER_CLOCK", "PDLAB_STEP_CLOCK") if env.get(c)]
     for c in clocks:
         env[c] = os.path.join(env[c], name)
-    return [str(WRAPPER_CLOCK)] if clocks else []
+    return [str(WRAPPER_CLOCK)] if clocks or env.get("PDLAB_SWITCH_INTERVAL") else []
 
 
 class Engine:

@@ -66,21 +66,30 @@ def prefill(p: Engine, case: str, length: int = C.PROMPT_LEN) -> tuple[list[int]
     return prompt, pre.kv_transfer_params
 
 
-#: Prefills run this many cases ahead of D, on P, while D works on the current case.  Bounded,
-#: not all at once: P frees blocks nobody reads after ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``
-#: (480 s), and a case whose params name freed (reused) blocks would test something else.
+#: Prefills run this many cases ahead of D, on P, while D works on the current case.
 PREFILL_AHEAD = 3
+#: vLLM 0.33 leases a request's blocks on P for ``kv_lease_duration`` (30 s), and D's heartbeats
+#: extend the lease only once D has the request; nothing tells D when a lease ran out, so D
+#: would read blocks P has freed and reused (a stalled test client made D serve wrong tokens
+#: once, CI on a9602b9).  A case whose prefill is older than this is prefilled again right
+#: before it is sent: each case tests its own parameters, never an expired lease.
+FRESH_S = 15.0
+
+
+def _timed_prefill(p: Engine, case: str) -> tuple[list[int], dict, float]:
+    prompt, params = prefill(p, case)
+    return prompt, params, time.monotonic()
 
 
 def prefilled(p: Engine, names: list[str], tag: str) -> Iterator[tuple[str, list[int], dict]]:
-    """``(name, prompt, P's params)`` for each name in order, prefilled ahead on P; the prompt
-    is the one of ``"{name}-{tag}"``."""
+    """``(name, prompt, P's params)`` for each name in order, prefilled ahead on P (again when
+    older than :data:`FRESH_S`); the prompt is the one of ``"{name}-{tag}"``."""
     with cf.ThreadPoolExecutor(2) as pool:
         pending: deque = deque()
         todo = iter(names)
 
         def submit(name: str) -> None:
-            pending.append((name, pool.submit(prefill, p, f"{name}-{tag}")))
+            pending.append((name, pool.submit(_timed_prefill, p, f"{name}-{tag}")))
 
         for name in itertools.islice(todo, PREFILL_AHEAD):
             submit(name)
@@ -88,7 +97,10 @@ def prefilled(p: Engine, names: list[str], tag: str) -> Iterator[tuple[str, list
             name, fut = pending.popleft()
             if (nxt := next(todo, None)) is not None:
                 submit(nxt)
-            yield (name, *fut.result())
+            prompt, params, at = fut.result()
+            if time.monotonic() - at > FRESH_S:
+                prompt, params, _ = _timed_prefill(p, f"{name}-{tag}")
+            yield name, prompt, params
 
 
 def donor_ids(p: Engine, tag: str) -> list[int]:

@@ -22,7 +22,12 @@ engine's path when it is set) times vLLM's own per-step calls, whole
 ``<dir>/step-clock-<pid>.json``: label -> ``calls``, ``total_ms`` and a histogram of the
 durations (``buckets``: bucket ``i`` holds calls of 10**(i/100) us, 2.3 % wide).  The question
 it answers: does a pdpatch engine's step take longer than a stock engine's by more than the
-wrapper clock's own time -- cost that no wrapper shows."""
+wrapper clock's own time -- cost that no wrapper shows.
+
+``PDLAB_SWITCH_INTERVAL=<s>`` sets the interpreter's switch interval (``sys.setswitchinterval``;
+5 ms by default) in every engine.  The question it answers: does pdpatch's chunk driver thread
+wait for the GIL at each wake-up while vLLM's engine thread runs Python (docs/gpu_results.md,
+runs cj-ck and cu)."""
 
 import os
 import runpy
@@ -201,6 +206,10 @@ def _chain() -> None:
     chain["chain_next_sitecustomize"](here)
 
 
+if os.environ.get("PDLAB_SWITCH_INTERVAL"):
+    import sys
+
+    sys.setswitchinterval(float(os.environ["PDLAB_SWITCH_INTERVAL"]))
 if os.environ.get("PDLAB_WRAPPER_CLOCK"):
     _clock(os.environ["PDLAB_WRAPPER_CLOCK"])
 if os.environ.get("PDLAB_STEP_CLOCK"):

@@ -44,6 +44,16 @@ MAX_STAGED_FRACTION = 0.75
 FEW_SAVED = ("staging saves under a quarter of the descriptors vLLM's READ posts (NIXL merges "
              "its runs of blocks already, as on vLLM 0.33's strided lists, or the blocks lie "
              "far apart, or they are head slices of K and V)")
+# Stage a READ only when vLLM's descriptors average under this many bytes.  Below it vLLM's
+# READ is bound by its descriptors (NIXL's ~10 us each on an H200): 16-64 KiB per block and
+# layer or head slice, where staging took 0.01-0.2x of its time (runs at-cp).  Above it, its
+# READ moves bytes at NIXL's pace and staging only adds its gather and a NIXL round trip per
+# chunk: a kvcached pool's 2 MiB pages (1.5-3.2 MiB per descriptor) read in 32 MiB chunks
+# took 2.9-6x of vLLM's own READ into that pool (runs cu, cv).
+BYTE_BOUND = 256 << 10
+BYTES_BOUND = (f"vLLM's READ moves {BYTE_BOUND >> 10} KiB or more per descriptor: bound by "
+               "bytes, not by descriptors (a kvcached pool's pages, or runs of blocks NIXL "
+               "merges)")
 # A chunked READ takes at most 1/CHUNKED_SHARE of the staging buffer, so that as many run at
 # once (vLLM posts every request of a step together); its lanes shrink to 1/LANE_SHRINK of
 # that while other READs hold staging, no further: each chunk is one more NIXL READ.
@@ -196,6 +206,8 @@ class ReadPlanner(GapCalibration):
         order = address_order(addr, rid)
         start = addr[order]
         stock = posted_descriptors(lid, rid, ltab, rtab)
+        if need >= BYTE_BOUND * stock:
+            raise NotStaged(BYTES_BOUND)
         rng = None if peer.ranges is None else range_ids(start, start + slot, peer.ranges)
         contiguous = start[1:] == start[:-1] + slot
         joins = contiguous if rng is None else \
