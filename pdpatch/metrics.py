@@ -75,8 +75,8 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
            "Requested KV bytes read by staged NIXL READs (pdpatch kv_segments)."),
     Metric(REFUSALS, ("patch",),
            tuple((p,) for p in ("block_ids_bound", "block_keys", "division_checks",
-                                "kv_segments", "params_check", "params_guard", "peer_check",
-                                "readback_guard")),
+                                "kv_segments", "lease_guard", "params_check", "params_guard",
+                                "peer_check", "readback_guard")),
            "Requests, params or peers a pdpatch check refused instead of letting vLLM crash "
            "or use them, by patch."),
     Metric(FAILURES_CONTAINED, ("patch",), (("read_guard",),),

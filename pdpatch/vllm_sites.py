@@ -718,3 +718,44 @@ def is_loaded_instance(obj: Any, site: Site | None) -> bool:
     such class), its module imported (:func:`loaded_class`)."""
     cls = None if site is None else loaded_class(site)
     return cls is not None and isinstance(obj, cls)
+
+
+# ------------------------------------------------------------------ KV leases (lease_guard)
+
+# From 0.26 the pull worker measures each peer's clock at the handshake (`_engine_clock_offset`,
+# the peer scheduler's `perf_counter` less its own, sampled at the lowest round trip) and
+# declines a turn-2 readback whose expiry has (nearly) passed: `_is_turn2_read_expired`, margin
+# `_KV_BLOCKS_EXPIRY_SAFETY_MARGIN` (5 s) in the pull worker's module.  P's scheduler half holds a
+# finished request's blocks in `_reqs_need_send` (request id -> its `perf_counter` expiry, the
+# clock the handshake reports); D's scheduler half puts heartbeats for the P requests it holds
+# into the step's metadata (`heartbeat_by_engine`: engine id -> `HeartbeatInfo.req_ids`) and the
+# worker's `_send_heartbeats(metadata)` sends them to engines it has met (`_remote_agents`).
+# 0.22-0.25 lease and heartbeat too, but measure no peer clock; 0.19-0.21 hold blocks 480 s.
+LEASE_CHECK_FROM = "0.26"
+ADD_NEW_REQ_TO_RECV = (
+    _site(">=0.26", f"{NIXL_PKG}.metadata", "NixlConnectorMetadata.add_new_req_to_recv"),
+)
+SEND_HEARTBEATS = (
+    _site(">=0.26", f"{NIXL_PKG}.base_worker", "NixlBaseConnectorWorker._send_heartbeats"),
+)
+EXPIRY_MARGIN_MODULE = f"{NIXL_PKG}.pull_worker"
+
+
+def expiry_margin() -> float:
+    """The release's safety margin for a read against a lease (5 s in 0.26-0.33)."""
+    module = sys.modules.get(EXPIRY_MARGIN_MODULE)
+    return float(getattr(module, "_KV_BLOCKS_EXPIRY_SAFETY_MARGIN", 5.0))
+
+
+def decline_expired_read(worker: Any, req_id: str, version: Version) -> None:
+    """Decline one request's READ as the release declines an expired turn-2 readback in
+    `_read_blocks_for_req` (0.26.0 pull_worker.py L129-131, 0.30.0 L158-159, 0.31.0 L164-169):
+    its expired-request counter, then its failure path for a read that never started."""
+    worker.xfer_stats.record_kv_expired_req()
+    if version < Version("0.30"):
+        worker._handle_failed_transfer(req_id, None)
+    elif version < Version("0.31"):
+        worker._handle_failed_transfer(req_id, None, worker._recv_failures)
+    else:
+        worker._handle_failed_transfer(req_id, None, worker._recv_failures,
+                                       record_failed_transfer=False)

@@ -40,6 +40,8 @@ def scenarios_for(version: str) -> list[str]:
         names += ["spec_types", "readback_bidirectional"]
     if v >= Version("0.24"):
         names.append("rejected_push")      # the push connector exists from 0.24
+    if v >= Version("0.26"):
+        names.append("lease")              # the handshake measures the peer's clock from 0.26
     return names
 
 

@@ -378,7 +378,7 @@ def recv_metadata(reqs: list[dict[str, Any]], remote_tp_size: int = 1) -> Any:
         params = {"remote_block_ids": r["remote_ids"], "remote_engine_id": r["engine"],
                   "remote_request_id": r.get("remote_req_id", r["req_id"]),
                   "remote_host": HOST, "remote_port": r.get("port", PORT),
-                  "tp_size": r.get("tp_size", remote_tp_size)}
+                  "tp_size": r.get("tp_size", remote_tp_size), **r.get("params", {})}
         fn = meta.add_new_req_to_recv
         kwargs = {"awaiting_kvs": True} if "awaiting_kvs" in \
             inspect.signature(fn).parameters else {}
@@ -1163,6 +1163,86 @@ def scenario_readback(extra: dict | None = None) -> dict[str, Any]:
             "warnings": warnings}
 
 
+def finished_prefill(connector: Any, req_id: str) -> dict[str, Any]:
+    """P's scheduler half finishing a prefill for D (the proxy's ``do_remote_decode``), through
+    the release's connector facade as its scheduler calls it: the params P answers with."""
+    from vllm.v1.request import RequestStatus
+
+    request = engine_request(req_id, {"do_remote_decode": True, "do_remote_prefill": False},
+                             num_tokens=2 * BLOCK_SIZE)
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    request.num_computed_tokens = 2 * BLOCK_SIZE
+    _, params = connector.request_finished(request, [3, 4])
+    return params
+
+
+# P's leases for the lease scenario: (P request id, seconds its lease has left when D reads it,
+# plus the release's safety margin where marked "+margin"; a heartbeat sent for it first), read
+# in this order.
+LEASE_CASES = (
+    ("p-expired", -1.0, False),           # ran out a second ago, no heartbeat: P may reuse
+    ("p-in-margin", "margin-1", False),   # inside the margin the release keeps for readbacks
+    ("p-late-heartbeat", -1.0, True),     # the only heartbeat went out after it ran out
+    ("p-heartbeat", "margin+0.5", True),  # a heartbeat in time; read 0.6 s later, in the margin
+    ("p-no-lease", None, False),          # a P without pdpatch: no expiry in its params
+    ("p-fresh", 60.0, False),             # read well before it runs out
+)
+
+
+def _lease_left(spec: float | str, margin: float) -> float:
+    return margin + float(spec[len("margin"):]) if isinstance(spec, str) else spec
+
+
+def scenario_lease() -> dict[str, Any]:
+    """A decode worker READs blocks of prefill requests whose leases on P (0.26+:
+    ``kv_lease_duration``, extended by D's heartbeats) have run out or not: the release's real
+    scheduler half answers for P, its metadata carries the receives, its worker reads (the
+    handshake scripted: both clocks are this process's, offset 0).  Per P request: whether the
+    worker posted its READ, what it reported, and pdpatch's warnings."""
+    from pdpatch import vllm_sites
+
+    mod = importlib.import_module(f"{vllm_sites.NIXL_PKG}.metadata")
+    p_facade = scheduler_connector("kv_producer")
+    p_params = finished_prefill(p_facade, "p-prefilled")
+    d = build_worker("decode-engine", num_blocks=32)
+    p = build_worker("prefill-engine", role="kv_producer", num_blocks=40)
+    connect_by_handshake(d, {0: remote_metadata(p, "prefill-engine", "P0")}, 1)
+    # a first request meets P (the handshake measures its clock), as any before these would
+    crash = step(d, recv_metadata([{"req_id": "d-first", "engine": "prefill-engine",
+                                    "local_ids": [[20]], "remote_ids": [[20]]}]))
+    acc, crash2 = run_until(d, lambda a: "d-first" in a["done_recving"])
+    crash = crash or crash2
+    margin = vllm_sites.expiry_margin()
+    now = time.perf_counter()
+    reqs = []
+    for i, (rid, left, _) in enumerate(LEASE_CASES):
+        params = {} if left is None else \
+            {"pdpatch_kv_lease_expiry": now + _lease_left(left, margin)}
+        reqs.append({"req_id": f"d-{rid}", "remote_req_id": rid, "engine": "prefill-engine",
+                     "local_ids": [[1 + 2 * i, 2 + 2 * i]], "remote_ids": [[3 + 2 * i, 4 + 2 * i]],
+                     "params": params})
+    with pdpatch_warnings() as warnings:
+        crash = crash or step(d, recv_metadata(reqs[:2]))
+        heartbeat = worker_module_metadata_cls()()
+        heartbeat.heartbeat_by_engine = {"prefill-engine": mod.HeartbeatInfo(
+            req_ids={rid for rid, _, beat in LEASE_CASES if beat}, host=HOST, port=PORT,
+            tp_size=1)}
+        crash = crash or step(d, heartbeat)
+        crash = crash or step(d, recv_metadata(reqs[2:3]))
+        time.sleep(0.6)
+        crash = crash or step(d, recv_metadata(reqs[3:]))
+        names = {r["req_id"] for r in reqs}
+        res, crash2 = run_until(
+            d, lambda a: names <= set(a["done_recving"]) | set(a["failed_recving"]), acc=acc)
+    reads = _reads_by_req(d)
+    return {"crash": crash or crash2, "results": res, "warnings": warnings,
+            "read": sorted(r["remote_req_id"] for r in reqs
+                           if reads.get(r["remote_req_id"]) or reads.get(r["req_id"])),
+            "heartbeats": [str(n) for _, n in d.nixl_wrapper.notifs_sent if "HB:" in str(n)],
+            "p_params_expiry": p_params.get("pdpatch_kv_lease_expiry"),
+            "p_lease": p_facade.connector_scheduler._reqs_need_send.get("p-prefilled")}
+
+
 SCENARIOS = {
     "block_ids": scenario_block_ids,
     "block_ids_ratio": scenario_block_ids_ratio,
@@ -1181,6 +1261,7 @@ SCENARIOS = {
     "rejected": scenario_rejected,
     "rejected_push": scenario_rejected_push,
     "readback": scenario_readback,
+    "lease": scenario_lease,
     "readback_bidirectional": lambda: scenario_readback({"bidirectional_kv_xfer": True}),
 }
 

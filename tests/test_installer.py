@@ -46,15 +46,16 @@ def test_install_reapplied_after_uninstall_wraps_once(fresh_pdpatch):
     fresh_pdpatch.uninstall()
     fresh_pdpatch.install()
     chain = list(wrapt.wrapper_chain(read_attr()))
-    # Once per patch that wraps the read path here: block_ids_bound and read_guard.
-    assert len([w for w in chain if isinstance(w, wrapt.FunctionWrapper)]) == 2
+    # Once per patch that wraps the read path here: block_ids_bound, lease_guard, read_guard.
+    assert len([w for w in chain if isinstance(w, wrapt.FunctionWrapper)]) == 3
     fresh_pdpatch.uninstall()
     assert read_attr() is original
 
 
 def test_toggle_off_skips_with_reason(fresh_pdpatch, monkeypatch):
     monkeypatch.setenv("PDPATCH_READ_GUARD", "0")
-    monkeypatch.setenv("PDPATCH_BLOCK_IDS_BOUND", "0")      # the read path's other wrapper
+    monkeypatch.setenv("PDPATCH_BLOCK_IDS_BOUND", "0")      # the read path's other wrappers
+    monkeypatch.setenv("PDPATCH_LEASE_GUARD", "0")
     original = read_attr()
     states = fresh_pdpatch.install()
     assert states["read_guard"].status == "skipped"
@@ -290,6 +291,7 @@ PDPATCH_NAMES = {
     "_pdpatch_base": "on pdpatch's own payload subclass (kv_segments.handshake)",
     "pdpatch_kv_geometry": "protocol: P's handshake metadata field",
     "pdpatch_block_keys": "protocol: the kv_transfer_params entry P sends",
+    "pdpatch_kv_lease_expiry": "protocol: the kv_transfer_params entry P sends (lease_guard)",
     "_pdpatch_block_keys": "D's verdict memo inside the params it judged (block_keys)",
     "pdpatch_counter": "dataclass field metadata (pdpatch.state)",
     "pdpatch_label": "dataclass field metadata (pdpatch.state)",

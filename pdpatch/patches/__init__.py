@@ -17,6 +17,7 @@ def all_patches() -> list[Patch]:
         handshake_failure_guard,
         kv_segments,
         layout,
+        lease_guard,
         metrics,
         mla_notif,
         num_blocks,
@@ -30,9 +31,10 @@ def all_patches() -> list[Patch]:
         transport_check,
     )
 
-    # block_ids_bound before read_guard: read_guard wraps it (an error of its check is contained).
-    return [block_ids_bound.PATCH, read_guard.PATCH, layout.PATCH, num_blocks.PATCH,
-            mla_notif.PATCH, division_checks.PATCH, spec_classify.PATCH,
+    # block_ids_bound and lease_guard before read_guard: read_guard wraps them (an error of
+    # their checks is contained).
+    return [block_ids_bound.PATCH, lease_guard.PATCH, read_guard.PATCH, layout.PATCH,
+            num_blocks.PATCH, mla_notif.PATCH, division_checks.PATCH, spec_classify.PATCH,
             handshake_failure_guard.PATCH, kv_segments.PATCH, block_keys.PATCH, params_check.PATCH,
             transport_check.PATCH, peer_check.PATCH, side_channel_listen.PATCH, params_guard.PATCH,
             readback_guard.PATCH, metrics.PATCH]

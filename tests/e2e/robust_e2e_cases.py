@@ -460,7 +460,7 @@ def judge(engine: Engine, case: str, prompt: list[int], sent: Sent) -> Outcome:
 FUZZ_FIELDS = ("do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
                "remote_request_id", "remote_host", "remote_port", "tp_size",
                "remote_num_tokens", "remote_blocks_expiry_time", "pdpatch_block_keys",
-               "unknown_field")
+               "pdpatch_kv_lease_expiry", "unknown_field")
 #: What a JSON client can send (integers within msgpack's 64 bits).
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1)

@@ -69,10 +69,11 @@ def prefill(p: Engine, case: str, length: int = C.PROMPT_LEN) -> tuple[list[int]
 #: Prefills run this many cases ahead of D, on P, while D works on the current case.
 PREFILL_AHEAD = 3
 #: vLLM 0.33 leases a request's blocks on P for ``kv_lease_duration`` (30 s), and D's heartbeats
-#: extend the lease only once D has the request; nothing tells D when a lease ran out, so D
-#: would read blocks P has freed and reused (a stalled test client made D serve wrong tokens
-#: once, CI on a9602b9).  A case whose prefill is older than this is prefilled again right
-#: before it is sent: each case tests its own parameters, never an expired lease.
+#: extend the lease only once D has the request: past it, stock D reads blocks P may have
+#: reused (a stalled test client made D serve wrong tokens once, CI on a9602b9) and D with
+#: ``lease_guard`` declines the READ (:func:`test_expired_lease_declined`).  A case whose
+#: prefill is older than this is prefilled again right before it is sent: each case tests its
+#: own parameters, never an expired lease.
 FRESH_S = 15.0
 
 
@@ -208,6 +209,38 @@ def test_local_prompt_unreachable_prefill(rig: EngineGroup, mode: str) -> None:
     notify.detail += f" [handshake failure logged before the judge: {failed}]"
     report(f"notify-only (prompt_logprobs), prefill engine unreachable ({mode})", [notify])
     assert_all_clean([notify])
+
+
+#: vLLM 0.33's default ``kv_lease_duration``: how long P holds a finished request's blocks for D.
+LEASE_S = 30.0
+
+
+def test_expired_lease_declined(rig: EngineGroup) -> None:
+    """P's lease on a request's blocks runs out before D reads them (the proxy handed D the
+    request 31 s after P answered; no heartbeat, D never held it): stock D reads whatever the
+    blocks hold by then -- no error, whether or not P has reused them -- and D with
+    ``lease_guard`` declines the READ as vLLM declines an expired readback: with vLLM's
+    default ``kv_load_failure_policy`` (``fail``) the request ends in an error, one warning,
+    and D serves on.  Both modes, one wait."""
+    p, d, ds = rig["P"], rig["D"], rig["Dstock"]
+    asked = {mode: prefill(p, f"lease-{mode}") for mode in C.MODES}
+    stock_prompt, stock_params = prefill(p, "lease-stock")
+    warned = d.log_text().count("[lease_guard]")
+    time.sleep(LEASE_S + 1)
+    outcomes = sweep(d, "P's lease ran out before D read", (
+        (f"lease_expired_{mode}", prompt, params, mode)
+        for mode, (prompt, params) in asked.items()))
+    assert_all_clean(outcomes)
+    assert all(o.clean_error for o in outcomes), [o.__dict__ for o in outcomes]
+    deadline = time.monotonic() + 10
+    while d.log_text().count("[lease_guard]") < warned + len(C.MODES) and \
+            time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert d.log_text().count("[lease_guard]") == warned + len(C.MODES), d.log_tail()
+    stock = C.send(ds, stock_params, stock_prompt, "complete")
+    report("stock D, the same wait (recorded)", [C.judge(ds, "lease_expired", stock_prompt,
+                                                          stock)])
+    assert stock.kind == "served", stock
 
 
 FUZZ_EXAMPLES = 20
