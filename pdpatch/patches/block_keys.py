@@ -51,6 +51,7 @@ from packaging.version import Version
 from pdpatch import attached, config, metrics, vllm_sites
 from pdpatch.installer import state_of
 from pdpatch.log import logger
+from pdpatch.patches.common import targets_at
 from pdpatch.registry import Patch, Target
 from pdpatch.state import State, counter, counter_by
 
@@ -407,16 +408,11 @@ def make_engine_hook(version: Version) -> Callable[..., Any]:
 
 
 def _targets(version: Version) -> list[Target]:
-    out: list[Target] = []
-    p_hook, d_hook = make_p_hook(version), make_d_hook(version)
-    for table in (vllm_sites.REQUEST_FINISHED, vllm_sites.REQUEST_FINISHED_ALL_GROUPS):
-        out += [Target(s.module, s.qualname, p_hook) for s in vllm_sites.lookup_all(table,
-                                                                                  version)]
-    out += [Target(s.module, s.qualname, d_hook)
-            for s in vllm_sites.lookup_all(vllm_sites.GET_NUM_NEW_MATCHED_TOKENS, version)]
-    out += [Target(s.module, s.qualname, make_engine_hook(version))
-            for s in vllm_sites.lookup_all(vllm_sites.ENGINE_CORE_INIT, version)]
-    return out
+    p_hook = make_p_hook(version)
+    return targets_at(version, (vllm_sites.REQUEST_FINISHED, p_hook),
+                      (vllm_sites.REQUEST_FINISHED_ALL_GROUPS, p_hook),
+                      (vllm_sites.GET_NUM_NEW_MATCHED_TOKENS, make_d_hook(version)),
+                      (vllm_sites.ENGINE_CORE_INIT, make_engine_hook(version)))
 
 
 PATCH = Patch(

@@ -1,11 +1,15 @@
-"""Helpers every patch's wrappers share: the per-deployment toggle and argument lookup."""
+"""Helpers every patch's wrappers share: the per-deployment toggle, argument lookup, and the
+targets of a patch's wrappers at the sites of one release."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from pdpatch import config
+from packaging.version import Version
+
+from pdpatch import config, vllm_sites
+from pdpatch.registry import Target
 
 _MISSING = object()
 
@@ -35,3 +39,11 @@ def arg(args: tuple, kwargs: dict, index: int, name: str, default: Any = _MISSIN
     if default is _MISSING:
         raise KeyError(name)
     return default
+
+
+def targets_at(version: Version, *wrapped: tuple[tuple[vllm_sites.Site, ...], Callable[..., Any]]
+               ) -> list[Target]:
+    """One target per site of each ``(sites, wrapper)`` pair that ``version`` has (a concept
+    defined on several classes has several)."""
+    return [Target(s.module, s.qualname, wrapper) for sites, wrapper in wrapped
+            for s in vllm_sites.lookup_all(sites, version)]

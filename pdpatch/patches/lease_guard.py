@@ -44,7 +44,7 @@ from packaging.version import Version
 from pdpatch import attached, metrics, vllm_sites
 from pdpatch.installer import object_state
 from pdpatch.log import logger
-from pdpatch.patches.common import allowed, arg
+from pdpatch.patches.common import allowed, arg, targets_at
 from pdpatch.registry import Patch, Target
 
 NAME = "lease_guard"
@@ -164,16 +164,11 @@ def make_read_guard(version: Version) -> Any:
 
 
 def _targets(version: Version) -> list[Target]:
-    out = [Target(s.module, s.qualname, add_lease)
-           for table in (vllm_sites.REQUEST_FINISHED, vllm_sites.REQUEST_FINISHED_ALL_GROUPS)
-           for s in vllm_sites.lookup_all(table, version)]
-    out += [Target(s.module, s.qualname, carry_lease)
-            for s in vllm_sites.lookup_all(vllm_sites.ADD_NEW_REQ_TO_RECV, version)]
-    out += [Target(s.module, s.qualname, note_heartbeats)
-            for s in vllm_sites.lookup_all(vllm_sites.SEND_HEARTBEATS, version)]
-    out += [Target(s.module, s.qualname, make_read_guard(version))
-            for s in vllm_sites.lookup_all(vllm_sites.READ_BLOCKS_FOR_REQ, version)]
-    return out
+    return targets_at(version, (vllm_sites.REQUEST_FINISHED, add_lease),
+                      (vllm_sites.REQUEST_FINISHED_ALL_GROUPS, add_lease),
+                      (vllm_sites.ADD_NEW_REQ_TO_RECV, carry_lease),
+                      (vllm_sites.SEND_HEARTBEATS, note_heartbeats),
+                      (vllm_sites.READ_BLOCKS_FOR_REQ, make_read_guard(version)))
 
 
 PATCH = Patch(

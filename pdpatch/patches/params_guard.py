@@ -41,7 +41,7 @@ from packaging.version import Version
 
 from pdpatch import metrics, vllm_sites
 from pdpatch.log import logger
-from pdpatch.patches.common import allowed, arg
+from pdpatch.patches.common import allowed, arg, targets_at
 from pdpatch.registry import Patch, Target, Wrapper
 
 NAME = "params_guard"
@@ -87,13 +87,10 @@ def make_guard(version: Version, receive: bool) -> Wrapper:
 
 
 def _targets(version: Version) -> list[Target]:
-    on_new, finished = make_guard(version, receive=False), make_guard(version, receive=True)
-    out = [Target(s.module, s.qualname, on_new)
-           for s in vllm_sites.lookup_all(vllm_sites.ON_NEW_REQUEST, version)]
-    for table in (vllm_sites.REQUEST_FINISHED, vllm_sites.REQUEST_FINISHED_ALL_GROUPS):
-        out += [Target(s.module, s.qualname, finished)
-                for s in vllm_sites.lookup_all(table, version)]
-    return out
+    finished = make_guard(version, receive=True)
+    return targets_at(version, (vllm_sites.ON_NEW_REQUEST, make_guard(version, receive=False)),
+                      (vllm_sites.REQUEST_FINISHED, finished),
+                      (vllm_sites.REQUEST_FINISHED_ALL_GROUPS, finished))
 
 
 PATCH = Patch(
