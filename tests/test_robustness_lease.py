@@ -100,3 +100,15 @@ def test_a_worker_remembers_each_requests_first_heartbeat_while_it_sends_them():
     assert lease.first_sent == {"a": 1.0, "b": 2.0, "x": 2.0}
     lease.sent({"p": beat("b")}, {"p", "q"}, 3.0)
     assert lease.first_sent == {"b": 2.0}
+
+
+@pytest.mark.parametrize(("value", "expiry"), [
+    (12.5, 12.5), (12, 12.0), (10**400, None), (True, None), ("12.5", None), ([12.5], None),
+    (None, None)])
+def test_d_carries_only_a_finite_number_as_ps_expiry(value, expiry):
+    """The params are a client's JSON: D's scheduler carries P's expiry only where it is a
+    finite number, and never raises on the way (an integer too large for a float included:
+    the scheduler step it runs in would take the engine down)."""
+    from pdpatch.patches.lease_guard import PARAMS_KEY, expiry_in
+
+    assert expiry_in({PARAMS_KEY: value}) == expiry

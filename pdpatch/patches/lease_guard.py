@@ -95,15 +95,27 @@ def add_lease(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     return result
 
 
+def expiry_in(params: Any) -> float | None:
+    """P's expiry in a request's params, if it is a finite number (a client's JSON may hold
+    any value there, an integer too large for a float included)."""
+    value = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        expiry = float(value)
+    except OverflowError:
+        return None
+    return expiry if math.isfinite(expiry) else None
+
+
 def carry_lease(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """D's scheduler half: the receive's ``ReqMeta`` carries P's expiry to the workers."""
     result = wrapped(*args, **kwargs)
-    params = arg(args, kwargs, 2, "kv_transfer_params", None)
-    value = params.get(PARAMS_KEY) if isinstance(params, dict) else None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+    expiry = expiry_in(arg(args, kwargs, 2, "kv_transfer_params", None))
+    if expiry is not None:
         meta = getattr(instance, "reqs_to_recv", {}).get(arg(args, kwargs, 0, "request_id"))
         if meta is not None:
-            attached.put(meta, NAME, Lease(expiry=float(value)))
+            attached.put(meta, NAME, Lease(expiry=expiry))
     return result
 
 
