@@ -752,9 +752,9 @@ def decline_expired_read(worker: Any, req_id: str, version: Version) -> None:
     `_read_blocks_for_req` (0.26.0 pull_worker.py L129-131, 0.30.0 L158-159, 0.31.0 L164-169):
     its expired-request counter, then its failure path for a read that never started."""
     worker.xfer_stats.record_kv_expired_req()
-    if version < Version("0.30"):
+    if recv_failure_style(version) == "queue":
         worker._handle_failed_transfer(req_id, None)
-    elif version < Version("0.31"):
+    elif version < Version("0.31"):       # "deferred" (RECV_FAILURE_STYLES), no flag yet
         worker._handle_failed_transfer(req_id, None, worker._recv_failures)
     else:
         worker._handle_failed_transfer(req_id, None, worker._recv_failures,
