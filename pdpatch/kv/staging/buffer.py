@@ -152,6 +152,15 @@ class StagingBuffer:
         can overlap the wire."""
         return self._copier.prepare(plan)
 
+    def row_scatter(self, dst: np.ndarray, length: int, lanes: Sequence[int],
+                    lane_bytes: int) -> Any:
+        """A chunked READ's whole gather, prepared once (:meth:`ByteCopier.row_scatter`):
+        rows of ``length`` bytes into ``dst`` from the buffer's ``lanes`` (offsets); None
+        where each chunk is to be prepared on its own."""
+        return self._copier.row_scatter(dst, length,
+                                        self.base + np.asarray(lanes, dtype=np.int64),
+                                        lane_bytes)
+
     def enter_thread(self) -> None:
         """Make the buffer's GPU the calling thread's current device (once, in a thread of
         pdpatch's own that launches gathers: the chunk driver).

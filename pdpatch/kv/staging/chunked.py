@@ -16,11 +16,12 @@ of milliseconds under decode load; a pipeline advanced only by that poll would t
 per chunk, slower than the per-segment READ it replaces.  NIXL's Python API gives the
 initiator no completion callback (its notifications go to the peer), so the thread polls the
 chunks' NIXL states, sleeping :data:`POLL_S` when nothing moved; vLLM's own polls advance the
-pipeline too.  The thread needs the GIL: while vLLM's thread runs Python it may wait the
-interpreter's switch interval (5 ms) per wake-up; each wake-up moves at least one lane (with the
-buffer free, a quarter of it: 32 MiB at the default 128 MiB), so even then the chunks move
->= 6 GB/s, above the per-segment READ they replace (188 MiB in 85 ms for the stock pair, issue
-24).
+pipeline too.  On a GPU the driver's own host work sets the pace, not NIXL: a 32 MiB chunk's
+READ lands in 0.04-0.14 ms on an H200, while posting it, launching its gather and preparing
+the next took the driver 0.3-0.5 ms a chunk (``scripts/bench_chunk_pace.py``).  So the
+READ's whole gather is prepared once, at its first post (:meth:`ChunkedReads._gather_ops`),
+and a chunk's gather is a slice of it: 2 GiB through the default 128 MiB buffer in 9 ms
+instead of 29 (the bench), 12.6 ms against stock's 905 in vLLM 0.25.1's engines (run cz).
 
 What vLLM sees: one handle, the first chunk's own NIXL handle (so any call pdpatch does not
 know about still reaches a real READ), answering ``PROC`` until every chunk is gathered, then
@@ -154,6 +155,8 @@ class ChunkedRead:
     runs: ChunkRuns | None = None
     twin_ids: tuple | None = None    # (staging slot list, the peer's twin, rows in the twin)
     row_off: np.ndarray | None = None   # each row's offset in its chunk's lane (a gap READ)
+    scatter: Any = None        # its whole gather, prepared at its first post (RowScatter)
+    scatter_tried: bool = False
     notif: bytes = b""
     xfer_kwargs: dict = field(default_factory=dict)
     chunks: list[Chunk] = field(default_factory=list)
@@ -342,7 +345,20 @@ class ChunkedReads:
         chunk.t_posted = time.perf_counter()
         if state not in (PROC, DONE):
             raise RuntimeError(f"NIXL answered {state}")
-        chunk.ops = self._staging.prepare(read.gather(chunk, self._staging.base))
+        chunk.ops = self._gather_ops(read, chunk)
+
+    def _gather_ops(self, read: ChunkedRead, chunk: Chunk) -> list:
+        """The chunk's gather, prepared while NIXL reads it: a slice of the READ's whole
+        gather, made once at its first post (rows back to back in their lane), or, for a gap
+        READ or where the copier cannot take it so, prepared for this chunk alone."""
+        if read.row_off is None and not read.scatter_tried:
+            read.scatter_tried = True
+            read.scatter = self._staging.row_scatter(read.local_addr, read.slot, read.lanes,
+                                                     read.lane_bytes)
+        if read.scatter is not None:
+            return read.scatter.ops(chunk.first, chunk.end,
+                                    self._staging.base + read.lanes[chunk.lane])
+        return self._staging.prepare(read.gather(chunk, self._staging.base))
 
     def _xfer(self, read: ChunkedRead, chunk: Chunk) -> Any:
         """The chunk's NIXL READ into its lane (rows back to back in the peer's order)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -196,6 +197,31 @@ class ByteCopier:
                              lambda key, esz: (self._rows(key // n, g, esz),
                                                self._rows(key % n, g, esz)))
 
+    def row_scatter(self, dst: np.ndarray, length: int, sources: np.ndarray,
+                    source_bytes: int) -> RowScatter | None:
+        """The gather of ``length``-byte rows into ``dst`` (their addresses, in order) from
+        rows that lie back to back from any of ``sources`` (``source_bytes`` each: a chunked
+        READ's lanes), prepared once for all of them (:class:`RowScatter`).  None without a
+        span, or where its rows would be shorter than :meth:`prepare` would take over the
+        span: each part is then prepared on its own."""
+        span = self._span
+        if span is None or dst.size == 0:
+            return None
+        d_arena = self.locate(dst, np.full(dst.size, length, dtype=np.int64))
+        s_arena = self.locate(sources, np.full(sources.size, source_bytes, dtype=np.int64))
+        sizes = np.array([length, source_bytes])
+        d_at = dst - span.base
+        g = _row_bytes(sources - span.base, d_at, sizes)
+        own = _row_bytes(sources - self.bases[s_arena], dst - self.bases[d_arena], sizes)
+        if g < min(own, SPAN_MIN_ROW):
+            return None
+        esz, per_row = (8 if g % 8 == 0 else 1), length // g
+        rows = d_at // g
+        if per_row > 1:
+            rows = (rows[:, None] + np.arange(per_row, dtype=np.int64)).reshape(-1)
+        return RowScatter(span.rows(0, g, esz), span.rows(1, g, esz), self._index(rows),
+                          span.base, g, per_row)
+
     def _row_ops(self, s_off: np.ndarray, d_off: np.ndarray, ln: np.ndarray, g: int,
                  keys: np.ndarray, views: Any) -> list[tuple]:
         """Index ops moving rows of ``g`` bytes, one per key (a pair of row views,
@@ -322,6 +348,32 @@ class ByteCopier:
     def sync(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
+
+
+@dataclass(frozen=True)
+class RowScatter:
+    """A chunked READ's gather prepared once for the whole READ
+    (:meth:`ByteCopier.row_scatter`): every row's destination rows of ``g`` bytes in one
+    index, uploaded once; a chunk's gather is one op over a slice of it.
+
+    Why: prepared per chunk (:meth:`ByteCopier.prepare`: merge, locate, the index's upload),
+    a chunk's gather took the chunk driver 0.18-0.3 ms of host work on an H200, about half of
+    a chunk's cycle -- and the driver's host work, not NIXL (32 MiB in 0.04-0.05 ms) or the
+    copy, set the chunks' pace (``scripts/bench_chunk_pace.py``)."""
+
+    src: Any            # the span's read side, as rows of ``g`` bytes
+    dst: Any            # its written side
+    index: Any          # each row's ``per_row`` destination rows, in the rows' order
+    base: int           # the span's address
+    g: int
+    per_row: int
+
+    def ops(self, first: int, end: int, src: int) -> list[tuple]:
+        """The gather of rows ``[first, end)``, which lie back to back from address
+        ``src``: ops for :meth:`ByteCopier.launch`."""
+        at, k = (src - self.base) // self.g, self.per_row
+        n = (end - first) * k
+        return [("scatter", self.src[at: at + n], self.dst, self.index[first * k: end * k])]
 
 
 class _Span:

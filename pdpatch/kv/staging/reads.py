@@ -47,9 +47,9 @@ FEW_SAVED = ("staging saves under a quarter of the descriptors vLLM's READ posts
 # Stage a READ only when vLLM's descriptors average under this many bytes.  Below it vLLM's
 # READ is bound by its descriptors (NIXL's ~10 us each on an H200): 16-64 KiB per block and
 # layer or head slice, where staging took 0.01-0.2x of its time (runs at-cp).  Above it, its
-# READ moves bytes at NIXL's pace and staging only adds its gather and a NIXL round trip per
-# chunk: a kvcached pool's 2 MiB pages (1.5-3.2 MiB per descriptor) read in 32 MiB chunks
-# took 2-6x of vLLM's own READ into that pool (runs cn, cu, cv).
+# READ moves bytes at NIXL's pace and staging only adds its gather and the chunk driver's
+# host work per chunk: a kvcached pool's 2 MiB pages (1.5-3.2 MiB per descriptor) read in
+# 32 MiB chunks took 2-6x of vLLM's own READ into that pool (runs cn, cu, cv).
 BYTE_BOUND = 256 << 10
 BYTES_BOUND = (f"vLLM's READ moves {BYTE_BOUND >> 10} KiB or more per descriptor: bound by "
                "bytes, not by descriptors (a kvcached pool's pages, or runs of blocks NIXL "
