@@ -238,33 +238,40 @@ def test_copier_refuses_memory_it_was_not_given() -> None:
 
 @settings(max_examples=100, deadline=None)
 @given(slot=st.sampled_from([64, 192, 1024]), rows=st.integers(1, 48),
-       lanes=st.integers(1, 3), seed=st.integers(0, 2**16))
+       lanes=st.integers(1, 3), gaps=st.booleans(), seed=st.integers(0, 2**16))
 def test_a_chunked_reads_gather_prepared_once_moves_each_chunk_exactly(
-        slot: int, rows: int, lanes: int, seed: int) -> None:
-    """A chunked READ's gather is prepared once, for all its rows (one index, uploaded once);
-    each chunk's gather, from whichever lane it landed in, is a slice of it.  Every row lands
-    where it was asked to, from its own chunk's lane, and no other byte is written: rows of
-    192 B are three index rows of 64 each (the arenas' 64-byte alignment)."""
+        slot: int, rows: int, lanes: int, gaps: bool, seed: int) -> None:
+    """A chunked READ's gather is prepared once, for all its rows (one index, uploaded once;
+    a gap READ's rows, with unrequested bytes between them in the lane, a second one); each
+    chunk's gather, from whichever lane it landed in, is a slice of it.  Every row lands
+    where it was asked to, from its own place in its chunk's lane, and no other byte is
+    written: rows of 192 B are three index rows of 64 each (the arenas' 64-byte alignment)."""
     rng = np.random.default_rng(seed)
     kv = torch.zeros(64 * slot, dtype=torch.uint8)
     per = max(rows // 3, 1)
-    lane_bytes = per * slot
+    bounds = chunk_bounds(rows, per).tolist()
+    step = slot + 64 * rng.integers(0, 3, rows) * gaps          # a row and the gap after it
+    row_off = np.concatenate([np.cumsum(step[a:b]) - step[a:b]
+                              for a, b in itertools.pairwise(bounds)])
+    lane_bytes = per * (slot + 128)
     staging = torch.zeros(lanes * lane_bytes, dtype=torch.uint8)
     copier = ByteCopier(arenas_of([kv, staging]))
     d_slots = rng.permutation(64)[:rows]
     dst = kv.data_ptr() + d_slots.astype(np.int64) * slot
     lane_at = staging.data_ptr() + np.arange(lanes, dtype=np.int64) * lane_bytes
     with mock.patch.object(copier_module, "SPAN_MIN_ROW", 64):   # torch's CPU alignment
-        scatter = copier.row_scatter(dst, slot, lane_at, lane_bytes)
+        scatter = copier.row_scatter(dst, slot, lane_at, lane_bytes,
+                                     row_off if gaps else None)
     assert scatter is not None and scatter.per_row == slot // scatter.g
     expected = np.zeros(kv.numel(), dtype=np.uint8)
-    for first, end in itertools.pairwise(chunk_bounds(rows, per).tolist()):
+    for first, end in itertools.pairwise(bounds):
         lane = int(rng.integers(lanes))
-        part = torch.from_numpy(rng.integers(0, 256, (end - first) * slot, dtype=np.uint8))
-        staging[lane * lane_bytes: lane * lane_bytes + part.numel()] = part
+        part = rng.integers(0, 256, lane_bytes, dtype=np.uint8)
+        staging[lane * lane_bytes:(lane + 1) * lane_bytes] = torch.from_numpy(part)
         copier.launch(scatter.ops(first, end, int(lane_at[lane])))
-        for i, d in enumerate(d_slots[first:end].tolist()):
-            expected[d * slot:(d + 1) * slot] = part[i * slot:(i + 1) * slot].numpy()
+        for r in range(first, end):
+            at, d = int(row_off[r]), int(d_slots[r])
+            expected[d * slot:(d + 1) * slot] = part[at: at + slot]
     assert np.array_equal(kv.numpy(), expected)
 
 
@@ -275,10 +282,14 @@ def test_a_gather_prepared_once_needs_a_span_of_whole_rows() -> None:
     chunk is prepared on its own, as :meth:`prepare` would.  Memory the copier was not given
     is refused."""
     slot = 8192
-    staging = torch.zeros(4 * slot, dtype=torch.uint8)
+
+    def arena(past: int) -> torch.Tensor:       # starting ``past`` bytes after 64 KiB
+        raw = np.zeros(4 * slot + (2 << 16), np.uint8)
+        at = (-raw.ctypes.data) % (1 << 16) + past
+        return torch.from_numpy(raw[at: at + 4 * slot])
+
+    staging, kv, odd = arena(0), arena(64), arena(1)
     lanes = staging.data_ptr() + np.array([0, 2 * slot], dtype=np.int64)
-    kv = torch.zeros(4 * slot, dtype=torch.uint8)
-    odd = torch.from_numpy(np.zeros(4 * slot + 1, np.uint8)[1:])
     alone = ByteCopier(arenas_of([staging]))
     assert alone.row_scatter(lanes + slot, slot, lanes[:1], slot) is None
     copier, off = (ByteCopier(arenas_of([t, staging])) for t in (kv, odd))

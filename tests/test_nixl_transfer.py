@@ -495,13 +495,39 @@ def test_every_read_logs_its_polls_at_debug(pair: NixlPair, caplog, staged: bool
     assert ("gathered by +" in lines[0]) == ("gather planned by +" in lines[0]) == staged
 
 
+def gather_preparations(monkeypatch, span: bool) -> dict[str, int]:
+    """Counts of the staging buffer's gather preparations, per chunk (``prepare``) and per
+    READ (``row_scatter``), from now on.  ``span``: the copier's span takes rows down to 16 B
+    (host memory starts at 16-64 B multiples; the default :data:`SPAN_MIN_ROW`, 4 KiB, is
+    met or not by where the allocations fall); else the copier has none (as one whose probe
+    failed), and every chunk is prepared on its own."""
+    if span:
+        monkeypatch.setattr(copier_module, "SPAN_MIN_ROW", 16)
+    else:
+        monkeypatch.setattr(copier_module._Span, "over", classmethod(lambda cls, *a: None))
+    calls = {"prepare": 0, "row_scatter": 0}
+    for name in calls:
+        real = getattr(StagingBuffer, name)
+        monkeypatch.setattr(StagingBuffer, name, lambda self, *a, _n=name, _f=real: (
+            calls.__setitem__(_n, calls[_n] + 1), _f(self, *a))[1])
+    return calls
+
+
+WHOLE_OR_PER_CHUNK = pytest.mark.parametrize("span", [True, False],
+                                             ids=["whole-read", "per-chunk"])
+
+
+@WHOLE_OR_PER_CHUNK
 @pytest.mark.parametrize("name", [n for n in READS if CASES[n].remote_slice.parts > 1])
 def test_head_slices_larger_than_staging_are_read_across_their_gaps_in_chunks(
-        pair: NixlPair, name: str) -> None:
+        pair: NixlPair, monkeypatch, name: str, span: bool) -> None:
     """Head slices (one run per row) of a request larger than the staging buffer: read in
     chunks across the other ranks' heads between them -- far fewer descriptors than rows,
     byte-exact, the unrequested bytes counted, all staging back.  Before, such a request
-    was read row by row (runs ay, ba on two H200s: descriptor-bound)."""
+    was read row by row (runs ay, ba on two H200s: descriptor-bound).  Each chunk's gather
+    picks its rows out of its lane from the READ's gather prepared once, where the span
+    takes the rows; else it is prepared per chunk."""
+    calls = gather_preparations(monkeypatch, span)
     s = set_up(pair, name)
     lids, rids = list(range(N_LOCAL)), list(range(2, 2 + N_LOCAL))   # a run of the peer's
     lid, rid = s.plan.desc_ids(lids, rids)
@@ -519,6 +545,7 @@ def test_head_slices_larger_than_staging_are_read_across_their_gaps_in_chunks(
     assert st.descriptors_stock == stock == len(lid)          # a descriptor per row
     assert run.desc_count <= st.descriptors_staged <= stock // 2
     assert run.free_after == capacity
+    assert calls == {"prepare": 0 if span else st.chunks, "row_scatter": 1}
 
 
 def test_descriptor_larger_than_half_the_staging_goes_per_segment(pair: NixlPair) -> None:
@@ -973,22 +1000,15 @@ def test_chunked_read_logs_where_its_time_went_at_debug(pair: NixlPair, caplog,
 
 
 @RUNS_OR_TWIN
-@pytest.mark.parametrize("min_row", [16, None], ids=["whole-read", "per-chunk"])
+@WHOLE_OR_PER_CHUNK
 def test_a_chunked_reads_gather_is_prepared_once_where_the_span_allows(
-        pair: NixlPair, monkeypatch, ranges: bool, min_row: int | None) -> None:
+        pair: NixlPair, monkeypatch, ranges: bool, span: bool) -> None:
     """Each chunk's gather is a slice of the READ's whole gather, prepared once at its first
     post -- not prepared chunk by chunk, 0.18-0.3 ms of the chunk driver's host work a chunk
     on an H200, where that work set the chunks' pace (``scripts/bench_chunk_pace.py``).
-    Where the arenas' span has no rows that large (host memory starts at 16-64 B multiples,
-    the default :data:`SPAN_MIN_ROW` is 4 KiB; 16 here lets the span take them), each chunk
-    is prepared on its own, as before.  Byte-exact either way."""
-    if min_row is not None:
-        monkeypatch.setattr(copier_module, "SPAN_MIN_ROW", min_row)
-    calls = {"prepare": 0, "row_scatter": 0}
-    for name in calls:
-        real = getattr(StagingBuffer, name)
-        monkeypatch.setattr(StagingBuffer, name, lambda self, *a, _n=name, _f=real: (
-            calls.__setitem__(_n, calls[_n] + 1), _f(self, *a))[1])
+    Without a span of whole rows (:func:`gather_preparations`), each chunk is prepared on
+    its own, as before.  Byte-exact either way."""
+    calls = gather_preparations(monkeypatch, span)
     s = big_setup(pair, "fused->split")
     lid, rid = s.plan.desc_ids(ALL_LOCAL, ALL_REMOTE)
     slot = int(s.plan.local_table()[0, 1])
@@ -998,7 +1018,7 @@ def test_a_chunked_reads_gather_is_prepared_once_where_the_span_allows(
         chunks = agent.stats.chunks
     assert np.array_equal(s.lbuf, big_expected(s))
     assert chunks >= 10 and calls["row_scatter"] == 1
-    assert calls["prepare"] == (0 if min_row else chunks)
+    assert calls["prepare"] == (0 if span else chunks)
     drain_notifs(pair, 1)
 
 

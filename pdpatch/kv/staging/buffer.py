@@ -153,13 +153,14 @@ class StagingBuffer:
         return self._copier.prepare(plan)
 
     def row_scatter(self, dst: np.ndarray, length: int, lanes: Sequence[int],
-                    lane_bytes: int) -> Any:
+                    lane_bytes: int, row_off: np.ndarray | None) -> Any:
         """A chunked READ's whole gather, prepared once (:meth:`ByteCopier.row_scatter`):
-        rows of ``length`` bytes into ``dst`` from the buffer's ``lanes`` (offsets); None
-        where each chunk is to be prepared on its own."""
+        rows of ``length`` bytes into ``dst`` from the buffer's ``lanes`` (offsets), back to
+        back or at ``row_off`` in their lane (a gap READ); None where each chunk is to be
+        prepared on its own."""
         return self._copier.row_scatter(dst, length,
                                         self.base + np.asarray(lanes, dtype=np.int64),
-                                        lane_bytes)
+                                        lane_bytes, row_off)
 
     def enter_thread(self) -> None:
         """Make the buffer's GPU the calling thread's current device (once, in a thread of

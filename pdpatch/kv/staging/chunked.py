@@ -349,12 +349,12 @@ class ChunkedReads:
 
     def _gather_ops(self, read: ChunkedRead, chunk: Chunk) -> list:
         """The chunk's gather, prepared while NIXL reads it: a slice of the READ's whole
-        gather, made once at its first post (rows back to back in their lane), or, for a gap
-        READ or where the copier cannot take it so, prepared for this chunk alone."""
-        if read.row_off is None and not read.scatter_tried:
+        gather, made once at its first post, or, where the copier cannot take it so, prepared
+        for this chunk alone."""
+        if not read.scatter_tried:
             read.scatter_tried = True
             read.scatter = self._staging.row_scatter(read.local_addr, read.slot, read.lanes,
-                                                     read.lane_bytes)
+                                                     read.lane_bytes, read.row_off)
         if read.scatter is not None:
             return read.scatter.ops(chunk.first, chunk.end,
                                     self._staging.base + read.lanes[chunk.lane])

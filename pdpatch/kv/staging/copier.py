@@ -198,29 +198,35 @@ class ByteCopier:
                                                self._rows(key % n, g, esz)))
 
     def row_scatter(self, dst: np.ndarray, length: int, sources: np.ndarray,
-                    source_bytes: int) -> RowScatter | None:
+                    source_bytes: int, src_off: np.ndarray | None = None
+                    ) -> RowScatter | None:
         """The gather of ``length``-byte rows into ``dst`` (their addresses, in order) from
-        rows that lie back to back from any of ``sources`` (``source_bytes`` each: a chunked
-        READ's lanes), prepared once for all of them (:class:`RowScatter`).  None without a
-        span, or where its rows would be shorter than :meth:`prepare` would take over the
-        span: each part is then prepared on its own."""
+        any of ``sources`` (``source_bytes`` each: a chunked READ's lanes), where each part's
+        rows lie back to back from its source's start or, given ``src_off``, at those offsets
+        from it (a gap READ's rows, with the bytes between them), prepared once for all of
+        them (:class:`RowScatter`).  None without a span, or where its rows would be shorter
+        than :meth:`prepare` would take over the span: each part is then prepared on its own."""
         span = self._span
         if span is None or dst.size == 0:
             return None
         d_arena = self.locate(dst, np.full(dst.size, length, dtype=np.int64))
         s_arena = self.locate(sources, np.full(sources.size, source_bytes, dtype=np.int64))
-        sizes = np.array([length, source_bytes])
+        sizes = np.array([length, source_bytes]) if src_off is None else \
+            np.concatenate([[length, source_bytes], src_off])
         d_at = dst - span.base
         g = _row_bytes(sources - span.base, d_at, sizes)
         own = _row_bytes(sources - self.bases[s_arena], dst - self.bases[d_arena], sizes)
         if g < min(own, SPAN_MIN_ROW):
             return None
         esz, per_row = (8 if g % 8 == 0 else 1), length // g
-        rows = d_at // g
-        if per_row > 1:
-            rows = (rows[:, None] + np.arange(per_row, dtype=np.int64)).reshape(-1)
-        return RowScatter(span.rows(0, g, esz), span.rows(1, g, esz), self._index(rows),
-                          span.base, g, per_row)
+
+        def rows(at: np.ndarray) -> np.ndarray:
+            at = at // g
+            return at if per_row == 1 else \
+                (at[:, None] + np.arange(per_row, dtype=np.int64)).reshape(-1)
+        return RowScatter(span.rows(0, g, esz), span.rows(1, g, esz), self._index(rows(d_at)),
+                          span.base, g, per_row,
+                          None if src_off is None else self._index(rows(src_off)))
 
     def _row_ops(self, s_off: np.ndarray, d_off: np.ndarray, ln: np.ndarray, g: int,
                  keys: np.ndarray, views: Any) -> list[tuple]:
@@ -354,11 +360,12 @@ class ByteCopier:
 class RowScatter:
     """A chunked READ's gather prepared once for the whole READ
     (:meth:`ByteCopier.row_scatter`): every row's destination rows of ``g`` bytes in one
-    index, uploaded once; a chunk's gather is one op over a slice of it.
+    index, uploaded once (and, for a gap READ, every row's source rows from its lane's
+    start in another); a chunk's gather is one op over slices of them.
 
     Why: prepared per chunk (:meth:`ByteCopier.prepare`: merge, locate, the index's upload),
     a chunk's gather took the chunk driver 0.18-0.3 ms of host work on an H200, about half of
-    a chunk's cycle -- and the driver's host work, not NIXL (32 MiB in 0.04-0.05 ms) or the
+    a chunk's cycle -- and the driver's host work, not NIXL (32 MiB in 0.04-0.14 ms) or the
     copy, set the chunks' pace (``scripts/bench_chunk_pace.py``)."""
 
     src: Any            # the span's read side, as rows of ``g`` bytes
@@ -367,13 +374,17 @@ class RowScatter:
     base: int           # the span's address
     g: int
     per_row: int
+    src_index: Any = None   # a gap READ's: each row's source rows from its lane's start
 
     def ops(self, first: int, end: int, src: int) -> list[tuple]:
-        """The gather of rows ``[first, end)``, which lie back to back from address
-        ``src``: ops for :meth:`ByteCopier.launch`."""
+        """The gather of rows ``[first, end)``, whose lane starts at address ``src``: ops for
+        :meth:`ByteCopier.launch`."""
         at, k = (src - self.base) // self.g, self.per_row
-        n = (end - first) * k
-        return [("scatter", self.src[at: at + n], self.dst, self.index[first * k: end * k])]
+        dst_rows = self.index[first * k: end * k]
+        if self.src_index is None:                  # back to back from the lane's start
+            return [("scatter", self.src[at: at + (end - first) * k], self.dst, dst_rows)]
+        return [("both", self.src[at:], self.dst, (self.src_index[first * k: end * k],
+                                                   dst_rows))]
 
 
 class _Span:
