@@ -739,6 +739,9 @@ SEND_HEARTBEATS = (
     _site(">=0.26", f"{NIXL_PKG}.base_worker", "NixlBaseConnectorWorker._send_heartbeats"),
 )
 EXPIRY_MARGIN_MODULE = f"{NIXL_PKG}.pull_worker"
+# From 0.31 `_handle_failed_transfer` takes `record_failed_transfer`, which an expired read
+# sets False (it is counted as expired, not as a failed transfer).
+FAILED_TRANSFER_FLAG_FROM = Version("0.31")
 
 
 def expiry_margin() -> float:
@@ -754,7 +757,7 @@ def decline_expired_read(worker: Any, req_id: str, version: Version) -> None:
     worker.xfer_stats.record_kv_expired_req()
     if recv_failure_style(version) == "queue":
         worker._handle_failed_transfer(req_id, None)
-    elif version < Version("0.31"):       # "deferred" (RECV_FAILURE_STYLES), no flag yet
+    elif release_of(version) < FAILED_TRANSFER_FLAG_FROM:      # "deferred", no flag yet
         worker._handle_failed_transfer(req_id, None, worker._recv_failures)
     else:
         worker._handle_failed_transfer(req_id, None, worker._recv_failures,

@@ -112,3 +112,31 @@ def test_d_carries_only_a_finite_number_as_ps_expiry(value, expiry):
     from pdpatch.patches.lease_guard import PARAMS_KEY, expiry_in
 
     assert expiry_in({PARAMS_KEY: value}) == expiry
+
+
+class _Calls:
+    """Records what ``decline_expired_read`` asks of a worker (the release scenarios above
+    run the real workers of each release; this checks the version gate alone)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.xfer_stats = self
+        self._recv_failures = "recv-failures"
+
+    def record_kv_expired_req(self) -> None:
+        self.calls.append(("expired",))
+
+    def _handle_failed_transfer(self, *args, **kwargs) -> None:
+        self.calls.append((args, kwargs))
+
+
+@pytest.mark.parametrize(("version", "kwargs"), [
+    ("0.30.0", {}), ("0.30.1.dev4", {}),
+    ("0.31.0", {"record_failed_transfer": False}),
+    ("0.31.0rc1", {"record_failed_transfer": False}),     # the new code, as every gate reads
+    ("0.33.0+cpu", {"record_failed_transfer": False})])
+def test_an_expired_read_is_failed_with_the_arguments_of_its_release(version: str,
+                                                                     kwargs: dict) -> None:
+    worker = _Calls()
+    vllm_sites.decline_expired_read(worker, "r1", Version(version))
+    assert worker.calls == [("expired",), (("r1", None, "recv-failures"), kwargs)]
