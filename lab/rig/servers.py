@@ -141,6 +141,23 @@ def pdpatch_counters(text: str) -> dict[str, float]:
     return out
 
 
+RIG_KV_LEASE_S = 120
+"""How long the rig's prefill engines keep a finished request's KV blocks for D (vLLM's
+``kv_lease_duration``, 0.22+; 30 s by default), unless a spec sets ``kv_lease_s``.
+
+On the 2-core CI machine, three engines (two of them busy-stepping while P holds blocks for D)
+starve NIXL's calls in D's worker for seconds at a time: measured in loops of
+``tests/e2e/test_pd_baseline.py`` on HEAD (py-spy on the engines), D's worker sat in NIXL's
+``postXferReq`` for 6.4 s and 15.9 s (vLLM's own "post time") and its handshake thread in
+``loadRemoteMD`` for 30 s, about once in seven runs; the READ of a 256 KiB request normally
+posts in 0.2-1 ms.  At vLLM's 30 s the requests queued behind such a stall reach their READ
+after P's lease ran out, and ``lease_guard`` declines them as it should (CI, 2026-12-01): a
+correct outcome for the machine, a failure for a test about something else.  So pairs lease
+for two minutes here, and the lease itself is tested at vLLM's default in
+``tests/e2e/test_robustness_e2e.py``.
+"""
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """What one engine server runs.
@@ -148,6 +165,7 @@ class EngineSpec:
     ``kv_role`` None means a plain engine (the baseline: no KV connector at all).
     ``kv_config_extra`` is merged into ``--kv-transfer-config`` and ``extra_args`` appended to
     the command line, e.g. ``("--kv-cache-dtype", "fp8")`` for an incompatible pair.
+    ``kv_lease_s`` is the engine's ``kv_lease_duration`` (see :data:`RIG_KV_LEASE_S`).
     """
 
     name: str
@@ -158,6 +176,7 @@ class EngineSpec:
     extra_env: Mapping[str, str | None] = field(default_factory=dict)   # None: unset
     kv_config_extra: Mapping[str, Any] = field(default_factory=dict)
     max_model_len: int = 2048
+    kv_lease_s: int = RIG_KV_LEASE_S
 
 
 class Engine:
@@ -192,6 +211,7 @@ class Engine:
                 "kv_connector": "NixlConnector",
                 "kv_role": self.spec.kv_role,
                 "kv_buffer_device": "cpu",
+                "kv_connector_extra_config": {"kv_lease_duration": self.spec.kv_lease_s},
                 **self.spec.kv_config_extra,
             }
             cmd += ["--kv-transfer-config", json.dumps(kv_cfg)]

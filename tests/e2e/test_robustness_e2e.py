@@ -46,10 +46,13 @@ from hypothesis import strategies as st
 from lab.rig import proxy
 from lab.rig.servers import Engine, EngineGroup, EngineSpec
 
+#: vLLM's default ``kv_lease_duration``, which :func:`test_expired_lease_declined` waits out
+#: (the rig's other pairs lease longer, see ``lab.rig.servers.RIG_KV_LEASE_S``).
+LEASE_S = 30
 RIG_SPECS = [
-    EngineSpec("P", "kv_producer", pdpatch=True),
-    EngineSpec("D", "kv_consumer", pdpatch=True),
-    EngineSpec("Dstock", "kv_consumer", pdpatch=False),
+    EngineSpec("P", "kv_producer", pdpatch=True, kv_lease_s=LEASE_S),
+    EngineSpec("D", "kv_consumer", pdpatch=True, kv_lease_s=LEASE_S),
+    EngineSpec("Dstock", "kv_consumer", pdpatch=False, kv_lease_s=LEASE_S),
 ]
 RIG_WARMUP = [("P", "D"), ("P", "Dstock")]
 RIG_START_TIMEOUT_S = 480.0  # three engines; setup + warm-ups must end inside pytest's 600 s
@@ -209,10 +212,6 @@ def test_local_prompt_unreachable_prefill(rig: EngineGroup, mode: str) -> None:
     notify.detail += f" [handshake failure logged before the judge: {failed}]"
     report(f"notify-only (prompt_logprobs), prefill engine unreachable ({mode})", [notify])
     assert_all_clean([notify])
-
-
-#: vLLM 0.33's default ``kv_lease_duration``: how long P holds a finished request's blocks for D.
-LEASE_S = 30.0
 
 
 def test_expired_lease_declined(rig: EngineGroup) -> None:
