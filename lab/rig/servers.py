@@ -149,7 +149,7 @@ On the 2-core CI machine, three engines (two of them busy-stepping while P holds
 starve NIXL's calls in D's worker for seconds at a time: measured in loops of
 ``tests/e2e/test_pd_baseline.py`` on HEAD (py-spy on the engines), D's worker sat in NIXL's
 ``postXferReq`` for 6.4 s and 15.9 s (vLLM's own "post time") and its handshake thread in
-``loadRemoteMD`` for 30 s, about once in seven runs; the READ of a 256 KiB request normally
+``loadRemoteMD`` for 30 s, in 3 of 37 runs; the READ of a 256 KiB request normally
 posts in 0.2-1 ms.  At vLLM's 30 s the requests queued behind such a stall reach their READ
 after P's lease ran out, and ``lease_guard`` declines them as it should (CI, 2026-12-01): a
 correct outcome for the machine, a failure for a test about something else.  So pairs lease
