@@ -152,6 +152,19 @@ def test_a_tp_scenario_without_two_gpus_stops_before_anything_runs(tmp_path, cap
         engines.placement(engines.Scenario(False, "A", "A", d_tp=4), two_gpus=True)
 
 
+def test_a_kvcached_scenario_on_a_stage_without_kvcached_stops_before_anything_runs(
+        tmp_path, capsys):
+    """Run dj lost a device call to this: the stage was built without ``--kvcached`` and the
+    run died in pip's arguments after unpacking, with a traceback instead of the fix."""
+    argv = ["--stage", str(tmp_path), "--out", str(tmp_path / "out"), "kvc", "ref"]
+    with pytest.raises(SystemExit) as exc:
+        gpu_pd.main(argv)
+    assert exc.value.code == 2
+    assert ("kvc: a kvcached D needs the stage's kvcached/ folder (scripts/gpu_stage.sh "
+            "--kvcached)" in capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_run_without_reference_or_tolerances_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         gpu_pd.main(["--stage", str(tmp_path), "--out", str(tmp_path / "o"), "fa-triton"])
@@ -305,12 +318,14 @@ def _intact_result(name: str, sc, prompts: dict) -> dict:
                          for n in prompts}}
 
 
-def _run_rig(monkeypatch, tmp_path: Path, *argv: str) -> Path:
-    """``gpu_pd.main`` on this CPU machine: a stage of a few bytes to unpack, no block-key
-    encoder build, no GPU name; returns ``--out``."""
+def _run_rig(monkeypatch, tmp_path: Path, *argv: str, kvcached: bool = False) -> Path:
+    """``gpu_pd.main`` on this CPU machine: a stage of a few bytes to unpack (with an empty
+    ``kvcached/`` where asked), no block-key encoder build, no GPU name; returns ``--out``."""
     import torch
 
     stage = _stage(tmp_path / "stage", "0.25.1")
+    if kvcached:
+        (stage / "kvcached").mkdir()
     monkeypatch.setattr(gpu_pd, "build_encoder", lambda: "skipped")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "no GPU")
     out = tmp_path / "out"
@@ -425,7 +440,8 @@ def test_together_starts_the_pairs_first_and_stops_those_a_stopped_run_left(tmp_
     monkeypatch.setattr(gpu_pd, "install_kvcached", lambda stage, dest: dest)
     monkeypatch.setattr(gpu_pd, "run_scenario", fake_run)
     _run_rig(monkeypatch, tmp_path, "--prompt-lengths", "20,40", "--two-gpus", "--together",
-             "--kv-cache-gib", "6", "--no-load", "ref-tp12", "kvc", "tp12", "ref-tp21")
+             "--kv-cache-gib", "6", "--no-load", "ref-tp12", "kvc", "tp12", "ref-tp21",
+             kvcached=True)
     assert ran == [("ref-tp12", "ref-tp12-P"), ("kvc", None)]
     assert sorted(stopped) == ["ref-tp21-D", "ref-tp21-P", "tp12-D", "tp12-P"]
 

@@ -154,9 +154,7 @@ class Engine:
         path = [str(paths.site)]
         kvcached = not producer and sc.d_kvcached
         if kvcached:
-            if paths.kvcached is None:
-                raise SystemExit("kvcached scenarios need the stage's kvcached/ folder "
-                                 "(scripts/gpu_stage.sh --kvcached)")
+            assert paths.kvcached is not None, "install_kvcached() before a kvcached D"
             path = [str(paths.kvcached), *path]
             self.kvcached_ipc = f"pdpatch-{name}-{os.getpid()}"
             env.update(kvcached_env(site_release(paths.site)),

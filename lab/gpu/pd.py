@@ -995,6 +995,10 @@ def main(argv: list[str] | None = None) -> int:
             not set(REFERENCES) & set(args.scenarios):
         ap.error(f"name a reference scenario ({', '.join(REFERENCES)}) or take an "
                  "earlier run's tolerances with --tolerances")
+    kvcached = [n for n in args.scenarios if SCENARIOS[n].d_kvcached]
+    if kvcached and not (args.stage / "kvcached").is_dir():
+        ap.error(f"{', '.join(kvcached)}: a kvcached D needs the stage's kvcached/ folder "
+                 f"(scripts/gpu_stage.sh --kvcached); {args.stage} has none")
     args.out.mkdir(parents=True, exist_ok=True)
     logs = args.work / "logs"
     shutil.rmtree(logs, ignore_errors=True)     # an earlier call's logs are not this run's
