@@ -38,7 +38,7 @@ import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from .engine_env import engine_env
 from .model import model_dir
@@ -163,8 +163,8 @@ class EngineSpec:
     """What one engine server runs.
 
     ``kv_role`` None means a plain engine (the baseline: no KV connector at all).
-    ``kv_config_extra`` is merged into ``--kv-transfer-config`` and ``extra_args`` appended to
-    the command line, e.g. ``("--kv-cache-dtype", "fp8")`` for an incompatible pair.
+    ``extra_args`` is appended to the command line, e.g. ``("--kv-cache-dtype", "fp8")`` for an
+    incompatible pair.
     ``kv_lease_s`` is the engine's ``kv_lease_duration`` (see :data:`RIG_KV_LEASE_S`).
     """
 
@@ -174,7 +174,6 @@ class EngineSpec:
     model: Path | None = None
     extra_args: Sequence[str] = ()
     extra_env: Mapping[str, str | None] = field(default_factory=dict)   # None: unset
-    kv_config_extra: Mapping[str, Any] = field(default_factory=dict)
     max_model_len: int = 2048
     kv_lease_s: int = RIG_KV_LEASE_S
 
@@ -212,7 +211,6 @@ class Engine:
                 "kv_role": self.spec.kv_role,
                 "kv_buffer_device": "cpu",
                 "kv_connector_extra_config": {"kv_lease_duration": self.spec.kv_lease_s},
-                **self.spec.kv_config_extra,
             }
             cmd += ["--kv-transfer-config", json.dumps(kv_cfg)]
         cmd += list(self.spec.extra_args)
