@@ -1014,8 +1014,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides, max_len = model_config(args.geometry, args.prompt_lengths,
                                       args.speed_lengths if args.speed else ())
     model = model_dir(args.work / f"model-{args.geometry}-{max_len}", **overrides)
-    kvc = (install_kvcached(args.stage, args.work / "kvcached")
-           if any(SCENARIOS[n].d_kvcached for n in args.scenarios) else None)
+    kvc = install_kvcached(args.stage, args.work / "kvcached") if kvcached else None
     paths = Paths(args.site, model, logs, kvc, max_len, mla=is_mla(args.geometry),
                   kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)))
     gpu = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
