@@ -255,8 +255,9 @@ STRICT = Setting("PDPATCH_STRICT", "switch", "0",
                  "an enabled patch that cannot apply, or an invalid setting, stops startup")
 ALLOW_UNTESTED = Setting(
     "PDPATCH_ALLOW_UNTESTED_VLLM", "switch", "0",
-    "apply patches outside the vLLM releases they declare (with a vLLM newer than pdpatch "
-    "knows, every process warns which patches are off until this is set or pdpatch upgraded)")
+    "on a vLLM newer than pdpatch verified, apply the patches whose vLLM code changed too (those "
+    "whose code is unchanged apply by themselves; every process warns which are off and why); "
+    "never on an older vLLM, never a patch vLLM made unneeded")
 LOG_LEVEL = Setting("PDPATCH_LOG_LEVEL", "level", "INFO", "level of the `pdpatch` logger",
                     choices=LOG_LEVELS)
 LAYOUT_FORCE = Setting("PDPATCH_LAYOUT_FORCE", "switch", "0",

@@ -47,7 +47,8 @@ class PatchState:
     status: str                    # active | skipped
     reason: str
     targets: list[TargetState] = field(default_factory=list)
-    version_gated: bool = False    # skipped only because the installed vLLM is out of range
+    version_gated: bool = False    # skipped only because a newer vLLM changed its code
+    changed: tuple[str, ...] = ()  # then: the sites that changed
 
     @property
     def live(self) -> bool:
@@ -106,40 +107,67 @@ def install() -> dict[str, PatchState]:
 
 
 def newer_than_supported(states: dict[str, PatchState], version: Any) -> str:
-    """A warning when the installed vLLM is newer than every release pdpatch was checked on
-    and patches are off for that reason alone ("" otherwise).  Patches whose range ends
-    earlier were fixed upstream and are not named."""
-    from pdpatch.vllm_sites import SUPPORTED
-
-    bound = SUPPORTED.upper()
-    if version is None or bound is None or versions.release_of(version) < bound:
-        return ""
-    off = [n for n, ps in states.items() if ps.version_gated and ps.patch.versions.upper() == bound]
+    """A warning when the installed vLLM is newer than every release pdpatch was verified on
+    and patches are off for that reason ("" otherwise): those whose vLLM code changed.
+    Patches whose range ends earlier were fixed upstream and are not named."""
+    off = [f"{n} ({', '.join(_short(c) for c in ps.changed)})"
+           for n, ps in states.items() if ps.version_gated]
     if not off:
         return ""
-    return (f"pdpatch: vLLM {version} is newer than the releases pdpatch was checked on "
-            f"({SUPPORTED}); these patches are OFF: {', '.join(off)}.  Upgrade pdpatch, or set "
-            "PDPATCH_ALLOW_UNTESTED_VLLM=1 to apply them to this release unverified")
+    from pdpatch.vllm_sites import SUPPORTED
+
+    return (f"pdpatch: vLLM {version} is newer than the releases pdpatch was verified on "
+            f"({SUPPORTED}), and the vLLM code these patches rest on changed, so they are OFF: "
+            f"{'; '.join(off)}.  Upgrade pdpatch, or set PDPATCH_ALLOW_UNTESTED_VLLM=1 to "
+            "apply them to this release unverified")
+
+
+def _short(site: str) -> str:
+    """A site label without its module, for log lines."""
+    return site.rsplit(":", 1)[-1]
 
 
 def decide(patch: Patch, settings: config.Settings, version) -> PatchState:
+    """Whether ``patch`` applies in this process, why, and at which targets.
+
+    Inside its declared range it applies.  Outside it, only a release *newer* than every
+    release the patch was verified on can turn it on (:func:`pdpatch.verified.
+    newer_than_verified`): by itself where the vLLM code at each of its sites is identical to
+    its newest verified release's, or forced by ``PDPATCH_ALLOW_UNTESTED_VLLM=1``.  There it
+    wraps the targets of that verified release.  An older release, or one past a range that
+    ended (fixed upstream), never turns it on."""
     on, why = settings.patch_toggle(patch.name)
     if not on:
         return PatchState(patch, "skipped", f"toggled off ({why})")
     if version is None:
         return PatchState(patch, "skipped", "vLLM is not installed")
-    if version not in patch.versions:
-        gate = f"vLLM {version} outside {patch.versions}"
-        if patch.why_version:
-            gate += f": {patch.why_version}"
-        if not settings.allow_untested:
-            return PatchState(patch, "skipped", gate, version_gated=True)
-        reason = f"{gate}, applied because PDPATCH_ALLOW_UNTESTED_VLLM=1"
-    else:
-        reason = why
-    targets = [TargetState(t) for t in patch.targets(version)]
+    if version in patch.versions:
+        return _active(patch, version, why)
+    from pdpatch import verified
+
+    gate = f"vLLM {version} outside {patch.versions}"
+    if not verified.newer_than_verified(patch, version):
+        return PatchState(patch, "skipped",
+                          gate + (f": {patch.why_version}" if patch.why_version else ""))
+    verdict = verified.compare(patch)
+    if verdict.identical:
+        return _active(patch, verdict.reference,
+                       f"vLLM {version} is newer than verified ({patch.versions}); the vLLM "
+                       f"code it rests on is identical to {verdict.reference}'s")
+    changed = ", ".join(_short(c) for c in verdict.changed)
+    gate = f"vLLM {version} is newer than verified ({patch.versions}) and changed {changed}"
+    if not settings.allow_untested:
+        return PatchState(patch, "skipped", gate, version_gated=True,
+                          changed=verdict.changed)
+    return _active(patch, verdict.reference or version,
+                   f"{gate}; applied because PDPATCH_ALLOW_UNTESTED_VLLM=1")
+
+
+def _active(patch: Patch, release: Any, reason: str) -> PatchState:
+    """``patch`` switched on with the targets it has in ``release``."""
+    targets = [TargetState(t) for t in patch.targets(release)]
     if not targets:
-        return PatchState(patch, "skipped", f"no target in vLLM {version}")
+        return PatchState(patch, "skipped", f"no target in vLLM {release}")
     return PatchState(patch, "active", reason, targets)
 
 

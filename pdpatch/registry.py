@@ -5,6 +5,10 @@ A patch module (``pdpatch/patches/<name>.py``, or a package) builds one :class:`
 (not a subclass or an alias such as ``NixlConnector = NixlPullConnector``), so one wrap covers
 every subclass; the installer refuses a target whose class merely inherits the attribute.
 
+A patch also declares the vLLM code its correctness rests on beyond its targets (``relies_on``:
+``vllm_sites`` concepts, looked up per release): on a release newer than the ones it was verified
+on, the patch applies by itself only where all of it is unchanged (:mod:`pdpatch.verified`).
+
 A patch's run-time state is declared here too, never kept in module globals: ``state``, a
 :class:`pdpatch.state.State` subclass the installer creates once per process (counters,
 decisions, once-only flags; ``pdpatch.installer.state_of(name)``), and ``object_state``, what it
@@ -23,6 +27,7 @@ from packaging.version import Version
 from pdpatch import config
 from pdpatch.state import State
 from pdpatch.versions import VersionRange
+from pdpatch.vllm_sites import Site, lookup_all
 
 # wrapt's wrapper signature: (wrapped, instance, args, kwargs) -> result
 Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
@@ -47,7 +52,10 @@ class Patch:
     summary: str                                   # one line, for `pdpatch doctor`
     versions: VersionRange                         # vLLM releases this patch is written for
     targets: Callable[[Version], Sequence[Target]]
-    why_version: str = ""                          # said when the version gate skips it
+    why_version: str = ""                          # why the range ends where it does
+    # vLLM code the patch reasons about besides its targets: where the fault lives, where an
+    # upstream fix would land (each a vllm_sites concept: its sites per release).
+    relies_on: tuple[tuple[Site, ...], ...] = ()
     # A short note for the summary line, given whether the patch is active here ("" = none):
     # e.g. which of two cooperating patchers is in charge.
     summary_note: Callable[[bool], str] | None = None
@@ -58,6 +66,15 @@ class Patch:
     object_state: Callable[[], Any] | None = None
     # Runtime state for `pdpatch.status()` (decisions taken after install), read from `state`.
     runtime_status: Callable[[Any], str] | None = None
+
+    def sites(self, version: Version) -> list[tuple[str, str]]:
+        """(module, qualname) of every vLLM site this patch rests on in ``version``: its
+        targets, then ``relies_on``, each once."""
+        found = dict.fromkeys((t.module, t.qualname) for t in self.targets(version))
+        for concept in self.relies_on:
+            found.update(dict.fromkeys((s.module, s.qualname)
+                                       for s in lookup_all(concept, version)))
+        return list(found)
 
     @property
     def options(self) -> tuple[config.Setting, ...]:

@@ -8,9 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from newer_release import NEXT, newer_release
 from venvs import DEPS, bare_venv, clean_env, site_packages
 
 ROOT = Path(__file__).resolve().parents[1]
+PULL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
+READ = "NixlPullConnectorWorker._read_blocks_for_req"
 
 
 def doctor(python: str, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -84,19 +87,26 @@ def test_enabled_without_any_way_in_exits_non_zero(tmp_path):
     assert "no way in is visible to this interpreter" in out.stdout
 
 
-def test_a_vllm_newer_than_every_supported_release_is_a_problem(tmp_path):
-    """An operator who upgrades vLLM past what pdpatch knows must not lose the fixes unwarned:
-    the patches gated off by the release are named, with the opt-in."""
-    info = tmp_path / "vllm-0.34.0.dist-info"         # what `import vllm` would report
+def test_a_newer_vllm_whose_code_changed_is_a_problem_naming_the_patches_off(tmp_path):
+    """An operator who upgrades vLLM past what pdpatch verified must not lose fixes unwarned:
+    a patch whose vLLM code changed is named with what changed, and the opt-in; a patch whose
+    code is unchanged applies.  (The newer release: the installed one's real modules with one
+    line added to the read path, as doctor reads them without importing vLLM.)"""
+    newer_release(tmp_path, (PULL, READ), "_pdpatch_edit = 1")
+    info = tmp_path / f"vllm-{NEXT}.dist-info"           # what the distribution reports
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.34.0\n")
-    out = doctor(sys.executable, "--no-import", ENABLE_PDPATCH="1", PYTHONPATH=str(tmp_path))
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {NEXT}\n")
+    env = {"ENABLE_PDPATCH": "1", "PYTHONPATH": str(tmp_path),
+           "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    out = doctor(sys.executable, "--no-import", **env)
     assert out.returncode == 1, out.stdout
     [line] = [ln for ln in out.stdout.splitlines() if "newer than the releases" in ln]
-    assert line.startswith("PROBLEM: vLLM 0.34.0 is newer")
-    assert "read_guard" in line and "block_keys" in line and "PDPATCH_ALLOW_UNTESTED_VLLM=1" in line
+    assert line.startswith(f"PROBLEM: vLLM {NEXT} is newer")
+    assert "read_guard (NixlPullConnectorWorker._read_blocks_for_req)" in line
+    assert "PDPATCH_ALLOW_UNTESTED_VLLM=1" in line
     assert "mla_notif" not in line                      # fixed upstream in 0.21: not "lost"
-    opted_in = doctor(sys.executable, "--no-import", ENABLE_PDPATCH="1",
-                      PDPATCH_ALLOW_UNTESTED_VLLM="1", PYTHONPATH=str(tmp_path))
+    assert "patch peer_check: would apply (vLLM" in out.stdout
+    assert "identical to" in out.stdout
+    opted_in = doctor(sys.executable, "--no-import", PDPATCH_ALLOW_UNTESTED_VLLM="1", **env)
     assert opted_in.returncode == 0, opted_in.stdout
     assert "patch read_guard: would apply" in opted_in.stdout

@@ -6,9 +6,8 @@ import importlib
 
 import pytest
 import wrapt
-from packaging.version import Version
 
-from pdpatch import patches, versions
+from pdpatch import patches
 from pdpatch.registry import Patch, Target
 
 PULL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
@@ -64,48 +63,6 @@ def test_toggle_off_skips_with_reason(fresh_pdpatch, monkeypatch):
     line = fresh_pdpatch.summary_line()
     assert "read_guard (toggled off (PDPATCH_READ_GUARD=0))" in line.split("skipped=[")[1]
     assert "read_guard" not in line.split("ready=[")[1].split("]")[0]
-
-
-def test_version_gate_skips_unless_untested_allowed(fresh_pdpatch, monkeypatch):
-    monkeypatch.setattr(versions, "vllm_version", lambda: Version("0.34.0"))
-    original = read_attr()
-    states = fresh_pdpatch.install()
-    assert states["read_guard"].status == "skipped"
-    assert "vLLM 0.34.0 outside" in states["read_guard"].reason
-    assert read_attr() is original
-    fresh_pdpatch.uninstall()
-    monkeypatch.setenv("PDPATCH_ALLOW_UNTESTED_VLLM", "1")
-    states = fresh_pdpatch.install()
-    assert states["read_guard"].status == "active"
-    assert "PDPATCH_ALLOW_UNTESTED_VLLM=1" in states["read_guard"].reason
-    assert isinstance(read_attr(), wrapt.FunctionWrapper)
-
-
-def test_newer_vllm_warns_once_naming_the_patches_that_are_off(fresh_pdpatch, monkeypatch):
-    import logging
-
-    from pdpatch.log import logger
-
-    seen: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = seen.append
-    logger.addHandler(handler)
-    try:
-        monkeypatch.setattr(versions, "vllm_version", lambda: Version("0.34.0"))
-        fresh_pdpatch.install()
-        [warning] = [r.getMessage() for r in seen]
-        assert warning.startswith("pdpatch: vLLM 0.34.0 is newer than the releases pdpatch was "
-                                  "checked on")
-        assert "read_guard" in warning and "kv_segments" in warning
-        assert "mla_notif" not in warning and "handshake_failure_guard" not in warning
-        assert "PDPATCH_ALLOW_UNTESTED_VLLM=1" in warning
-        fresh_pdpatch.uninstall()
-        seen.clear()
-        monkeypatch.setattr(versions, "vllm_version", lambda: Version("0.33.0"))
-        fresh_pdpatch.install()
-        assert seen == []
-    finally:
-        logger.removeHandler(handler)
 
 
 def test_summary_line_calls_a_patch_ready_before_vllm_imports_its_module(

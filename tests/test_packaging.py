@@ -40,6 +40,8 @@ def test_wheel_contains_pth_entry_point_and_scripts(wheel):
         eps = z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "pdpatch_autoload.pth" in names
     assert "pdpatch_bootstrap/sitecustomize.py" in names
+    # the fingerprints of the verified releases: what a newer vLLM's code is compared with
+    assert "pdpatch/verified_sites.json" in names
     assert "[vllm.general_plugins]\npdpatch = pdpatch.bootstrap.plugin:load" in eps
     assert "pdpatch = pdpatch.cli:main" in eps and "pdpatch-run = pdpatch.bootstrap.run:main" in eps
     # the compiled block encoder (hatch_build.py) makes the wheel platform-specific

@@ -201,7 +201,6 @@ PATCH = Patch(
     summary="remote_block_ids not matching the decode engine's allocation fail that request "
             "instead of reading the wrong blocks",
     versions=vllm_sites.SUPPORTED,
-    why_version="the read path's end-trim pairing was checked in 0.19-0.33 only",
     targets=_targets,
     state=BlockIdsBoundState,
     object_state=LocalHits,

@@ -420,7 +420,6 @@ PATCH = Patch(
     summary="P sends digests of the request's inputs (its block keys up to 32 blocks) + "
             "fingerprint; D loads remote KV only when they match its own",
     versions=vllm_sites.SUPPORTED,
-    why_version="the connector hooks and hashing rules were checked against 0.19-0.33 only",
     targets=_targets,
     state=BlockKeysState,
     object_state=Fingerprint,

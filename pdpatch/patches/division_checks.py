@@ -131,6 +131,5 @@ PATCH = Patch(
     name=NAME,
     summary="reject at handshake a peer geometry that the descriptor maths would truncate",
     versions=vllm_sites.SUPPORTED,
-    why_version="the unchecked divisions were checked in 0.19-0.33 only",
     targets=_targets,
 )

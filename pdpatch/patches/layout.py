@@ -518,7 +518,6 @@ PATCH = Patch(
     summary="token-major KV layout for NixlConnector where kvcached allocates (or forced), "
             "verified after resolution; 0.19 hetero-TP head-split guard",
     versions=vllm_sites.SUPPORTED,
-    why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
     targets=_targets,
     state=LayoutState,
     runtime_status=status_line,

@@ -160,7 +160,6 @@ PATCH = Patch(
     name=NAME,
     summary="pdpatch's counters on vLLM's /metrics (pdpatch:*), through vLLM's NIXL stats",
     versions=vllm_sites.SUPPORTED,
-    why_version="vLLM's NIXL statistics channel was checked in 0.19-0.33 only",
     targets=_targets,
     state=metrics.MetricsState,
     object_state=metrics.Pending,

@@ -411,7 +411,6 @@ PATCH = Patch(
     summary="NIXL registers/advertises exactly the planned KV blocks (over-allocated views "
             "sliced, under-allocation refused); kvcached's own rewrite neutralized",
     versions=vllm_sites.SUPPORTED,
-    why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
     targets=_targets,
     summary_note=summary_note,
     state=NumBlocksState,

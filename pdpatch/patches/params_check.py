@@ -147,6 +147,5 @@ PATCH = Patch(
     name=NAME,
     summary="reject malformed kv_transfer_params with a 400 before they reach the engine",
     versions=vllm_sites.SUPPORTED,
-    why_version="request validation was checked in 0.19-0.33 only",
     targets=_targets,
 )

@@ -97,6 +97,5 @@ PATCH = Patch(
     name=NAME,
     summary="kv_transfer_params the NIXL receive path cannot use are dropped, not crashed on",
     versions=vllm_sites.SUPPORTED,
-    why_version="the receive path's params were checked in 0.19-0.33 only",
     targets=_targets,
 )

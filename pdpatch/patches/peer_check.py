@@ -126,6 +126,5 @@ PATCH = Patch(
     name=NAME,
     summary="reject at handshake a peer whose metadata has impossible values",
     versions=vllm_sites.SUPPORTED,
-    why_version="the handshake metadata was checked in 0.19-0.33 only",
     targets=_targets,
 )

@@ -77,7 +77,6 @@ PATCH = Patch(
     name=NAME,
     summary="exceptions on the NIXL read path fail one request instead of killing the worker",
     versions=vllm_sites.SUPPORTED,
-    why_version="the unguarded read path was checked in 0.19-0.33 only",
     targets=_targets,
     state=ReadGuardState,
 )

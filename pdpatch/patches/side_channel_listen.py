@@ -93,6 +93,5 @@ PATCH = Patch(
     summary="a NIXL side channel that cannot listen fails the engine's start instead of "
             "hanging it",
     versions=vllm_sites.SUPPORTED,
-    why_version="the listener hang was checked in 0.19-0.33 only",
     targets=_targets,
 )

@@ -84,7 +84,6 @@ PATCH = Patch(
     summary="warn when NIXL/UCX will move KV over a slow transport (VMM memory peers map, "
             "cuda_ipc READ off) and say what to set",
     versions=vllm_sites.SUPPORTED,
-    why_version="written against vLLM 0.19-0.33 sources",
     targets=_targets,
     state=TransportCheckState,
 )

@@ -115,7 +115,6 @@ PATCH = Patch(
             "of blocks merge (0.19-0.25, PDPATCH_KV_STAGING_MIB); mixed backend names with "
             "identical geometry are accepted, real differences fail that peer clearly",
     versions=vllm_sites.SUPPORTED,
-    why_version="written against vLLM 0.19-0.33 sources; later releases not yet verified",
     targets=_targets,
     state=KvSegmentsState,
     object_state=WorkerState,
