@@ -34,6 +34,10 @@ VARS: dict[str, str] = {
                         "into it (python -m lab.wrapper_clock DIR --steps)",
     "PDLAB_STEP_CLOCK_TARGETS": "with PDLAB_STEP_CLOCK: module:qualname,... to time instead of "
                                 "vLLM's step, schedule and update_from_output",
+    "PDLAB_GATE_STATUS": "a file: the upstream gate's pytest run records there which patches "
+                         "pdpatch had in force (set by lab/upstream/suites.py)",
+    "PDLAB_GATE_PRETEND_VLLM": "a release: in the upstream gate's pytest run pdpatch reads it as "
+                               "the installed vLLM (the backtest of scripts.qualify)",
     "PDLAB_BENCH_NO_CTX": "1: gpu_kv_bench peers create no CUDA context before UCX starts",
     "PDLAB_BENCH_NO_IPC_DEFAULT": "1: gpu_kv_bench leaves UCX_CUDA_IPC_ENABLE_GET_ZCOPY unset",
 }

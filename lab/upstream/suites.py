@@ -21,6 +21,7 @@ Where the code comes from:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -138,6 +139,8 @@ class SuiteRun:
     seconds: float = 0.0
     returncode: int = 0
     log: Path | None = None
+    applied: list[str] = field(default_factory=list)   # pdpatch mode: the patches in force
+    settings: dict[str, str] = field(default_factory=dict)  # pdpatch mode: what it was given
 
     def ids(self, outcome: str) -> set[str]:
         return {t for t, o in self.outcomes.items() if o == outcome}
@@ -171,11 +174,15 @@ def parse_junit(path: Path) -> dict[str, str]:
 
 
 def start_suite(version: str, mode: str, files: Sequence[str], tests_root: Path,
-                work: Path, port: int, timeout: int) -> tuple[subprocess.Popen, Path, Path]:
-    """Launch one pytest run of ``files`` (stock or pdpatch) and return it unwaited."""
+                work: Path, port: int, timeout: int, settings: Mapping[str, str] | None = None
+                ) -> tuple[subprocess.Popen, Path, Path]:
+    """Launch one pytest run of ``files`` (stock or pdpatch, with ``settings`` on top: pdpatch's
+    own ``PDPATCH_*`` and the gate plugin's ``PDLAB_GATE_*``) and return it unwaited."""
     junit, log = work / f"{version}-{mode}.xml", work / f"{version}-{mode}.log"
+    status_file(work, version, mode).unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items()
-           if not (k.startswith("PDPATCH_") or k in ("ENABLE_PDPATCH", "PYTHONPATH"))}
+           if not (k.startswith(("PDPATCH_", "PDLAB_GATE_"))
+                   or k in ("ENABLE_PDPATCH", "PYTHONPATH"))}
     # HERE: the gate's pytest plugin (``-p gate_plugin``).  Only this directory: the checkout
     # root on the child's path would put pdpatch's own ``tests`` and ``pdpatch`` in vLLM's run.
     path = [*_pythonpath(version), str(HERE)]
@@ -184,7 +191,9 @@ def start_suite(version: str, mode: str, files: Sequence[str], tests_root: Path,
         "HF_HOME": str(hf_home()), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         "VLLM_TARGET_DEVICE": "cpu", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
         "TOKENIZERS_PARALLELISM": "false", "PYTHONDONTWRITEBYTECODE": "1",
+        "PDLAB_GATE_STATUS": str(status_file(work, version, mode)),
     })
+    env.update(settings or {})
     env["PYTHONPATH"] = os.pathsep.join(path)
     cmd = [sys.executable, "-m", "pytest", *files, "-p", "gate_plugin", "-p", "no:cacheprovider",
            "-q",
@@ -196,24 +205,41 @@ def start_suite(version: str, mode: str, files: Sequence[str], tests_root: Path,
     return proc, junit, log
 
 
+def status_file(work: Path, version: str, mode: str) -> Path:
+    return work / f"{version}-{mode}.status.json"
+
+
+def applied_patches(path: Path) -> list[str]:
+    """The patches pdpatch had in force in a run (the gate plugin's record; none if absent)."""
+    try:
+        return list(json.loads(path.read_text())["active"])
+    except (OSError, ValueError, KeyError):
+        return []
+
+
 def run_release(version: str, work: Path, *, timeout: int = 300,
-                modes: Iterable[str] = ("stock", "pdpatch")) -> dict[str, SuiteRun]:
-    """Both modes of one release, concurrently (distinct NIXL side-channel ports)."""
+                modes: Iterable[str] = ("stock", "pdpatch"),
+                settings: Mapping[str, str] | None = None,
+                tests: Sequence[str] | None = None) -> dict[str, SuiteRun]:
+    """Both modes of one release, concurrently (distinct NIXL side-channel ports); the pdpatch
+    mode with ``settings`` (see :func:`start_suite`).  ``tests``: only these test ids."""
     tests_root = fetch_tests(version)
-    files = suite_files(tests_root)
+    files = list(tests) if tests else suite_files(tests_root)
     if not files:
         raise LookupError(f"vLLM {version}'s sdist has no NIXL connector tests under {UNIT}")
     work.mkdir(parents=True, exist_ok=True)
     started = {}
     for i, mode in enumerate(modes):
         t0 = time.monotonic()
-        started[mode] = (t0, *start_suite(version, mode, files, tests_root, work,
-                                          21000 + 1000 * i, timeout))
+        given = dict(settings or {}) if mode == "pdpatch" else {}
+        started[mode] = (t0, given, *start_suite(version, mode, files, tests_root, work,
+                                                 21000 + 1000 * i, timeout, given))
     runs = {}
-    for mode, (t0, proc, junit, log) in started.items():
+    for mode, (t0, given, proc, junit, log) in started.items():
         rc = proc.wait()
         outcomes = parse_junit(junit) if junit.exists() else {}
-        runs[mode] = SuiteRun(mode, outcomes, time.monotonic() - t0, rc, log)
+        runs[mode] = SuiteRun(mode, outcomes, time.monotonic() - t0, rc, log,
+                              applied_patches(status_file(work, version, mode)), given)
     return runs
 
 
@@ -256,9 +282,15 @@ class Verdict:
     gained: list[str]                # passed with pdpatch only
 
     @property
+    def compared(self) -> bool:
+        """Whether the pdpatch run had any patch in force: a run without one is stock again."""
+        return bool(self.pdpatch.applied)
+
+    @property
     def ok(self) -> bool:
         stock_pass = len(self.stock.ids("passed")) - len(self.deliberate)
-        return (not self.lost and len(self.pdpatch.ids("passed")) >= stock_pass
+        return (self.compared and not self.lost
+                and len(self.pdpatch.ids("passed")) >= stock_pass
                 and bool(self.stock.outcomes) and bool(self.pdpatch.outcomes))
 
 
@@ -275,7 +307,13 @@ def compare(release: str, stock: SuiteRun, pdpatch: SuiteRun,
 def describe(v: Verdict) -> str:
     """The printed report of one release."""
     s, p = v.stock.counts(), v.pdpatch.counts()
+    given = " ".join(f"{k}={val}" for k, val in sorted(v.pdpatch.settings.items()))
     lines = [f"vLLM {v.release}: {len(v.stock.outcomes)} tests",
+             f"  pdpatch applied {len(v.pdpatch.applied)} patch(es)"
+             + (f" with {given}" if given else "") + ": "
+             + (", ".join(v.pdpatch.applied) or
+                "none -- NOTHING WAS COMPARED (every patch off on this release; "
+                "--force applies them unverified)"),
              f"  stock   : {s['passed']} passed, {s['failed']} failed, {s['error']} errors, "
              f"{s['skipped']} skipped ({v.stock.seconds:.0f} s)",
              f"  pdpatch : {p['passed']} passed, {p['failed']} failed, {p['error']} errors, "
@@ -291,13 +329,15 @@ def describe(v: Verdict) -> str:
     if stock_only_fail:
         lines.append(f"  failing in both modes: {len(stock_only_fail)}")
         lines += [f"    {t}" for t in stock_only_fail]
-    lines.append(f"  verdict: {'PASS' if v.ok else 'FAIL'}")
+    lines.append(f"  verdict: {'PASS' if v.ok else 'FAIL'}"
+                 + ("" if v.compared else " (nothing compared)"))
     return "\n".join(lines)
 
 
 def as_row(v: Verdict, when: str) -> Mapping[str, object]:
     s, p = v.stock.counts(), v.pdpatch.counts()
     return {"release": v.release, "tests": len(v.stock.outcomes), "stock": s, "pdpatch": p,
+            "applied": v.pdpatch.applied, "settings": v.pdpatch.settings,
             "lost": v.lost, "deliberate": v.deliberate, "gained": v.gained, "ok": v.ok,
             "run": when}
 
@@ -305,9 +345,9 @@ def as_row(v: Verdict, when: str) -> Mapping[str, object]:
 # ----------------------------------------------------------------------------- recording
 
 RESULTS_HEADING = "## Results"
-RESULTS_HEADER = ("| vLLM | tests | stock passed | pdpatch passed | lost with pdpatch | "
-                  "deliberate | gained with pdpatch | verdict | last run |\n"
-                  "|---|---|---|---|---|---|---|---|---|")
+RESULTS_HEADER = ("| vLLM | tests | patches applied | stock passed | pdpatch passed | "
+                  "lost with pdpatch | deliberate | gained with pdpatch | verdict | last run |\n"
+                  "|---|---|---|---|---|---|---|---|---|---|")
 
 
 def fetched_releases() -> list[str]:
@@ -329,7 +369,8 @@ def fetched_releases() -> list[str]:
 
 def _row(r: Mapping[str, object]) -> str:
     s, p = r["stock"], r["pdpatch"]
-    return (f"| {r['release']} | {r['tests']} | {s['passed']} | {p['passed']} | "
+    return (f"| {r['release']} | {r['tests']} | {len(r['applied'])} | {s['passed']} | "
+            f"{p['passed']} | "
             f"{len(r['lost'])} | {len(r['deliberate'])} | {len(r['gained'])} | "
             f"{'pass' if r['ok'] else 'FAIL'} | {r['run']} |")
 
