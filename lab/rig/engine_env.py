@@ -172,6 +172,20 @@ class RuntimeInfo:
         return f"vLLM {self.vllm_python} Python code + {self.kernels} CPU kernels"
 
 
+def runner_ops_library() -> Path | None:
+    """The installed release's standalone-runner ops (:mod:`lab.rig.runner_ops`); None for a
+    release without that runner."""
+    from lab.rig import runner_ops
+
+    if not runner_ops.has_standalone_runner(installed_vllm_dir().parent):
+        return None
+    lib = runner_ops.library_path(importlib.metadata.version("vllm").split("+")[0])
+    if not lib.exists():
+        raise RigSetupError(f"vLLM's standalone CPU runner needs its ops, not built at {lib}: "
+                            "run `bash scripts/setup_env.sh`")
+    return lib
+
+
 def release_tree() -> Path | None:
     """The other release's tree engines run, when :data:`RELEASE_TREE_VAR` names one."""
     value = os.environ.get(RELEASE_TREE_VAR)
@@ -206,6 +220,10 @@ AMX_PERMISSION = Path(__file__).resolve().parent / "amx_permission"
 """A ``sitecustomize`` that asks Linux for AMX's tile state before vLLM's CPU attention uses it
 (see its docstring: without it, the AMX kernels die of SIGILL)."""
 
+CPU_RUNNER = Path(__file__).resolve().parent / "cpu_runner"
+"""A ``sitecustomize`` that sends vLLM 0.34+ engines on this x86 CPU to vLLM's own standalone
+CPU model runner, which 0.34 gives CPUs without Triton (see its docstring)."""
+
 WRAPPER_CLOCK = Path(__file__).resolve().parent / "wrapper_clock"
 """A ``sitecustomize`` that times pdpatch's wrappers (see its docstring), on the engines' path
 when ``PDLAB_WRAPPER_CLOCK`` names a directory for its records."""
@@ -235,8 +253,16 @@ def engine_env(
     old_pp = env.get("PYTHONPATH")
     clock = str(WRAPPER_CLOCK) \
         if env.get("PDLAB_WRAPPER_CLOCK") or env.get("PDLAB_STEP_CLOCK") else None
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), old_pp, clock,
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), old_pp, clock, str(CPU_RUNNER),
                                                       str(AMX_PERMISSION), str(QUIET_NIXL)]))
+    # The test process sets it empty so that vLLM 0.34's unit code sees a Triton (the lenient
+    # branch of vllm.triton_utils); an engine must see none, and run the CPU runner above,
+    # with the release's own runner ops (lab/rig/runner_ops.py).
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if tree is None:
+        ops = runner_ops_library()
+        if ops is not None:
+            env["PDLAB_RIG_RUNNER_OPS"] = str(ops)
     env.update(
         {
             "VLLM_TARGET_DEVICE": "cpu",
