@@ -4,6 +4,7 @@ configuration and code epoch, n with the median and range, an interval only from
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,16 @@ def test_every_block_is_on_a_page_and_no_archive_is_linked() -> None:
     found = {n for text in pages.values() for n in generated.names(text, cli.COMMAND)}
     assert found == set(cli.BLOCKS)
     assert [p.name for p, text in pages.items() if "archive/" in text] == []
+
+
+def test_readme_is_an_operators_page() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    commit = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b")
+    run = re.compile(r"\bruns? [a-z]{1,2}(?:'s|,| and | in |\)|-[a-z]{1,2}\b)")
+    assert commit.findall(text) == [] and run.findall(text) == []
+    assert run.findall("GPU runs z and aa; run w's answers") == ["runs z and ", "run w's"]
+    assert commit.findall("at `62f271c` (1048576 KiB)") == ["62f271c"]
 
 
 def test_a_figure_states_n_median_and_range_and_an_interval_only_from_three() -> None:
