@@ -4,6 +4,7 @@ configuration and code epoch, n with the median and range, an interval only from
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -118,3 +119,17 @@ def test_records_read_every_run_of_the_engines() -> None:
     assert {f for rs in r.runs().values() for f in rs} == files
     assert {"a", "n", "cz", "dk"} <= letters
     assert {s.run.geometry for s in r.scenarios if s.run.letter in "nopq"} == {"llama3-8b"}
+
+
+@pytest.mark.parametrize("rows, error", [
+    ([{"first_run": "b", "commit": "x", "paths": ["staged"], "why": ""},
+      {"first_run": "a", "commit": "y", "paths": ["staged"], "why": ""}], "run order"),
+    ([{"first_run": "a", "commit": "x", "paths": ["stagd"], "why": ""}], "unknown paths"),
+])
+def test_the_epoch_table_is_checked_as_it_is_read(tmp_path: Path, monkeypatch, rows: list,
+                                                  error: str) -> None:
+    table = tmp_path / "epochs.json"
+    table.write_text(json.dumps({"change": rows}))
+    monkeypatch.setattr(epochs, "TABLE", table)
+    with pytest.raises(ValueError, match=error):
+        epochs._changes("change")
