@@ -56,12 +56,13 @@ class Judged:
             parts.append(f"{self.unjudged} not judged")
         if self.failed:
             parts.append(f"{self.failed} failed")
-        if self.controls:
+        if self.controls_judged:
             parts.append(f"controls caught {self.caught}/{self.controls_judged}"
                          + (f" ({self.controls - self.controls_judged} not judged)"
                             if self.controls > self.controls_judged else ""))
         else:
-            parts.append("no controls")
+            parts.append(f"{self.controls} controls not judged" if self.controls
+                         else "no controls")
         return ", ".join(parts) + "".join(f" ({h})" for h in self.how)
 
 
@@ -113,10 +114,11 @@ class Pair:
 
 
 def stock_pair(s: Scenario, run: list[Scenario]) -> Scenario | None:
-    """The stock pair ``s``'s times are divided by: a stock scenario of the run with ``s``'s TP
-    sizes that pulled KV, the same backends first, then D's (D posts the READ), one without a
-    load phase first."""
+    """The stock pair ``s``'s times are divided by: a stock scenario of the run with ``s``'s
+    model and TP sizes that pulled KV, the same backends first, then D's (D posts the READ), one
+    without a load phase first."""
     stock = [r for r in run if not r.pdpatch and r.tp == s.tp
+             and (r.run.release, r.run.geometry) == (s.run.release, s.run.geometry)
              and any(q.xfer_ms for q in r.requests.values())]
     stock.sort(key=lambda r: (r.backends != s.backends, r.backends[1] != s.backends[1],
                               r.load is not None, r.name.startswith("stock-")))
@@ -164,7 +166,8 @@ class PairCell:
 
     def first_requests(self) -> list[tuple[float, bool]]:
         """Per run: the pair's first P/D request over the stock pair's, and whether the pdpatch
-        pair was measured first (in a run of its own, as in its stock run: first)."""
+        pair's was measured first in its run (a pair whose stock pair is another run's was
+        alone, so first, as that stock pair was in its own run)."""
         out = []
         for p in self.pairs:
             if p.stock is None or not p.scenario.requests:
@@ -188,8 +191,10 @@ class PairCell:
 
 def pair_cells(records: Records) -> list[PairCell]:
     """Every pdpatch scenario of the records, pooled per (release, geometry, scenario, epoch)."""
+    by_file: dict[str, list[Scenario]] = {}
     by_run: dict[str, list[Scenario]] = {}
     for s in records.scenarios:
+        by_file.setdefault(s.run.file, []).append(s)
         by_run.setdefault(s.run.letter, []).append(s)
     cells: dict[tuple, PairCell] = {}
     for s in records.scenarios:
@@ -201,7 +206,7 @@ def pair_cells(records: Records) -> list[PairCell]:
         cell = cells.setdefault(key, PairCell(s.run.release, s.run.geometry, s.name, paths,
                                               start, superseded(start, paths, s.run.release)))
         other = STOCK_FROM.get(s.run.letter)
-        stock = stock_pair(s, by_run[other] if other else by_run[s.run.letter])
+        stock = stock_pair(s, by_run[other] if other else by_file[s.run.file])
         judged = rejudged(s, stock) if other and stock and not any(
             r.intact is not None for r in s.requests.values()) else judged_in_run(s)
         cell.pairs.append(Pair(s, stock, judged))

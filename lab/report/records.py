@@ -50,11 +50,9 @@ class Run:
 @dataclass(frozen=True)
 class Request:
     """One P/D request of a scenario: D's NIXL time (vLLM's ``vllm:nixl_xfer_time_seconds``),
-    its descriptors, the whole request's time, whether it failed, and the oracle's verdict
-    (None: not judged)."""
+    the whole request's time, whether it failed, and the oracle's verdict (None: not judged)."""
 
     xfer_ms: float | None
-    descriptors: int | None
     ms: float | None
     failed: bool
     intact: bool | None
@@ -85,15 +83,15 @@ class Scenario:
 @dataclass(frozen=True)
 class SpeedStart:
     """One pair start of ``--speed``: the "on" pair's settings, whether both pairs were stock
-    (A/A), which started first (None: not recorded), its median paired TTFT ratio, the mean
-    TTFT per prompt length per pair (s), and its paired ratios."""
+    (A/A), which started first (None: not recorded), its median paired TTFT ratio, each
+    pair's median TTFT per prompt length (s), its decode throughput ratio, D's NIXL time ratio
+    per paired round, and how many rounds' outputs were identical."""
 
     run: Run
     control: bool
     on_env: tuple[tuple[str, str], ...]
     on_first: bool | None
     ratio: float
-    rounds: int
     by_length: dict[str, dict[str, float]]
     tput_off_on: float | None
     xfer_on_off: tuple[float, ...]
@@ -118,8 +116,8 @@ def _tp_of(side: str) -> int:
 
 def _request(e: dict) -> Request:
     xfer = e.get("xfer_s")
-    return Request(xfer * 1e3 if xfer else None, e.get("descriptors"), e.get("ms"),
-                   bool(e.get("error")), e.get("intact"), e.get("same_as_stock"))
+    return Request(xfer * 1e3 if xfer else None, e.get("ms"), bool(e.get("error")),
+                   e.get("intact"), e.get("same_as_stock"))
 
 
 def _scenario(run: Run, i: int, r: dict, tolerances: dict) -> Scenario:
@@ -147,7 +145,7 @@ def _speed(run: Run, d: dict) -> SpeedStart:
     return SpeedStart(run, bool(d.get("control")),
                       tuple(sorted((d.get("on_env") or SPEED_ENV_OF.get(run.letter, {})).items())),
                       None if first is None else first == "on", float(d["ratio_ttft_on_off"][0]),
-                      int(d["rounds"]), d.get("ttft_s_by_length") or {},
+                      d.get("ttft_s_by_length") or {},
                       d["ratio_tput_off_on"][0] if d.get("ratio_tput_off_on") else None,
                       tuple(paired.get("xfer_on_off") or ()), d.get("outputs_identical", ""))
 
