@@ -105,10 +105,12 @@ CHANGES = _changes("change")
 KEPT = _changes("kept")
 """Changes on a measured path kept inside their epoch, each with why."""
 
-STOCK_FROM = {"dj": "dk"}
-"""Runs that kept no stock pair of their own, and the run whose stock pair (the same seeded
-model and prompts, their digests equal in both files) their ratios are taken against: dj and dk
-each hit their time limit after their first pair (dj the kvcached D, dk the stock pair)."""
+STOCK_FROM = {"s": "t", "ce": "by", "dj": "dk"}
+"""Runs made without a stock pair of their own, and the run of the same release, model, prompt
+lengths and GPUs whose stock pair they were made against (the seeded model and prompts are the
+same wherever those are): s (a kvcached D under load) against t (the stock pair under the same
+load), ce (a kvcached D at TP 1 -> 2 and 2 -> 1) against by (whose kvcached D could not start),
+dj (a kvcached D) against dk: each of dj and dk hit its time limit after its first pair."""
 
 
 def epoch(run: str, paths: frozenset[str], release: str) -> tuple[Change, ...]:
