@@ -13,10 +13,10 @@ when the README differs from what would be written (``tests/test_readme.py`` run
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
+from lab import generated
 from pdpatch import config
 from pdpatch.patches import all_patches
 from pdpatch.versions import VersionRange
@@ -24,6 +24,7 @@ from pdpatch.versions import VersionRange
 ROOT = Path(__file__).resolve().parents[1]
 
 README = ROOT / "README.md"
+COMMAND = "scripts/doc_tables.py"
 
 
 def releases(versions: VersionRange) -> str:
@@ -58,15 +59,11 @@ TABLES = {"patches": patch_table, "settings": settings_table}
 
 def render(text: str) -> str:
     """``text`` with every generated block replaced; a missing marker pair is an error."""
-    for name, make in TABLES.items():
-        begin = f"<!-- BEGIN generated: {name} (scripts/doc_tables.py) -->"
-        end = f"<!-- END generated: {name} -->"
-        pattern = re.compile(re.escape(begin) + r"\n.*?" + re.escape(end), re.S)
-        if not pattern.search(text):
-            raise SystemExit(f"README.md lacks the markers {begin} ... {end}")
-        block = f"{begin}\n{make()}\n{end}"
-        text = pattern.sub(lambda _, block=block: block, text, count=1)
-    return text
+    missing = sorted(set(TABLES) - set(generated.names(text, COMMAND)))
+    if missing:
+        raise SystemExit(f"README.md lacks the generated blocks {', '.join(missing)} "
+                         f"({COMMAND})")
+    return generated.fill(text, COMMAND, TABLES, "README.md")
 
 
 def main(argv: list[str] | None = None) -> int:
