@@ -20,10 +20,10 @@ NIXL_SINGLE_FILE = f"{KVC}.v1.nixl_connector"      # 0.19 only
 
 # The releases whose NIXL code pdpatch was written against and checked on; a patch that holds
 # for all of them declares this range.
-SUPPORTED = VersionRange(">=0.19,<0.34")
+SUPPORTED = VersionRange(">=0.19,<0.35")
 # The newest of them: what a patch assumes where no installed distribution names the release
 # (a vLLM source tree on the path).
-NEWEST_SUPPORTED = Version("0.33.0")
+NEWEST_SUPPORTED = Version("0.34.0")
 
 
 def supported_from(release: str) -> VersionRange:
@@ -358,7 +358,9 @@ BLOCKS_FIRST_RATIO_OVERRUN = VersionRange(">=0.19,<0.26")
 # there, instead of its memory order: without the wrapper the reordered blocks come out
 # scrambled, with no error (on GPU engines, run cc: vLLM 0.30, a kvcached decode engine with
 # the flag vLLM's own handshake error advises, 0/6 answers intact).  0.32 reads memory order.
-RECEIVE_PERMUTE_SOUND = VersionRange(">=0.19,<0.34")
+# Open-ended: on a newer release the layout patch applies only where the reorder's code is
+# unchanged (its relies_on), and a closed bound here would switch the reorder off there alone.
+RECEIVE_PERMUTE_SOUND = VersionRange(">=0.19")
 RECEIVE_PERMUTE_SCRAMBLES = VersionRange(">=0.26,<0.32")
 
 
@@ -762,3 +764,170 @@ def decline_expired_read(worker: Any, req_id: str, version: Version) -> None:
     else:
         worker._handle_failed_transfer(req_id, None, worker._recv_failures,
                                        record_failed_transfer=False)
+
+
+# ------------------------------------------------------------ what patches rest on (relies_on)
+# Beyond its targets, each patch names the vLLM code its correctness rests on: where the fault it
+# fixes lives, and where an upstream fix would land.  On a release newer than pdpatch verified, a
+# patch applies by itself only where all of it is unchanged (pdpatch.verified); a change here
+# turns the patch off until it is verified again.  Each concept is its sites per release.
+
+def _per_worker(qualname: str, pull: bool = False) -> tuple[Site, ...]:
+    """A worker method in each release's NIXL module: the single file (0.19), ``worker``
+    (0.20-0.23), then ``pull_worker`` (``pull``) or ``base_worker`` (0.24+)."""
+    later = (f"{NIXL_PKG}.pull_worker", f"NixlPullConnectorWorker.{qualname}") if pull else \
+        (f"{NIXL_PKG}.base_worker", f"NixlBaseConnectorWorker.{qualname}")
+    return (_site(">=0.19,<0.20", NIXL_SINGLE_FILE, f"NixlConnectorWorker.{qualname}"),
+            _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", f"NixlConnectorWorker.{qualname}"),
+            _site(">=0.24", *later))
+
+
+def _per_scheduler(qualname: str, module_24: str, class_24: str) -> tuple[Site, ...]:
+    """A scheduler-half method: the single file (0.19), ``scheduler`` (0.20-0.23), then
+    ``module_24``'s ``class_24`` (0.24+)."""
+    return (_site(">=0.19,<0.20", NIXL_SINGLE_FILE, f"NixlConnectorScheduler.{qualname}"),
+            _site(">=0.20,<0.24", f"{NIXL_PKG}.scheduler", f"NixlConnectorScheduler.{qualname}"),
+            _site(">=0.24", f"{NIXL_PKG}.{module_24}", f"{class_24}.{qualname}"))
+
+
+# The decode worker's read path around `_read_blocks_for_req`: its unguarded caller, the READ it
+# posts (asserts, descriptor ids), the failure bookkeeping, and how failures are reported.
+START_LOAD_KV = _per_worker("start_load_kv", pull=True)
+READ_BLOCKS = _per_worker("_read_blocks", pull=True)
+HANDLE_FAILED_TRANSFER = _per_worker("_handle_failed_transfer")
+GET_TRANSFER_RESULTS = (
+    _site(">=0.30", f"{NIXL_PKG}.base_worker", "NixlBaseConnectorWorker.get_transfer_results"),
+)
+DESC_IDS = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorWorker._get_block_descs_ids"),
+    _site(">=0.20,<0.21", f"{NIXL_PKG}.worker", "NixlConnectorWorker._get_block_descs_ids"),
+    _site(">=0.21,<0.24", f"{NIXL_PKG}.worker", "NixlConnectorWorker._compute_desc_ids"),
+    _site(">=0.24", f"{NIXL_PKG}.base_worker", "NixlBaseConnectorWorker._compute_desc_ids"),
+)
+# The end-trim pairing of D's blocks with P's (inline in `_read_blocks` before 0.22).
+APPLY_PREFIX_CACHING = (
+    _site(">=0.22,<0.24", f"{NIXL_PKG}.worker", "NixlConnectorWorker._apply_prefix_caching"),
+    _site(">=0.24", f"{NIXL_PKG}.base_worker", "NixlBaseConnectorWorker._apply_prefix_caching"),
+)
+# Blocks of different sizes: kernel ids per logical block, the positional ratio mapping
+# (0.27+; inline in `_read_blocks` before), pairing from the last token (0.34+).
+BLOCK_SIZE_PAIRING = (
+    _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", "NixlConnectorWorker._logical_to_kernel_block_ids"),
+    _site(">=0.24", f"{NIXL_PKG}.base_worker",
+          "NixlBaseConnectorWorker._logical_to_kernel_block_ids"),
+    _site(">=0.27", f"{NIXL_PKG}.base_worker",
+          "NixlBaseConnectorWorker._map_block_ids_for_block_size_ratio"),
+    _site(">=0.34", f"{NIXL_PKG}.base_worker",
+          "NixlBaseConnectorWorker._pair_blocks_by_last_token"),
+)
+# P's list of blocks for a finished request: the blocks of its computed tokens.
+CONNECTOR_FINISHED = (
+    _site(">=0.19", "vllm.v1.core.sched.scheduler", "Scheduler._connector_finished"),
+)
+
+# The handshake thread, which records the peer (and, 0.26+, its clock offset).
+BACKGROUND_HANDSHAKE = _per_worker("_background_nixl_handshake")
+# vLLM's own decline of an expired turn-2 read, the idiom lease_guard follows (0.26+).
+TURN2_EXPIRY = (
+    _site(">=0.26", f"{NIXL_PKG}.pull_worker", "NixlPullConnectorWorker._is_turn2_read_expired"),
+    _site(">=0.26", f"{NIXL_PKG}.pull_worker", "_KV_BLOCKS_EXPIRY_SAFETY_MARGIN"),
+)
+# P's scheduler half stamping and extending a finished request's lease.
+SCHEDULER_REQUEST_FINISHED = _per_scheduler("request_finished", "pull_scheduler",
+                                            "NixlPullConnectorScheduler")
+HANDLE_HEARTBEAT = (
+    _site(">=0.24", f"{NIXL_PKG}.base_worker", "NixlBaseConnectorWorker._handle_heartbeat"),
+)
+# Where the pull scheduler queues a receive (and a readback, 0.21+).
+UPDATE_STATE_AFTER_ALLOC = _per_scheduler("update_state_after_alloc", "pull_scheduler",
+                                          "NixlPullConnectorScheduler")
+# The wire: the handshake payload's classes, their version, and the compatibility hash.
+CONNECTOR_VERSION = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NIXL_CONNECTOR_VERSION"),
+    _site(">=0.20", f"{NIXL_PKG}.metadata", "NIXL_CONNECTOR_VERSION"),
+)
+# 0.34 pairs a peer's regions with the decode worker's by layer name.
+PAIR_REGIONS = (
+    _site(">=0.34", f"{NIXL_PKG}.base_worker", "NixlBaseConnectorWorker._pair_regions"),
+)
+# How a KV-cache group's spec is classified (the next() lookups spec_classify guards).
+SPEC_CLASSIFIERS = (
+    _site(">=0.21", f"{NIXL_PKG}.tp_mapping", "_is_attention_spec"),
+    _site(">=0.21", f"{NIXL_PKG}.utils", "get_representative_spec_type"),
+)
+# The statistics channel's other ends (the metrics patch).
+STATS_FOLD = (
+    _site(">=0.19", "vllm.distributed.kv_transfer.kv_connector.utils",
+          "KVOutputAggregator.aggregate"),
+)
+PROM_BASE = (
+    _site(">=0.19", "vllm.distributed.kv_transfer.kv_connector.v1.metrics",
+          "KVConnectorPromMetrics.__init__"),
+)
+# The layout a worker runs with: the connector's answer entering resolution, where it is
+# resolved (0.29+), and the receive-side reorder's caller and memory-order body (0.32+).
+CONNECTOR_LAYOUT_LOOKUP = (
+    _site(">=0.19", "vllm.distributed.kv_transfer.kv_connector.utils",
+          "get_kv_connector_cache_layout"),
+)
+RESOLVED_LAYOUT = (
+    _site(">=0.29", "vllm.config.cache", "CacheConfig.get_resolved_kv_cache_layout"),
+)
+RECEIVE_POSTPROCESS = _per_worker("post_process_device_kv_on_receive")
+RECEIVE_PERMUTE_MEMORY_ORDER = (
+    _site(">=0.32", f"{NIXL_PKG}.base_worker", "kv_postprocess_blksize_and_layout_on_receive"),
+)
+# Block counts: the kernel/logical block sync, and the counts the handshake advertises.
+SYNC_BLOCK_SIZE = _per_worker("_sync_block_size_with_kernel")
+ADVERTISED_COUNTS = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlAgentMetadata.num_blocks"),
+    _site(">=0.20", f"{NIXL_PKG}.metadata", "NixlAgentMetadata.num_blocks"),
+    _site(">=0.30", f"{NIXL_PKG}.metadata", "NixlAgentMetadata.region_num_blocks"),
+)
+# vLLM's own growable KV cache (0.34+): the connector gets the committed views only.
+EXTENSIBLE_COMMITTED_VIEWS = (
+    _site(">=0.34", "vllm.v1.worker.extensible_kv_cache", "extend_kv_cache"),
+)
+# Which side of a P/D pair a worker is.
+KV_ROLE_PREDICATES = (
+    _site(">=0.19", "vllm.config.kv_transfer", "KVTransferConfig.is_kv_producer"),
+    _site(">=0.19", "vllm.config.kv_transfer", "KVTransferConfig.is_kv_consumer"),
+)
+# The NIXL descriptors of both sides and their completion: what staged reads mirror.
+LOCAL_XFER_HANDLER = _per_worker("register_local_xfer_handler")
+POP_DONE_TRANSFERS = _per_worker("_pop_done_transfers")
+TP_MAPPING = (_site(">=0.21", f"{NIXL_PKG}.tp_mapping", "compute_tp_mapping"),)
+# What a request's inputs are (block_keys hashes them; params ride in its extra args).
+REQUEST_INIT = (_site(">=0.19", "vllm.v1.request", "Request.__init__"),)
+# vLLM's block hashing, which block_keys' keys must equal.
+BLOCK_HASHING = (
+    _site(">=0.19", "vllm.v1.core.kv_cache_utils", "hash_block_tokens"),
+    _site(">=0.19", "vllm.v1.core.kv_cache_utils", "get_request_block_hasher"),
+    _site(">=0.19", "vllm.v1.core.kv_cache_utils", "generate_block_hash_extra_keys"),
+    _site(">=0.19", "vllm.v1.core.kv_cache_utils", "init_none_hash"),
+)
+# The front end's request processing around the validation params_check wraps.
+PROCESS_INPUTS = (
+    _site(">=0.19", "vllm.v1.engine.input_processor", "InputProcessor.process_inputs"),
+)
+# The receive metadata a request's params become (the keys the scheduler indexes).
+ADD_RECV_METADATA = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorMetadata.add_new_req_to_recv"),
+    _site(">=0.20", f"{NIXL_PKG}.metadata", "NixlConnectorMetadata.add_new_req_to_recv"),
+)
+# The scheduler half's step metadata, which hands queued receives to the workers.
+SCHEDULER_BUILD_META = _per_scheduler("build_connector_meta", "base_scheduler",
+                                      "NixlBaseConnectorScheduler")
+# Stock code that meets the counts the metrics patch adds to NIXL's statistics, and the caller
+# that makes `_update_waiting_for_remote_kv` run once per ended load.
+STATS_READERS = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlKVConnectorStats.is_empty"),
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlKVConnectorStats.reduce"),
+    _site(">=0.20", f"{NIXL_PKG}.stats", "NixlKVConnectorStats.is_empty"),
+    _site(">=0.20", f"{NIXL_PKG}.stats", "NixlKVConnectorStats.reduce"),
+)
+LOAD_ENDED_CALLER = (
+    _site(">=0.19,<0.31", "vllm.v1.core.sched.scheduler",
+          "Scheduler._try_promote_blocked_waiting_request"),
+    _site(">=0.31", "vllm.v1.core.sched.scheduler", "Scheduler._handle_blocked_waiting_request"),
+)

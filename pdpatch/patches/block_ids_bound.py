@@ -202,6 +202,9 @@ PATCH = Patch(
             "instead of reading the wrong blocks",
     versions=vllm_sites.SUPPORTED,
     targets=_targets,
+    relies_on=(vllm_sites.READ_BLOCKS, vllm_sites.APPLY_PREFIX_CACHING,
+               vllm_sites.BLOCK_SIZE_PAIRING, vllm_sites.CONNECTOR_FINISHED,
+               vllm_sites.HANDLE_FAILED_TRANSFER),
     state=BlockIdsBoundState,
     object_state=LocalHits,
 )

@@ -421,6 +421,8 @@ PATCH = Patch(
             "fingerprint; D loads remote KV only when they match its own",
     versions=vllm_sites.SUPPORTED,
     targets=_targets,
+    relies_on=(vllm_sites.SCHEDULER_REQUEST_FINISHED, vllm_sites.UPDATE_STATE_AFTER_ALLOC,
+               vllm_sites.REQUEST_INIT, vllm_sites.BLOCK_HASHING),
     state=BlockKeysState,
     object_state=Fingerprint,
 )

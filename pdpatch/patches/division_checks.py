@@ -132,4 +132,6 @@ PATCH = Patch(
     summary="reject at handshake a peer geometry that the descriptor maths would truncate",
     versions=vllm_sites.SUPPORTED,
     targets=_targets,
+    relies_on=(vllm_sites.ADD_REMOTE_AGENT, vllm_sites.BUILD_FA_REMOTE,
+               vllm_sites.BUILD_LOCAL_SPLITS, vllm_sites.DESC_IDS),
 )

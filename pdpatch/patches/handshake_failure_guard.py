@@ -165,4 +165,6 @@ PATCH = Patch(
     why_version="fixed upstream: get_finished skips failed requests from vLLM 0.22.0, "
                 "notify-only receives are never stored from vLLM 0.30.0",
     targets=_targets,
+    relies_on=(vllm_sites.BACKGROUND_HANDSHAKE, vllm_sites.HANDLE_FAILED_TRANSFER,
+               vllm_sites.START_LOAD_KV),
 )

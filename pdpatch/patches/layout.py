@@ -519,6 +519,9 @@ PATCH = Patch(
             "verified after resolution; 0.19 hetero-TP head-split guard",
     versions=vllm_sites.SUPPORTED,
     targets=_targets,
+    relies_on=(vllm_sites.CONNECTOR_LAYOUT_LOOKUP, vllm_sites.RESOLVED_LAYOUT,
+               vllm_sites.VALIDATE_HANDSHAKE, vllm_sites.RECEIVE_POSTPROCESS,
+               vllm_sites.RECEIVE_PERMUTE_MEMORY_ORDER),
     state=LayoutState,
     runtime_status=status_line,
 )

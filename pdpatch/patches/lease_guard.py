@@ -191,5 +191,8 @@ PATCH = Patch(
     why_version="vLLM 0.19-0.25 measure no peer clock at the handshake (0.22-0.25 lease "
                 "blocks 30 s, 0.19-0.21 hold them 480 s)",
     targets=_targets,
+    relies_on=(vllm_sites.TURN2_EXPIRY, vllm_sites.SCHEDULER_REQUEST_FINISHED,
+               vllm_sites.HANDLE_HEARTBEAT, vllm_sites.BACKGROUND_HANDSHAKE,
+               vllm_sites.HANDLE_FAILED_TRANSFER),
     object_state=Lease,
 )

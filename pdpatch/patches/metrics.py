@@ -161,6 +161,8 @@ PATCH = Patch(
     summary="pdpatch's counters on vLLM's /metrics (pdpatch:*), through vLLM's NIXL stats",
     versions=vllm_sites.SUPPORTED,
     targets=_targets,
+    relies_on=(vllm_sites.STATS_READERS, vllm_sites.STATS_FOLD, vllm_sites.PROM_BASE,
+               vllm_sites.LOAD_ENDED_CALLER),
     state=metrics.MetricsState,
     object_state=metrics.Pending,
 )

@@ -81,4 +81,5 @@ PATCH = Patch(
     versions=vllm_sites.supported_until("0.21"),
     why_version="fixed upstream in vLLM 0.21.0 (the notification uses meta.remote.request_id)",
     targets=_targets,
+    relies_on=(vllm_sites.READ_BLOCKS,),
 )

@@ -412,6 +412,8 @@ PATCH = Patch(
             "sliced, under-allocation refused); kvcached's own rewrite neutralized",
     versions=vllm_sites.SUPPORTED,
     targets=_targets,
+    relies_on=(vllm_sites.SYNC_BLOCK_SIZE, vllm_sites.ADVERTISED_COUNTS,
+               vllm_sites.RESTORE_KV_CACHES, vllm_sites.EXTENSIBLE_COMMITTED_VIEWS),
     summary_note=summary_note,
     state=NumBlocksState,
     runtime_status=status_line,

@@ -148,4 +148,6 @@ PATCH = Patch(
     summary="reject malformed kv_transfer_params with a 400 before they reach the engine",
     versions=vllm_sites.SUPPORTED,
     targets=_targets,
+    relies_on=(vllm_sites.PROCESS_INPUTS, vllm_sites.REQUEST_INIT, vllm_sites.ADD_RECV_METADATA,
+               vllm_sites.GET_NUM_NEW_MATCHED_TOKENS, vllm_sites.READ_BLOCKS_FOR_REQ),
 )

@@ -98,4 +98,6 @@ PATCH = Patch(
     summary="kv_transfer_params the NIXL receive path cannot use are dropped, not crashed on",
     versions=vllm_sites.SUPPORTED,
     targets=_targets,
+    relies_on=(vllm_sites.SCHEDULER_REQUEST_FINISHED, vllm_sites.SCHEDULER_BUILD_META,
+               vllm_sites.ADD_RECV_METADATA),
 )

@@ -127,4 +127,6 @@ PATCH = Patch(
     summary="reject at handshake a peer whose metadata has impossible values",
     versions=vllm_sites.SUPPORTED,
     targets=_targets,
+    relies_on=(vllm_sites.VALIDATE_HANDSHAKE, vllm_sites.BUILD_FA_REMOTE, vllm_sites.DESC_IDS,
+               vllm_sites.PAIR_REGIONS, vllm_sites.CONNECTOR_VERSION),
 )

@@ -78,5 +78,8 @@ PATCH = Patch(
     summary="exceptions on the NIXL read path fail one request instead of killing the worker",
     versions=vllm_sites.SUPPORTED,
     targets=_targets,
+    relies_on=(vllm_sites.START_LOAD_KV, vllm_sites.READ_BLOCKS,
+               vllm_sites.HANDLE_FAILED_TRANSFER, vllm_sites.GET_FINISHED,
+               vllm_sites.GET_TRANSFER_RESULTS),
     state=ReadGuardState,
 )

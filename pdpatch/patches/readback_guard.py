@@ -80,4 +80,5 @@ PATCH = Patch(
     versions=vllm_sites.supported_from("0.21"),
     why_version="vLLM 0.19-0.20 have no KV readback (such requests are computed locally)",
     targets=_targets,
+    relies_on=(vllm_sites.UPDATE_STATE_AFTER_ALLOC,),
 )

@@ -110,4 +110,5 @@ PATCH = Patch(
                  "attention group; the UniformTypeKVCacheSpecs StopIteration of PR #40731 was "
                  "fixed before 0.21.0 shipped"),
     targets=_targets,
+    relies_on=(vllm_sites.SPEC_CLASSIFIERS,),
 )

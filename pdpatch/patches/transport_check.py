@@ -85,5 +85,6 @@ PATCH = Patch(
             "cuda_ipc READ off) and say what to set",
     versions=vllm_sites.SUPPORTED,
     targets=_targets,
+    relies_on=(vllm_sites.PUSH_WORKER, vllm_sites.KV_ROLE_PREDICATES),
     state=TransportCheckState,
 )

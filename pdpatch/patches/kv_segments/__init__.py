@@ -116,6 +116,12 @@ PATCH = Patch(
             "identical geometry are accepted, real differences fail that peer clearly",
     versions=vllm_sites.SUPPORTED,
     targets=_targets,
+    relies_on=(vllm_sites.CONNECTOR_VERSION, vllm_sites.VALIDATE_HANDSHAKE,
+               vllm_sites.BUILD_FA_REMOTE, vllm_sites.BUILD_LOCAL_SPLITS,
+               vllm_sites.LOCAL_XFER_HANDLER, vllm_sites.DESC_IDS, vllm_sites.READ_BLOCKS_FOR_REQ,
+               vllm_sites.READ_BLOCKS, vllm_sites.POP_DONE_TRANSFERS, vllm_sites.TP_MAPPING,
+               vllm_sites.RECEIVE_PERMUTE, vllm_sites.RECEIVE_PERMUTE_BLOCK_RATIO,
+               vllm_sites.RECEIVE_PERMUTE_MEMORY_ORDER, vllm_sites.PAIR_REGIONS),
     state=KvSegmentsState,
     object_state=WorkerState,
 )
