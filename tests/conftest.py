@@ -7,8 +7,14 @@ import os
 import pytest
 from xdist_groups import pytest_collection_modifyitems  # noqa: F401 (registers the hook)
 
+from lab import cpu_platform
+from pdpatch.versions import vllm_version
+
 # The vLLM wheel on a GPU-less machine cannot infer its platform without this.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+# The installed release's unit code on this x86 CPU (lab/cpu_platform.py), before vLLM is
+# imported: its Triton check is made once, at import.
+cpu_platform.apply(os.environ, str(vllm_version() or "0"))
 for _var in [v for v in os.environ if v.startswith("PDPATCH_") or v == "ENABLE_PDPATCH"]:
     del os.environ[_var]
 

@@ -3,9 +3,9 @@ of each vLLM release.
 
 ``run(version)`` starts ``python tests/kvc_matrix.py VERSION`` with ``PYTHONPATH`` pointing at the
 release's source tree (``scripts/fetch_vllm_sources.sh`` puts them under
-``~/.cache/pdpatch/vllm-src/<ver>``; it shadows the installed 0.33 package, whose compiled parts
+``~/.cache/pdpatch/vllm-src/<ver>``; it shadows the installed package, whose compiled parts
 are not needed on CPU).  The child reports ``pdpatch.versions.vllm_version()`` as that release (the
-metadata would say 0.33.0), builds real NIXL workers of that release with
+metadata would say the venv's), builds real NIXL workers of that release with
 :mod:`kvc_harness`, and prints one JSON object: check name -> "ok" | "skip: why" | "FAIL: why".
 
 What each release cannot import with today's dependencies is said in the result, never hidden:
@@ -28,12 +28,14 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from pdpatch.versions import release_of, vllm_version
+
 HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("PDLAB_CACHE_DIR", Path.home() / ".cache" / "pdpatch"))
 SOURCES = Path(os.environ.get("PDLAB_VLLM_SOURCES", CACHE / "vllm-src"))
 OLD_DEPS = Path(os.environ.get("PDLAB_OLD_VLLM_DEPS", CACHE / "old-vllm-deps"))
 KVCACHED_SRC = Path(os.environ.get("PDLAB_KVCACHED_SRC", CACHE / "kvcached-src" / "0.1.6"))
-INSTALLED = "0.33.0"
+INSTALLED = str(release_of(vllm_version()))
 NAMES = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 PLANNED, VIRTUAL = 12, 29
 
@@ -66,6 +68,9 @@ def run(version: str, kvcached_order: str | None = None, timeout: int = 600) -> 
            if not k.startswith("PDPATCH_") and k not in ("ENABLE_PDPATCH", "PYTHONPATH")}
     env.update(PYTHONPATH=os.pathsep.join(path), VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
                ENABLE_KVCACHED="true", KVCACHED_CONTIGUOUS_LAYOUT="false")
+    from lab import cpu_platform  # here, not at the top: the child has no checkout root
+
+    cpu_platform.apply(env, version)
     if version != INSTALLED:
         # the release's own vLLM cache: a model-info entry another release wrote is stale
         # here and costs a model-inspecting subprocess (~9 s of CPU)
@@ -92,7 +97,7 @@ def _main(version: str, kvcached_order: str | None) -> dict[str, str]:
     from pdpatch import versions
 
     v = Version(version)
-    versions.vllm_version = lambda: v          # metadata says 0.33.0; the code is `version`
+    versions.vllm_version = lambda: v          # metadata says the venv's; the code is `version`
     import kvc_harness as h
 
     h.ensure_cpu_platform()

@@ -1,9 +1,9 @@
 """Run a check against an OLD vLLM release's real source tree, in a subprocess.
 
-Why a subprocess: the venv has vLLM 0.33 installed; an older release's ``.py`` tree (extracted by
+Why a subprocess: the venv has one vLLM installed; an older release's ``.py`` tree (extracted by
 ``scripts/fetch_vllm_sources.sh`` into ``~/.cache/pdpatch/vllm-src/<ver>/``) can only shadow it
 in a fresh interpreter whose ``sys.path`` starts with that tree.  There the compiled ``vllm._C``
-is absent (fine on CPU) and ``importlib.metadata`` still reports 0.33.0, so the child replaces
+is absent (fine on CPU) and ``importlib.metadata`` still reports the venv's, so the child replaces
 ``pdpatch.versions.vllm_version`` to report the release under test before anything in pdpatch
 asks (``versions.py`` itself is not changed).
 
@@ -29,7 +29,7 @@ the venv's: releases up to 0.24 pick their platform from the installed distribut
 string (``"cpu" in version("vllm")``), and this declares what the child really runs -- that
 release's Python code on the CPU platform, with no compiled ops.
 
-Releases before 0.24 import ``gguf`` at ``import vllm`` time, which the 0.33 venv does not need
+Releases before 0.24 import ``gguf`` at ``import vllm`` time, which the venv's release does not need
 and lacks; :func:`extras_dir` installs the real package (``pip install --target``, no deps) once
 into ``~/.cache/pdpatch/old-vllm-deps`` (``scripts/fetch_test_extras.sh`` does it at setup) and
 appends it to the child's path.
@@ -53,8 +53,10 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from xdist_groups import grouped
 
+from lab import cpu_platform
 from lab.env import cache_dir, path_var
 from lab.fetch_vllm_sources import dist_info_dir
+from pdpatch.versions import release_of, vllm_version
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -68,7 +70,8 @@ VLLM_CACHES_ROOT = path_var("PDLAB_VLLM_CACHES", cache_dir() / "vllm-cache")
 # Third-party modules older releases import eagerly but vLLM 0.33 no longer needs.
 EXTRA_PACKAGES = ("gguf",)
 RESULT_MARK = "@@PDPATCH-RESULT@@"
-INSTALLED = "0.33.0"          # the venv's vLLM; older releases run from their source trees
+# The venv's vLLM (its release, local parts dropped); older releases run from their source trees.
+INSTALLED = str(release_of(vllm_version())) if vllm_version() else "0"
 FULL_MATRIX_VAR = "PDLAB_FULL_MATRIX"            # lab.env: survives tests/conftest.py
 """``1``: the per-release tests run on every fetched release (``scripts/release_matrix.sh``);
 otherwise on the oldest, the newest and the :func:`change_points` of those in range (the test
@@ -216,6 +219,7 @@ def child_env(version: str, env: dict[str, str] | None = None) -> dict[str, str]
     base.update({"PYTHONPATH": os.pathsep.join(path), "VLLM_TARGET_DEVICE": "cpu",
                  "PYTHONDONTWRITEBYTECODE": "1", "TOKENIZERS_PARALLELISM": "false",
                  "HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(vllm_cache_root(version))})
+    cpu_platform.apply(base, version)
     base.update(env or {})
     return base
 

@@ -51,6 +51,8 @@ from pathlib import Path
 from typing import Any
 from unittest.mock import patch
 
+from pdpatch.versions import release_of, vllm_version
+
 REPO = Path(__file__).resolve().parents[2]
 # The workers are built with the tests' helpers (robust_worker, test_kv_segments_harness).
 sys.path.insert(0, str(REPO / "tests"))
@@ -61,7 +63,7 @@ POOL_GIB = 16                 # blocks per layer: a 16 GiB pool of Llama-3-8B's 
 LLAMA_BLOCK_LAYER = 2 * 8 * 128 * 2 * BLOCK_SIZE      # K+V bytes of one block of one layer
 REQUEST_BLOCKS = 64           # the first request: a 1024-token prompt, a run of P's blocks
 # into D's every other block (a busy D's free blocks lie apart: what coalescing is for)
-INSTALLED = "0.33.0"
+INSTALLED = str(release_of(vllm_version()))
 COALESCE = {"PDPATCH_KV_COALESCE": "1"}
 # (P, D) backends of the stock pair and of pdpatch's: stock vLLM refuses the converted pair, so
 # its first contact is compared with the same-layout pair's (what a stock deployment runs)

@@ -14,7 +14,8 @@ Where the code comes from:
   which needs CUDA); only ``tests/`` and ``pyproject.toml`` are kept;
 * the vLLM code: the installed vLLM for the venv's own release; for an older release the
   ``.py`` tree of its wheel (``scripts/fetch_vllm_sources.sh``), first on ``PYTHONPATH`` with a
-  ``vllm-<release>+cpu`` distribution record, as ``tests/versions_harness.py`` runs it;
+  distribution record of the release, as ``tests/versions_harness.py`` runs it; each with the
+  CPU-platform settings of its release (``lab/cpu_platform.py``);
 * model configs: a fake offline Hugging Face cache holding the public ``config.json`` of the
   models the tests name (``lab/upstream/hf_configs/``); no weights are read by these tests.
 """
@@ -34,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lab import release_files
+from lab import cpu_platform, release_files
 from lab.env import cache_dir, path_var
 from lab.fetch_vllm_sources import dist_info_dir
 
@@ -194,6 +195,7 @@ def start_suite(version: str, mode: str, files: Sequence[str], tests_root: Path,
         "PDLAB_GATE_STATUS": str(status_file(work, version, mode)),
     })
     env.update(settings or {})
+    cpu_platform.apply(env, version)
     env["PYTHONPATH"] = os.pathsep.join(path)
     cmd = [sys.executable, "-m", "pytest", *files, "-p", "gate_plugin", "-p", "no:cacheprovider",
            "-q",
