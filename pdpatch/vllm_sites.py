@@ -19,11 +19,12 @@ NIXL_PKG = f"{KVC}.v1.nixl"
 NIXL_SINGLE_FILE = f"{KVC}.v1.nixl_connector"      # 0.19 only
 
 # The releases whose NIXL code pdpatch was written against and checked on; a patch that holds
-# for all of them declares this range.
+# for all of them declares this range.  Supporting a release that `python -m scripts.qualify`
+# finds clean is this one line.
 SUPPORTED = VersionRange(">=0.19,<0.35")
 # The newest of them: what a patch assumes where no installed distribution names the release
 # (a vLLM source tree on the path).
-NEWEST_SUPPORTED = Version("0.34.0")
+NEWEST_SUPPORTED = Version(f"{SUPPORTED.upper().major}.{SUPPORTED.upper().minor - 1}.0")
 
 
 def supported_from(release: str) -> VersionRange:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from xdist_groups import pytest_collection_modifyitems  # noqa: F401 (registers the hook)
+from xdist_groups import group_of, set_groups
 
 from lab import cpu_platform
 from pdpatch.versions import vllm_version
@@ -30,3 +30,15 @@ def fresh_pdpatch(monkeypatch):
     yield installer
     installer.uninstall()
     installer.reset_state()
+
+
+@pytest.hookimpl(trylast=True)  # after xdist's own hook, which may or may not set the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``scripts.qualify`` (``PDLAB_QUALIFY_RELEASE``) only the named release's tests
+    run; then each test gets its xdist group (``tests/xdist_groups.py``)."""
+    release = os.environ.get("PDLAB_QUALIFY_RELEASE")
+    if release:
+        config.hook.pytest_deselected(
+            items=[i for i in items if group_of(i) != f"vllm-{release}"])
+        items[:] = [i for i in items if group_of(i) == f"vllm-{release}"]
+    set_groups(config, items)

@@ -53,7 +53,9 @@ def test_spread(n):
 
 def test_each_group_runs_on_one_worker(tmp_path: Path) -> None:
     (tmp_path / "conftest.py").write_text(
-        "from xdist_groups import pytest_collection_modifyitems  # noqa: F401\n")
+        "from xdist_groups import set_groups\n\n"
+        "def pytest_collection_modifyitems(config, items):\n"
+        "    set_groups(config, items)\n")
     (tmp_path / "test_suite.py").write_text(SUITE)
     (tmp_path / "test_spread.py").write_text(SPREAD)
     seen = tmp_path / "seen.txt"

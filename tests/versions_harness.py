@@ -73,6 +73,9 @@ RESULT_MARK = "@@PDPATCH-RESULT@@"
 # The venv's vLLM (its release, local parts dropped); older releases run from their source trees.
 INSTALLED = str(release_of(vllm_version())) if vllm_version() else "0"
 FULL_MATRIX_VAR = "PDLAB_FULL_MATRIX"            # lab.env: survives tests/conftest.py
+QUALIFY_VAR = "PDLAB_QUALIFY_RELEASE"
+"""A release newer than pdpatch verified (``scripts.qualify``): the per-release tests run on it
+alone, with the patches forced on there (``PDPATCH_ALLOW_UNTESTED_VLLM=1``)."""
 """``1``: the per-release tests run on every fetched release (``scripts/release_matrix.sh``);
 otherwise on the oldest, the newest and the :func:`change_points` of those in range (the test
 command, to keep CI within its time)."""
@@ -94,11 +97,15 @@ def listed_releases() -> list[str]:
 
 def available_versions() -> list[str]:
     """The newest fetched release of each minor (trees with the ``.complete`` marker), oldest
-    first: a leftover older patch release in the cache does not run twice."""
+    first: a leftover older patch release in the cache does not run twice.  Below the installed
+    release (whose own code runs in process), and the release ``scripts.qualify`` names
+    (:data:`QUALIFY_VAR`): a tree it fetched is not tested otherwise."""
     if not SOURCES_ROOT.is_dir():
         return []
+    qualifying = os.environ.get(QUALIFY_VAR)
     found = sorted(Version(d.name) for d in SOURCES_ROOT.iterdir()
-                    if (d / ".complete").exists() and (d / "vllm" / "__init__.py").exists())
+                    if (d / ".complete").exists() and (d / "vllm" / "__init__.py").exists()
+                    and (Version(d.name) < Version(INSTALLED) or d.name == qualifying))
     newest = {v.release[:2]: v for v in found}
     return [str(v) for v in sorted(newest.values())]
 
@@ -135,12 +142,20 @@ def release_versions(spec: str = "") -> list[str]:
 def releases_in(versions: Any) -> list[str]:
     """The fetched releases below the installed one inside ``versions`` (a patch's declared
     ``VersionRange``, or ``vllm_sites.SUPPORTED``) -- all of them, or their change points (see
-    :data:`FULL_MATRIX_VAR`) -- for parametrize (``["<none>"]`` if none)."""
-    installed = Version(INSTALLED)
-    found = [v for v in available_versions() if Version(v) in versions and Version(v) < installed]
-    if os.environ.get(FULL_MATRIX_VAR) != "1":
+    :data:`FULL_MATRIX_VAR`) -- for parametrize (``["<none>"]`` if none).  The release
+    ``scripts.qualify`` names is in every range that reaches the newest supported release."""
+    qualifying = os.environ.get(QUALIFY_VAR)
+    found = [v for v in available_versions()
+             if Version(v) in versions or (v == qualifying and reaches_newest(versions))]
+    if os.environ.get(FULL_MATRIX_VAR) != "1" and not qualifying:
         found = change_points(found, version_bounds())
     return found or ["<none>"]
+
+
+def reaches_newest(versions: Any) -> bool:
+    from pdpatch.vllm_sites import SUPPORTED
+
+    return versions.upper() == SUPPORTED.upper()
 
 
 def require_tree(version: str) -> Path:
@@ -220,6 +235,8 @@ def child_env(version: str, env: dict[str, str] | None = None) -> dict[str, str]
                  "PYTHONDONTWRITEBYTECODE": "1", "TOKENIZERS_PARALLELISM": "false",
                  "HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(vllm_cache_root(version))})
     cpu_platform.apply(base, version)
+    if version == os.environ.get(QUALIFY_VAR):
+        base["PDPATCH_ALLOW_UNTESTED_VLLM"] = "1"
     base.update(env or {})
     return base
 

@@ -44,8 +44,9 @@ def _set_node_id(item: pytest.Item, nodeid: str) -> None:
         item._nodeid = nodeid
 
 
-@pytest.hookimpl(trylast=True)  # after xdist's own hook, which may or may not have done it
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def set_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give every item its group suffix (``tests/conftest.py`` calls this last in its
+    collection hook, after xdist's own)."""
     if not config.getoption("loadgroup", False):  # set on xdist workers under --dist loadgroup
         return
     for item in items:
