@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 from pdpatch import attached
 from pdpatch.log import logger
-from pdpatch.state import State
+from pdpatch.state import Counter, State
 
 #: The key pdpatch's records travel under in the NIXL connector stats' dict.
 RECORDS_KEY = "pdpatch"
@@ -100,62 +100,73 @@ the objects, not with a patch's state: their counts outlive ``reset_state``."""
 
 @dataclass
 class MetricsState(State):
-    """The ``metrics`` patch's per-process state: this process's exporters, by the
-    ``NixlPromMetrics`` that built each (none outside a ``/metrics`` server); the newest takes
-    the counts made in this process at once."""
+    """The ``metrics`` patch's per-process state: the process's totals of every counter (what
+    ``pdpatch.status()`` reports: the one book of each counted event, :func:`count`), and its
+    exporters, by the ``NixlPromMetrics`` that built each (none outside a ``/metrics``
+    server); the newest takes the counts made in this process at once."""
 
+    totals: dict[tuple[str, tuple[str, ...]], int] = field(default_factory=dict)
     exporters: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     local: Exporter | None = None
+
+    def counters(self, patch: str) -> list[Counter]:
+        """Every counter, at 0 where nothing was counted yet, named as on ``/metrics``."""
+        with self.lock:
+            totals = dict(self.totals)
+        return [Counter(f"{PREFIX}{spec.name}_total", totals.get((spec.name, values), 0),
+                        spec.documentation, tuple(zip(spec.labels, values, strict=True)))
+                for spec in METRICS.values()
+                for values in sorted({*spec.preset, *(v for m, v in totals if m == spec.name)})]
 
 
 @dataclass
 class Pending:
     """What the ``metrics`` patch keeps on one object (:mod:`pdpatch.attached`): the counts made
     for it and not handed over yet -- each goes out with that object's own statistics, never
-    another's (two engines in one process, vLLM's own tests, keep their counts apart) -- or the
-    object whose counts they are (a worker's staging agent: the worker)."""
+    another's (two engines in one process, vLLM's own tests, keep their counts apart)."""
 
     counts: dict[tuple[str, tuple[str, ...]], int] = field(default_factory=dict)
-    owner: weakref.ref | None = None
 
 
-def count(owner: Any, metric: str, *labels: str, amount: int = 1) -> None:
-    """Add ``amount`` to a counter, for ``owner``: the vLLM object whose statistics carry it
-    to the API server (``None``: made in the API server itself).  Where this process serves
-    ``/metrics`` the count is exported at once; a count for no owner elsewhere is dropped.
-    An unknown metric or a wrong number of labels is a bug of the caller and raises."""
+def count(owner: Any, metric: str, *labels: str, amount: int = 1) -> int:
+    """Count an event: ``amount`` more of a counter, for ``owner``, the vLLM object whose
+    statistics carry it to the API server (``None``: made in the API server itself, or an
+    owner gone).  The one call for it: it adds to this process's total (``pdpatch.status()``;
+    returned) and queues it for ``/metrics`` -- exported at once where this process serves
+    ``/metrics``, else with the owner's next statistics (for no owner, nowhere else).  An
+    unknown metric or a wrong number of labels is a bug of the caller and raises."""
     from pdpatch.installer import object_state, state_of
 
     spec = METRICS[metric]
     if len(labels) != len(spec.labels):
         raise ValueError(f"{metric} takes labels {spec.labels}, got {labels}")
-    exporter = state_of(NAME).local
+    state = state_of(NAME)
+    with state.lock:
+        total = state.totals[(metric, labels)] = state.totals.get((metric, labels), 0) + amount
+    exporter = state.local
     if exporter is not None:
         exporter.export([[metric, list(labels), amount]], None)
-        return
+        return total
     if owner is None:
-        return
+        return total
     with _lock:
         try:
             mine = object_state(NAME, owner)
-            if mine.owner is not None:
-                parent = mine.owner()
-                if parent is None:
-                    return
-                mine, owner = object_state(NAME, parent), parent
             if not mine.counts:
                 _undrained[id(owner)] = owner
             mine.counts[(metric, labels)] = mine.counts.get((metric, labels), 0) + amount
         except (AttributeError, TypeError):    # no __dict__ or no weak reference to keep data
-            logger.debug("pdpatch: %s not counted for a %s [metrics]", metric, type(owner))
+            logger.debug("pdpatch: %s not queued for a %s [metrics]", metric, type(owner))
+    return total
 
 
-def attribute(obj: Any, owner: Any) -> None:
-    """Counts made for ``obj`` from now on are ``owner``'s."""
-    from pdpatch.installer import object_state
+def total(metric: str, *labels: str) -> int:
+    """This process's total of a counter so far (what ``pdpatch.status()`` reports)."""
+    from pdpatch.installer import state_of
 
-    with _lock:
-        object_state(NAME, obj).owner = weakref.ref(owner)
+    state = state_of(NAME)
+    with state.lock:
+        return state.totals.get((metric, labels), 0)
 
 
 def pending() -> bool:

@@ -229,8 +229,9 @@ def test_every_patch_state_is_made_by_install_and_replaced_by_one_reset(fresh_pd
     counted = fresh_pdpatch.counters()
     assert counted and all(c.value == 1 for c in counted if c.name in {
         f"{n}_{f.name}" for n, s in made.items() for f in dataclasses.fields(s)})
-    assert {"read_guard_failures_contained", "block_ids_bound_loads_refused",
-            "kv_segments_conversions", "block_keys_mismatched"} <= {c.name for c in counted}
+    assert {"block_keys_mismatched", "kv_segments_advertised",
+            "pdpatch:failures_contained_total", "pdpatch:refusals_total",
+            "pdpatch:peers_converted_total"} <= {c.name for c in counted}
     fresh_pdpatch.reset_state()
     for name, old in made.items():
         assert type(fresh_pdpatch.state_of(name)) is type(old)

@@ -429,13 +429,14 @@ def _reset() -> None:
 
 
 def _stats() -> dict[str, Any]:
-    from pdpatch import installer
+    from pdpatch import installer, metrics
     from pdpatch.patches import kv_segments
 
     state = installer.state_of(kv_segments.NAME)
-    return {name: getattr(state, name) for name in (
-        "advertised", "hash_alternates_accepted", "conversions", "mixed_accepted", "rejected",
-        "coalesced", "last_error")}
+    return {**{name: getattr(state, name) for name in (
+        "advertised", "hash_alternates_accepted", "mixed_accepted", "coalesced", "last_error")},
+            "conversions": metrics.total(metrics.PEERS_CONVERTED),
+            "rejected": metrics.total(metrics.REFUSALS, kv_segments.NAME)}
 
 
 def _remote_lists(d: Side, engine: str) -> list[list[tuple[int, int]]]:

@@ -117,6 +117,21 @@ class _Owner:
     and weak references)."""
 
 
+def test_one_call_counts_an_event_once_for_status_and_metrics(fresh_pdpatch):
+    """One book per event: ``metrics.count`` is the only call, and ``status()`` and the
+    records for ``/metrics`` both show it once (read_guard's contained failure counted in a
+    patch's own state besides was a second book)."""
+    owner = _Owner()
+    metrics.drain(owner)
+    assert metrics.count(owner, metrics.FAILURES_CONTAINED, "read_guard") == 1
+    status = fresh_pdpatch.status()["counters"]
+    assert status['pdpatch:failures_contained_total{patch=read_guard}'] == 1
+    assert [k for k, v in status.items() if v and "failures_contained" in k] == \
+        ['pdpatch:failures_contained_total{patch=read_guard}']
+    assert metrics.drain(owner) == [["failures_contained", ["read_guard"], 1]]
+    assert metrics.total(metrics.FAILURES_CONTAINED, "read_guard") == 1
+
+
 def test_drain_returns_at_once_only_when_no_object_holds_counts():
     """Every engine step drains; ``pending`` lets a step with nothing counted skip the work,
     and never while one object still holds counts another's drain did not take."""

@@ -42,19 +42,12 @@ from typing import Any
 from packaging.version import Version
 
 from pdpatch import attached, metrics, vllm_sites
-from pdpatch.installer import object_state, state_of
+from pdpatch.installer import object_state
 from pdpatch.log import logger
 from pdpatch.patches.common import allowed, arg
 from pdpatch.registry import Patch, Target, Wrapper
-from pdpatch.state import State, counter
 
 NAME = "block_ids_bound"
-
-
-@dataclass
-class BlockIdsBoundState(State):
-    loads_refused: int = counter("KV loads refused because remote_block_ids did not match "
-                                 "the decode engine's allocation")
 
 
 @dataclass
@@ -142,8 +135,7 @@ def make_check(version: Version) -> Wrapper:
         req_id = arg(args, kwargs, 0, "req_id")
         # Never HMA here (judged on one full-attention group), so every release can record it.
         vllm_sites.record_recv_failure(instance, req_id, version)
-        n = state_of(NAME).bump("loads_refused")
-        metrics.count(instance, metrics.REFUSALS, NAME)
+        n = metrics.count(instance, metrics.REFUSALS, NAME)
         logger.error("pdpatch: KV load of request %s refused: %s; the request fails (the "
                      "scheduler recomputes or fails it, per kv_load_failure_policy); check the "
                      "proxy forwards P's kv_transfer_params unchanged and sends D the prompt P "
@@ -205,6 +197,5 @@ PATCH = Patch(
     relies_on=(vllm_sites.READ_BLOCKS, vllm_sites.APPLY_PREFIX_CACHING,
                vllm_sites.BLOCK_SIZE_PAIRING, vllm_sites.CONNECTOR_FINISHED,
                vllm_sites.HANDLE_FAILED_TRANSFER),
-    state=BlockIdsBoundState,
     object_state=LocalHits,
 )

@@ -17,25 +17,16 @@ a crash into silently-used garbage KV would be worse than the crash.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from packaging.version import Version
 
 from pdpatch import metrics, vllm_sites
-from pdpatch.installer import state_of
 from pdpatch.log import logger
 from pdpatch.patches.common import allowed, arg
 from pdpatch.registry import Patch, Target, Wrapper
-from pdpatch.state import State, counter
 
 NAME = "read_guard"
-
-
-@dataclass
-class ReadGuardState(State):
-    failures_contained: int = counter("KV loads that raised on the read path and were failed "
-                                      "alone instead of killing the worker")
 
 
 def make_guard(version: Version) -> Wrapper:
@@ -55,8 +46,7 @@ def make_guard(version: Version) -> Wrapper:
                              "failed alone: %s [read_guard]", req_id, type(exc).__name__, exc,
                              why)
                 raise exc from None
-            n = state_of(NAME).bump("failures_contained")
-            metrics.count(instance, metrics.FAILURES_CONTAINED, NAME)
+            n = metrics.count(instance, metrics.FAILURES_CONTAINED, NAME)
             logger.error(
                 "pdpatch: KV load of request %s failed (%s: %s); failing this request instead "
                 "of the worker [read_guard, %d so far]", req_id, type(exc).__name__, exc, n,
@@ -81,5 +71,4 @@ PATCH = Patch(
     relies_on=(vllm_sites.START_LOAD_KV, vllm_sites.READ_BLOCKS,
                vllm_sites.HANDLE_FAILED_TRANSFER, vllm_sites.GET_FINISHED,
                vllm_sites.GET_TRANSFER_RESULTS),
-    state=ReadGuardState,
 )

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pdpatch import metrics
 from pdpatch.kv.staging.calibration import GapCalibration
 from pdpatch.kv.staging.chunked import LANES, ChunkedRead, ChunkRuns
 from pdpatch.kv.staging.lists import prep_rows
@@ -134,14 +133,10 @@ class StagingStats:
     chunk_failures: int = 0         # chunked READs that ended ERR
     not_staged: Counter = field(default_factory=Counter)   # reason -> requests
 
-    def posted(self, read: StagedRead | ChunkedRead, agent: Any) -> bool:
-        """Count a staged READ ``agent`` handed to NIXL (here and for ``/metrics``); True for
-        the first one."""
+    def posted(self, read: StagedRead | ChunkedRead) -> bool:
+        """Count a staged READ handed to NIXL; True for the first one."""
         first = self.staged_reads == 0
         self.staged_reads += 1
-        metrics.count(agent, metrics.STAGED_READS)
-        metrics.count(agent, metrics.STAGED_READ_BYTES,
-                      amount=read.nbytes if isinstance(read, ChunkedRead) else read.requested)
         self.descriptors_stock += read.stock
         self.descriptors_staged += read.staged
         if isinstance(read, ChunkedRead):

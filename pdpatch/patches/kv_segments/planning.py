@@ -16,7 +16,7 @@ from packaging.version import Version
 from pdpatch import metrics, vllm_sites
 from pdpatch.log import logger
 from pdpatch.patches.kv_segments.settings import NAME
-from pdpatch.patches.kv_segments.state import count
+from pdpatch.patches.kv_segments.state import count, note_refusal
 
 # The descriptor-planning core (pdpatch.kv, ~6 ms) is imported by the functions that use it,
 # when vLLM first registers or pairs KV caches, not by install() inside every `import vllm`.
@@ -341,7 +341,7 @@ def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version, *,
             # with the reorder on, only a block-size ratio is refused (pdpatch.kv.plan)
             advice = HEAD_ORDER_BLOCK_SIZE_ADVICE if reorders else HEAD_ORDER_ADVICE
             err = HeadOrderMismatch(f"{err.reason}. {advice}", err.local, err.remote)
-        count("rejected", str(err))
+        note_refusal(str(err))
         metrics.count(worker, metrics.REFUSALS, NAME)
         logger.error("pdpatch kv_segments: refusing peer %s (backend %s; local %s): %s",
                      getattr(meta, "engine_id", "?"), remote_name or "?", local_name, err)

@@ -6,6 +6,8 @@ peers only with ``PDPATCH_KV_COALESCE`` (opt-in: stock code serves them correctl
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,14 +47,21 @@ def install_staging(worker: Any, kv_caches: Any) -> None:
             agent_layers.find(worker, StagingAgent) is not None or \
             getattr(worker, "use_mla", False):
         return
-    agent = agent_layers.push(
+    agent_layers.push(
         worker, StagingAgent, mem_type=getattr(worker, "nixl_memory_type", "VRAM"),
         capacity=mib << 20, memory=lambda: _kv_memory(worker, kv_caches),
         gap=None if gap is None else gap << 10, capacity_setting=STAGING_ENV,
         gap_setting=GAP_ENV, stats=state_of(NAME).staging_stats(),
         eager=_reads_kv(worker) and (coalesce() or kvcached.read_state().in_deployment),
-        buffer_at_start=_reads_kv(worker) and coalesce())
-    metrics.attribute(agent, worker)      # its staged READs reach /metrics as the worker's
+        buffer_at_start=_reads_kv(worker) and coalesce(),
+        on_posted=functools.partial(_count_staged_read, weakref.ref(worker)))
+
+
+def _count_staged_read(worker: weakref.ref, nbytes: int) -> None:
+    """A staged READ of the worker's, for ``pdpatch.status()`` and ``/metrics`` (the worker
+    held weakly: it holds the agent)."""
+    metrics.count(worker(), metrics.STAGED_READS)
+    metrics.count(worker(), metrics.STAGED_READ_BYTES, amount=nbytes)
 
 
 def stage_peer(worker: Any, engine_id: str, rank: int,

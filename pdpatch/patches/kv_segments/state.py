@@ -27,13 +27,11 @@ class KvSegmentsState(State):
     advertised: int = counter("workers that advertised their K/V geometry in the handshake")
     hash_alternates_accepted: int = counter("peer compatibility hashes accepted because they "
                                             "differ only in an interchangeable backend name")
-    conversions: int = counter("peer ranks whose remote descriptors were converted")
     coalesced: int = counter("same-layout peer ranks whose READs are staged "
                              "(PDPATCH_KV_COALESCE)")
     mixed_accepted: int = counter("peers with another backend name and the same packed "
                                   "geometry, accepted")
-    rejected: int = counter("peers refused because their K/V geometry cannot be paired")
-    last_error: str = ""
+    last_error: str = ""            # the last peer refused, why (its count: metrics' refusals)
     # The compatibility hash's alternates, recorded when vLLM computes it (worker start) and
     # read while a peer's payload is decoded: local hash -> {alternate hash: backend name}.
     alternates: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -50,19 +48,16 @@ class KvSegmentsState(State):
                 self.staging = StagingStats()
             return self.staging
 
-    def count(self, name: str, error: str = "") -> None:
+    def count(self, name: str) -> None:
         """Add one to a counter (handshakes of several peers run concurrently)."""
         with self.lock:
             setattr(self, name, getattr(self, name) + 1)
-            if error:
-                self.last_error = error
 
     def counters(self, patch: str) -> list[Counter]:
         out = super().counters(patch)
         s = self.staging
+        # staged READs and their bytes are counted once, by the metrics they go to /metrics as
         for name, help_text in (
-                ("staged_reads", "READs staged (converted or coalesced peers)"),
-                ("staged_bytes", "bytes requested by staged READs"),
                 ("chunked_reads", "staged READs larger than the free staging, read in chunks"),
                 ("gather_failures", "staged READs whose copy into the KV cache failed")):
             out.append(Counter(f"{patch}_{name}", int(getattr(s, name, 0)), help_text))
@@ -110,6 +105,13 @@ def existing_worker_state(worker: Any) -> WorkerState | None:
     return attached.peek(worker, NAME)
 
 
-def count(name: str, error: str = "") -> None:
+def count(name: str) -> None:
     """Add one to a :class:`KvSegmentsState` counter of this process."""
-    state_of(NAME).count(name, error)
+    state_of(NAME).count(name)
+
+
+def note_refusal(error: str) -> None:
+    """Why this process last refused a peer (how many it refused: metrics' refusals)."""
+    state = state_of(NAME)
+    with state.lock:
+        state.last_error = error

@@ -170,7 +170,6 @@ def make_add_remote_wrapper(version: Version) -> Wrapper:
             raise GeometryMismatch(
                 "vLLM built no remote descriptor list pdpatch could replace",
                 conversion.plan.local, conversion.plan.remote)
-        count("conversions")
         metrics.count(instance, metrics.PEERS_CONVERTED)
         t2 = time.perf_counter()
         staged = stage_peer(instance, meta.engine_id, rank,
