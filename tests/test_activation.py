@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from pdpatch.versions import vllm_version
+
 HERE = Path(__file__).parent
 CHILD = HERE / "activation_child.py"
 SUMMARY = "[pdpatch] pdpatch: pid="
@@ -37,7 +39,7 @@ def test_enabled_process_is_patched_and_logs_one_summary_line():
     result, err = run_child("self", enable=True)
     assert result["wrapped"] and result["installed"]
     assert summary_pids(err) == [result["pid"]]
-    assert "role=main vllm=0.33.0 ready=[" in err
+    assert f"role=main vllm={vllm_version()} ready=[" in err
 
 
 def test_unset_switch_wraps_nothing_and_logs_nothing():
@@ -148,6 +150,7 @@ real = entry.activate
 entry.activate = lambda **kw: (order.append("pdpatch"), real(**kw))
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+from pdpatch.versions import vllm_version
 print(json.dumps({{"order": order,
                    "wrapped": hasattr(base_worker.NixlBaseConnectorWorker.add_remote_agent,
                                       "__wrapped__")}}))
