@@ -47,7 +47,7 @@ from pdpatch.patches import all_patches
 from pdpatch.registry import Patch
 from pdpatch.site_sources import SourceTree, canonical, readable
 from pdpatch.versions import release_of, vllm_version
-from pdpatch.vllm_sites import NEWEST_SUPPORTED
+from pdpatch.vllm_sites import NEWEST_SUPPORTED, newer_than_verified
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "qualify"
@@ -149,7 +149,7 @@ def reference_of(patch: Patch, release: Version, against: Version | None) -> tup
         if against in patch.versions:
             return against, ""
         return None, f"not in force on {against} ({patch.versions})"
-    if not verified.newer_than_verified(patch, release):
+    if not newer_than_verified(patch.versions, release):
         why = f": {patch.why_version}" if patch.why_version else ""
         return None, f"range {patch.versions} ends before {release}{why}"
     return verified.newest_verified(patch), ""

@@ -131,7 +131,7 @@ def decide(patch: Patch, settings: config.Settings, version) -> PatchState:
     """Whether ``patch`` applies in this process, why, and at which targets.
 
     Inside its declared range it applies.  Outside it, only a release *newer* than every
-    release the patch was verified on can turn it on (:func:`pdpatch.verified.
+    release the patch was verified on can turn it on (:func:`pdpatch.vllm_sites.
     newer_than_verified`): by itself where the vLLM code at each of its sites is identical to
     its newest verified release's, or forced by ``PDPATCH_ALLOW_UNTESTED_VLLM=1``.  There it
     wraps the targets of that verified release.  An older release, or one past a range that
@@ -143,12 +143,14 @@ def decide(patch: Patch, settings: config.Settings, version) -> PatchState:
         return PatchState(patch, "skipped", "vLLM is not installed")
     if version in patch.versions:
         return _active(patch, version, why)
-    from pdpatch import verified
+    from pdpatch import vllm_sites
 
     gate = f"vLLM {version} outside {patch.versions}"
-    if not verified.newer_than_verified(patch, version):
+    if not vllm_sites.newer_than_verified(patch.versions, version):
         return PatchState(patch, "skipped",
                           gate + (f": {patch.why_version}" if patch.why_version else ""))
+    from pdpatch import verified  # reads sources: only on a release newer than verified
+
     verdict = verified.compare(patch)
     if verdict.identical:
         return _active(patch, verdict.reference,

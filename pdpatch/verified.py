@@ -7,7 +7,8 @@ site a patch rests on there (:meth:`pdpatch.registry.Patch.sites`; made by
 ``tests/test_verified_sites.py``).
 
 On a release *newer* than every release a patch was verified on -- and only there: never an older
-one, never past a range that ended because vLLM fixed the fault itself -- the patch applies by
+one, never past a range that ended because vLLM fixed the fault itself
+(:func:`pdpatch.vllm_sites.newer_than_verified`) -- the patch applies by
 itself where each of its sites, as declared for its newest verified release, is identical in the
 installed vLLM; otherwise it stays off, naming what changed.  Reading a release's sources costs
 tens of milliseconds, so the fingerprints of an installed release are kept in a cache file per
@@ -27,8 +28,6 @@ from typing import TYPE_CHECKING, NamedTuple
 from packaging.version import Version
 
 from pdpatch.site_sources import SourceTree, digest, module_file
-from pdpatch.versions import release_of
-from pdpatch.vllm_sites import SUPPORTED
 
 if TYPE_CHECKING:
     from pdpatch.registry import Patch
@@ -52,15 +51,6 @@ def newest_verified(patch: Patch, releases: dict[str, dict[str, str]] | None = N
     found = [Version(r) for r in (shipped() if releases is None else releases)
              if Version(r) in patch.versions]
     return max(found, default=None)
-
-
-def newer_than_verified(patch: Patch, version: Version) -> bool:
-    """Whether ``version`` is past the patch's range *because* pdpatch has not verified it
-    yet: the range reaches the newest release pdpatch supports and ``version`` is beyond it.
-    False for an older release and for a range that ended earlier (the fault was fixed
-    upstream, or does not exist there): such a patch never applies by fingerprint or by force."""
-    upper = patch.versions.upper()
-    return upper is not None and upper == SUPPORTED.upper() and release_of(version) >= upper
 
 
 class Verdict(NamedTuple):

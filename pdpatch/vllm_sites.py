@@ -27,6 +27,16 @@ SUPPORTED = VersionRange(">=0.19,<0.35")
 NEWEST_SUPPORTED = Version(f"{SUPPORTED.upper().major}.{SUPPORTED.upper().minor - 1}.0")
 
 
+def newer_than_verified(versions: VersionRange, version: Version) -> bool:
+    """Whether ``version`` is past a patch's range ``versions`` *because* pdpatch has not
+    verified it yet: the range reaches the newest release pdpatch supports and ``version`` is
+    beyond it.  False for an older release and for a range that ended earlier (the fault was
+    fixed upstream, or does not exist there): such a patch never applies by fingerprint or by
+    force (pdpatch.verified, PDPATCH_ALLOW_UNTESTED_VLLM)."""
+    upper = versions.upper()
+    return upper is not None and upper == SUPPORTED.upper() and release_of(version) >= upper
+
+
 def supported_from(release: str) -> VersionRange:
     """The supported releases from ``release`` on (a patch for a fault vLLM introduced later)."""
     return VersionRange(f">={release},<{SUPPORTED.upper()}")
