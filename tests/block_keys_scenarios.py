@@ -15,8 +15,8 @@ with those params and runs one ``schedule()``: we observe whether D waits for re
 a receive queued with *no* blocks: the worker's notification that frees P's blocks).
 
 Version-agnostic (names looked up per release), so the same scenarios run in process under the
-installed 0.33 and in a subprocess under an older release's source tree
-(``tests/versions_harness.py``).  Every scenario returns JSON-able observations.
+installed release (0.34.0 in the test venv) and in a subprocess under an older release's source
+tree (``tests/versions_harness.py``).  Every scenario returns JSON-able observations.
 """
 
 from __future__ import annotations
@@ -167,9 +167,10 @@ def runner_output(reqs: list[Any], token: int = 7) -> Any:
 
     ids = [r.request_id for r in reqs]
     fields = ModelRunnerOutput.__dataclass_fields__
-    kwargs: dict[str, Any] = {"req_ids": ids, "req_id_to_index": {r: i for i, r in enumerate(ids)},
-                              "sampled_token_ids": [[token] for _ in ids], "logprobs": None,
-                              "prompt_logprobs_dict": {}}
+    kwargs: dict[str, Any] = {"req_ids": ids, "sampled_token_ids": [[token] for _ in ids],
+                              "logprobs": None, "prompt_logprobs_dict": {}}
+    if "req_id_to_index" in fields:     # a required field up to 0.33; 0.34 dropped it
+        kwargs["req_id_to_index"] = {r: i for i, r in enumerate(ids)}
     if "pooler_output" in fields:
         kwargs["pooler_output"] = None
     return ModelRunnerOutput(**kwargs)

@@ -1,4 +1,5 @@
-"""Issue 4 part 2: the ``block_keys`` patch with REAL vLLM 0.33 scheduler-side objects.
+"""Issue 4 part 2: the ``block_keys`` patch with the REAL scheduler-side objects of the installed
+vLLM (0.34.0 in the test venv; older releases: ``test_block_keys_releases.py``).
 
 Every exchange (``tests/block_keys_scenarios.py``) runs vLLM's own ``Scheduler`` and NIXL
 connector scheduler half on both sides: P finishes a ``do_remote_decode`` request and its
@@ -21,11 +22,10 @@ import pytest
 pytest.importorskip("vllm")
 
 import block_keys_scenarios as sc
-from packaging.version import Version
 
 from pdpatch.patches import block_keys as bk
 
-V = Version("0.33.0")
+V = sc.version_of()                 # the installed release
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -282,8 +282,8 @@ def test_stock_p_info_line_once_per_p(patched):
 
 
 def test_engine_start_logs_its_fingerprint(patched, caplog):
-    """The EngineCore post-hook on a real 0.33 Scheduler (EngineCore itself needs a model
-    executor; the hook reads only ``request_block_hasher`` and ``scheduler``)."""
+    """The EngineCore post-hook on the installed release's real Scheduler (EngineCore itself
+    needs a model executor; the hook reads only ``request_block_hasher`` and ``scheduler``)."""
     sched = sc.scheduler(sc.BASE, "kv_consumer")
     sc.init_hashing(sc.BASE)
     hook = bk.make_engine_hook(V)
@@ -299,7 +299,7 @@ def test_engine_start_logs_its_fingerprint(patched, caplog):
     assert len(lines) == 1, caplog.text
     line = lines[0]
     for part in ("kv_role=kv_consumer", "algo=sha256", "seed=PYTHONHASHSEED",
-                 "none_hash_id=", "hash_block_size=16", "vllm=0.33.0"):
+                 "none_hash_id=", "hash_block_size=16", f"vllm={V}"):
         assert part in line, line
     # engines with different seeds log different lines: the operator's diff shows it
     os.environ["PYTHONHASHSEED"] = "1"
