@@ -2,7 +2,8 @@
 24, item 3).
 
 From the checkout root: ``.venv/bin/python -m scripts.bench_first_contact --help``; the logic:
-``lab/bench/first_contact.py``.
+``lab/bench/first_contact.py``.  ``--record`` keeps the run's raw
+result file in ``docs/bench/`` (``lab/bench/record.py``), which ``python -m lab.report`` pools.
 """
 
 import sys

@@ -14,7 +14,10 @@ pdpatch adds is counted) and pdpatch's post-import hook.  The ``-X importtime`` 
 the modules only present with pdpatch are printed too (they include importtime's own overhead).
 Left out: wrapt's finder is asked about every later import (a dict lookup, ~1 us each).
 
-    .venv/bin/python -m scripts.bench_activation [--runs 10]
+    .venv/bin/python -m scripts.bench_activation [--runs 10] [--record | --json PATH]
+
+With ``--record`` (or ``--json PATH``) every sample and the run's figures go into a raw record
+(:mod:`lab.bench.record`); ``python -m lab.report`` pools the records into ``docs/proof.md``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+
+from lab.bench import record
 
 ROOT = Path(__file__).resolve().parents[2]
 PTH = ROOT / "pdpatch" / "bootstrap" / "pdpatch_autoload.pth"
@@ -150,10 +155,13 @@ def vllm_modules(python: Path, env: dict[str, str]) -> list[str]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=10)
-    args = parser.parse_args()
+    record.add_arguments(parser)
+    args = parser.parse_args(argv)
+    rec = record.Recorder("activation", args, argv)
+    samples, derived = rec.samples, rec.derived
     with tempfile.TemporaryDirectory() as tmp:
         bare = make_venv(Path(tmp) / "bare", with_pdpatch=False)
         installed = make_venv(Path(tmp) / "installed", with_pdpatch=True)
@@ -166,11 +174,14 @@ def main() -> int:
         for _ in range(args.runs):
             for name, (python, env) in variants.items():
                 times[name].append(timed(python, env))
+        samples["import vllm (wall s, cpu s, in-child import s)"] = times
         print(f"python -c 'import vllm', median of {args.runs} interleaved runs")
         for kind, index in (("wall", 0), ("cpu", 1), ("in-child import", 2)):
             base = statistics.median(t[index] for t in times["not installed"])
-            for name, samples in times.items():
-                med = statistics.median(t[index] for t in samples)
+            for name, samples_ in times.items():
+                med = statistics.median(t[index] for t in samples_)
+                derived[f"import vllm {kind} ms: {name}"] = med * 1000
+                derived[f"import vllm {kind}: {name} / not installed"] = med / base
                 print(f"  {kind:15s} {name:22s} {med * 1000:8.1f} ms   ratio {med / base:6.3f}"
                       f"   ({(med - base) * 1000:+7.1f} ms)")
         print(f"python -c pass (the .pth in a process without vLLM), median of "
@@ -179,9 +190,11 @@ def main() -> int:
         for _ in range(3 * args.runs):
             for name, (python, env) in variants.items():
                 starts[name].append(timed(python, env, "pass")[0])
+        samples["python -c pass (wall s)"] = starts
         base = statistics.median(starts["not installed"])
-        for name, samples in starts.items():
-            med = statistics.median(samples)
+        for name, samples_ in starts.items():
+            med = statistics.median(samples_)
+            derived[f"python -c pass ms: {name}"] = med * 1000
             print(f"  wall {name:22s} {med * 1000:8.1f} ms   ({(med - base) * 1000:+7.1f} ms)")
         print("import vllm -X importtime: modules only present with pdpatch, summed self time "
               "(median of 5)")
@@ -189,18 +202,30 @@ def main() -> int:
         stock = set().union(*runs["not installed"])
         for name in ("installed, disabled", "installed, enabled"):
             added = set().union(*runs[name]) - stock
-            added_s = statistics.median(sum(t.get(m, 0.0) for m in added) for t in runs[name])
+            sums = [sum(t.get(m, 0.0) for m in added) for t in runs[name]]
+            added_s = statistics.median(sums)
+            samples[f"-X importtime, modules only present with pdpatch: {name}"] = sorted(added)
+            samples[f"-X importtime, their summed self time (s): {name}"] = sums
+            derived[f"-X importtime added modules: {name}"] = len(added)
+            derived[f"-X importtime added ms: {name}"] = added_s * 1000
             print(f"  {name:22s} {len(added):4d} modules  {added_s * 1000:7.1f} ms")
         print(f"pdpatch's hook on vllm, timed inside the child (median of {args.runs})")
-        hook = {name: statistics.median(hook_seconds(*variants[name]) for _ in range(args.runs))
-                for name in ("installed, disabled", "installed, enabled")}
+        hooks = {name: [hook_seconds(*variants[name]) for _ in range(args.runs)]
+                 for name in ("installed, disabled", "installed, enabled")}
+        samples["hook on vllm (s)"] = hooks
+        hook = {name: statistics.median(xs) for name, xs in hooks.items()}
         for name, med in hook.items():
+            derived[f"hook ms: {name}"] = med * 1000
             print(f"  {name:22s} {med * 1000:7.2f} ms")
         # `stock`: every module stock `import vllm` loads (from the importtime runs above)
         wrapt_needs = modules_after(*variants["not installed"], "import wrapt.importer")
         preload = sorted(wrapt_needs & stock)
-        lookup = statistics.median(lookup_seconds(*variants["installed, enabled"], preload)
-                                   for _ in range(args.runs))
+        lookups = [lookup_seconds(*variants["installed, enabled"], preload)
+                   for _ in range(args.runs)]
+        samples["first vllm lookup: preloaded modules"] = preload
+        samples["first vllm lookup (s)"] = lookups
+        lookup = statistics.median(lookups)
+        derived["first vllm lookup ms"] = lookup * 1000
         print(f"first vllm lookup (wrapt import + hook registration; {len(preload)} modules "
               f"stock vLLM imports anyway preloaded), timed inside the child (median of "
               f"{args.runs}): {lookup * 1000:.2f} ms")
@@ -208,12 +233,17 @@ def main() -> int:
         # and the hook (whose own imports are part of its time).
         startup = statistics.median(starts["installed, enabled"]) - base
         total = startup + lookup + hook["installed, enabled"]
+        derived["start-up ms: installed, enabled"] = startup * 1000
+        derived["enabled pdpatch adds ms"] = total * 1000
         print(f"enabled pdpatch adds to import vllm: {total * 1000:.1f} ms = start-up "
               f"{startup * 1000:.1f} + first vllm lookup {lookup * 1000:.1f} + hook "
               f"{hook['installed, enabled'] * 1000:.1f} (goal: <= 20 ms)")
         extra = sorted(set(vllm_modules(*variants["installed, enabled"]))
                        - set(vllm_modules(*variants["installed, disabled"])))
+        samples["vLLM submodules imported only because pdpatch is enabled"] = extra
+        derived["vLLM submodules imported only because pdpatch is enabled"] = len(extra)
         print(f"vLLM submodules imported only because pdpatch is enabled: {extra or 'none'}")
+    rec.finish()
     return 0
 
 

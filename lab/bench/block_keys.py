@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Block keys of a 32k-token request: pdpatch.hashing vs vLLM's own ``hash_block_tokens`` chain.
 
-    VLLM_TARGET_DEVICE=cpu .venv/bin/python -m scripts.bench_block_keys [--tokens 32768]
+    VLLM_TARGET_DEVICE=cpu .venv/bin/python -m scripts.bench_block_keys [--tokens 32768] \
+        [--record | --json PATH]
 
 For each algorithm, in the same process and the same run: vLLM's chain (``init_none_hash`` then
 ``hash_block_tokens`` per full block, exactly what ``get_request_block_hasher`` does for a plain
@@ -33,13 +34,16 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
+
+from lab.bench import record
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--block-size", type=int, default=16)
@@ -50,7 +54,9 @@ def main() -> int:
     ap.add_argument("--path-tokens", type=lambda v: [int(x) for x in v.split(",")],
                     default=[100, 1500, 4000, 16000], metavar="N,N,...",
                     help="prompt lengths of the request-path table")
-    args = ap.parse_args()
+    record.add_arguments(ap)
+    args = ap.parse_args(argv)
+    rec = record.Recorder("block_keys", args, argv)
 
     os.environ["PYTHONHASHSEED"] = args.seed  # vLLM's init_none_hash reads it at call time
     import vllm
@@ -69,6 +75,8 @@ def main() -> int:
           f"{'wall' if args.wall else 'CPU'} time; load average {os.getloadavg()[0]:.1f}")
 
     compiled, first_non_id = encoders._compiled, inputs._first_non_id
+    rec.data["compiled_encoder"] = bool(compiled)
+    rec.samples["unit"] = f"ms of {'wall' if args.wall else 'CPU'} time per call"
     print(f"pdpatch's compiled block encoder: {'present' if compiled else 'ABSENT'}; "
           "last column: pdpatch with its pure-Python encoders only, ratio vs the vLLM chain")
     print(f"{'algorithm':12} {'vLLM chain':>18} {'pdpatch':>18} {'ratio':>14}   "
@@ -120,6 +128,14 @@ def main() -> int:
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         low = {k: min(v) * 1e3 for k, v in times.items()}
         ratio = med["chain"] / med["ours"]
+        rec.samples[algo] = {k: [x * 1e3 for x in v] for k, v in times.items()}
+        rec.derived.update({f"{algo}: vLLM chain ms": med["chain"],
+                            f"{algo}: pdpatch ms": med["ours"],
+                            f"{algo}: vLLM chain / pdpatch": ratio,
+                            f"{algo}: vLLM chain / pdpatch, minima": low["chain"] / low["ours"],
+                            f"{algo}: vLLM Request / pdpatch": med["request"] / med["ours"],
+                            f"{algo}: pure Python ms": med["pure"],
+                            f"{algo}: vLLM chain / pure Python": med["chain"] / med["pure"]})
         if algo.endswith("_cbor"):
             worst_cbor = ratio if worst_cbor is None else min(worst_cbor, ratio)
         print(f"{algo:12} {med['chain']:5.2f} ({low['chain']:5.2f}) ms "
@@ -129,11 +145,14 @@ def main() -> int:
               f"{med['chain'] / med['pure']:5.2f}x")
     print(f"keys byte-identical for all algorithms; cbor algorithms (median): >= "
           f"{worst_cbor:.2f}x (goal 3x)")
-    path_table(args.path_tokens, args.repeat, clock, bs)
+    path_table(args.path_tokens, args.repeat, clock, bs, rec.samples, rec.derived)
+    rec.finish()
     return 0
 
 
-def path_table(lengths: list[int], repeat: int, clock: Callable[[], float], bs: int) -> None:
+def path_table(lengths: list[int], repeat: int, clock: Callable[[], float], bs: int,
+               samples: dict[str, Any] | None = None,
+               derived: dict[str, Any] | None = None) -> None:
     """What the ``block_keys`` patch leaves on a P/D request's path to its first token, per
     prompt length, against vLLM's own work on the same prompt: its ``Request``'s block hashes
     (sha256, computed when every request arrives, P and D alike).
@@ -190,6 +209,12 @@ def path_table(lengths: list[int], repeat: int, clock: Callable[[], float], bs: 
                 fn_()
                 times[name].append(clock() - t)
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        if samples is not None and derived is not None:
+            samples[f"path, {n} tokens"] = {k: [x * 1e3 for x in v] for k, v in times.items()}
+            derived[f"path, {n} tokens: vLLM Request ms"] = med["vllm"]
+            for key, what in (("check", "D check"), ("p", "P params"), ("chain", "key chain")):
+                derived[f"path, {n} tokens: {what} ms"] = med[key]
+                derived[f"path, {n} tokens: {what} / vLLM Request"] = med[key] / med["vllm"]
         print(f"{n:7d} {med['vllm']:9.3f} ms   {med['check']:5.3f} ms "
               f"{med['check'] / med['vllm']:5.2f}x   {med['p']:5.3f} ms "
               f"{med['p'] / med['vllm']:5.2f}x   {med['chain']:6.3f} ms "

@@ -14,6 +14,7 @@ leaves the staging agent's chunk driver thread the interpreter's 5 ms switch int
 case no vLLM engine produces); every mode's bytes are checked in the first round.
 
 Run: ``.venv/bin/python -m scripts.bench_chunked [--quick] [--capacity-mib 8] [--poll-ms 1]``
+(``--record`` / ``--json PATH``: every sample into a raw record, :mod:`lab.bench.record`)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 
 import numpy as np
 
+from lab.bench import record
 from lab.bench.descriptors import _geo, _peer
 from pdpatch.kv import PairPlan
 
@@ -49,7 +51,7 @@ def _read(agent, lh, rh, lid, rid, poll_s: float) -> float:
     return dt
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     import torch
     from nixl._api import nixl_agent, nixl_agent_config
 
@@ -62,7 +64,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--poll-ms", type=float, default=1.0,
                     help="how often the READ is polled (vLLM: once per engine step; 0: busy)")
-    args = ap.parse_args()
+    record.add_arguments(ap)
+    args = ap.parse_args(argv)
+    rec = record.Recorder("chunked", args, argv)
     capacity = int(args.capacity_mib * 2**20)
     seg = BS * HEADS * DIM * ES
     per_block = args.layers * 2 * seg
@@ -113,17 +117,25 @@ def main() -> int:
             lid, rid = pair.desc_ids(lids, rids)
             plan = pair.descs(lids, rids)
             best: dict[str, float] = {}
+            walls: dict[str, list[float]] = {name: [] for name in lists}
+            case = f"{factor:g}x staging, {pattern}"
+            rec.samples[f"{case} (wall s per READ, one per round)"] = walls
             before = staging.stats.chunks
             for rnd in range(reps):
                 for name, (agent, lh, rh) in lists.items():
                     if rnd == 0:
                         local_buf[:] = 0
                     dt = _read(agent, lh, rh, lid, rid, poll_s)
+                    walls[name].append(dt)
                     if rnd == 0:
                         _verify(plan, local_buf, local_base, remote_bytes, remote_base)
                     best[name] = min(best.get(name, float("inf")), dt)
             chunks = (staging.stats.chunks - before) // reps
             mib = plan.total_bytes / 2**20
+            rec.derived.update({
+                f"{case}: MiB": mib, f"{case}: per-segment ms": best["per-segment"] * 1e3,
+                f"{case}: staged ms": best["staged"] * 1e3, f"{case}: READs": chunks or 1,
+                f"{case}: per-segment / staged": best["per-segment"] / best["staged"]})
             print(f"  {factor:4g}x staging ({mib:6.1f} MiB, {pattern:10s}): per-segment "
                   f"{best['per-segment'] * 1e3:8.2f} ms | staged {best['staged'] * 1e3:8.2f} ms"
                   f" ({chunks or 1} READ{'s' if chunks > 1 else ''}) | ratio per-segment/staged "
@@ -135,10 +147,16 @@ def main() -> int:
     for agent, lh, rh in lists.values():
         agent.release_dlist_handle(lh)
         agent.release_dlist_handle(rh)
+    rec.derived.update({"staged READs": staging.stats.staged_reads,
+                        "chunked READs": staging.stats.chunked_reads,
+                        "chunks": staging.stats.chunks,
+                        "descriptors staged": staging.stats.descriptors_staged,
+                        "descriptors stock": staging.stats.descriptors_stock})
     staging.close()
     conn.send(("quit", None))
     conn.recv()
     proc.join(10)
+    rec.finish()
     return 0
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Benchmark pdpatch's KV descriptor planning and converted transfers (issue 6).
 
-(a) Descriptor planning, pdpatch vs stock vLLM 0.33, same run, equal-layout case:
+(a) Descriptor planning, pdpatch vs the installed stock vLLM (0.33 or 0.34), same run,
+    equal-layout case:
     * per request: vLLM's real ``NixlBaseConnectorWorker._compute_desc_ids`` (called twice, for
       the remote and the local ids, exactly as ``pull_worker._read_blocks`` does) vs
       ``PairPlan.desc_ids``; goal ratio <= 1.05.
@@ -16,23 +17,28 @@
     (converted), each with and without coalescing, for scattered blocks and runs of 16;
     GB/s and ratio against the unconverted per-segment path of the same run.  Bytes are checked.
 
-Run: ``.venv/bin/python -m scripts.bench_descriptors [--quick]``
+Run: ``.venv/bin/python -m scripts.bench_descriptors [--quick] [--record | --json PATH]``
+(``--record``: every sample into a raw record, :mod:`lab.bench.record`)
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import multiprocessing as mp
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
+from lab.bench import record
 from lab.kv_reference import coalesce, strided_pair_rows
 from pdpatch.kv import DescPlan, PairPlan, handshake_kind, infer_geometry, needs_conversion
+from pdpatch.versions import vllm_version
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -63,8 +69,10 @@ def _geo(kind, layers, blocks, bs, heads, dim, base):
     return infer_geometry(infos, kv_dim=kv_dim, label=kind)
 
 
-def _best_interleaved(fns: dict[str, Callable[[], object]], inner: int, rounds: int):
-    """Median per-call ns of each fn, measured in interleaved rounds (A B A B ...).
+def _best_interleaved(fns: dict[str, Callable[[], object]], inner: int, rounds: int,
+                      out: dict[str, list[float]] | None = None):
+    """Median per-call ns of each fn, measured in interleaved rounds (A B A B ...); ``out``
+    gets every round's per-call ns.
 
     Thread CPU time, not wall time: the CPU box is shared, and time spent preempted by other
     jobs would otherwise land on whichever function happened to be running.
@@ -79,11 +87,13 @@ def _best_interleaved(fns: dict[str, Callable[[], object]], inner: int, rounds: 
             for _ in range(inner):
                 fn()
             samples[name].append((time.thread_time_ns() - t0) / inner)
+    if out is not None:
+        out.update(samples)
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def seeded_worker(block_lens: list[int], num_regions: int):
-    """A real vLLM 0.33 ``NixlBaseConnectorWorker`` seeded with just the attributes its
+    """A real vLLM (0.33, 0.34) ``NixlBaseConnectorWorker`` seeded with just the attributes its
     descriptor builders read, as vLLM's unit tests seed ``FakeNixlConnectorWorker``."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
         NixlBaseConnectorWorker,
@@ -106,7 +116,8 @@ def seeded_worker(block_lens: list[int], num_regions: int):
     return w
 
 
-def bench_planning(quick: bool) -> None:
+def bench_planning(quick: bool, samples: dict[str, Any] | None = None,
+                   derived: dict[str, Any] | None = None) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import TPMapping
 
@@ -128,9 +139,17 @@ def bench_planning(quick: bool) -> None:
     assert not pair.converts
     assert np.array_equal(pair.remote_rows(), w._build_fa_remote(tp_plan, meta, 1))
 
+    samples = {} if samples is None else samples
+    derived = {} if derived is None else derived
+    # how the release's pull worker names the one attention group of every region: 0.33 by
+    # region group ids, 0.34 by (regions, group) pairs (_RegionPairs)
+    params = inspect.signature(w._compute_desc_ids).parameters
+    group_args = ({"pairs": (list(range(layers)), [0] * layers)} if "pairs" in params else
+                  {"region_group_ids": None, "uses_region_group_mapping": False})
     rng = np.random.default_rng(0)
     inner, rounds = (200, 5) if quick else (1000, 9)
-    print(f"(a) planning, vLLM 0.33 packed layout, {layers} layers, {blocks} blocks, "
+    samples["planning unit"] = "thread CPU ns per call, one per round"
+    print(f"(a) planning, vLLM {vllm_version()} packed layout, {layers} layers, {blocks} blocks, "
           f"thread CPU time, median of {rounds} interleaved rounds x {inner} calls")
     for n in (16, 128, 1024):
         lids = rng.choice(blocks, n, replace=False).tolist()
@@ -139,12 +158,10 @@ def bench_planning(quick: bool) -> None:
         def stock(lids=lids, rids=rids):
             r = w._compute_desc_ids(block_ids=[rids], dst_num_blocks=blocks,
                                     block_size_ratio=None, physical_blocks_per_logical=1,
-                                    region_num_blocks=None, region_group_ids=None,
-                                    uses_region_group_mapping=False)
+                                    region_num_blocks=None, **group_args)
             loc = w._compute_desc_ids(block_ids=[lids], dst_num_blocks=blocks,
                                       block_size_ratio=1, physical_blocks_per_logical=1,
-                                      region_num_blocks=None, region_group_ids=None,
-                                      uses_region_group_mapping=False)
+                                      region_num_blocks=None, **group_args)
             return loc, r
 
         def ours(lids=lids, rids=rids):
@@ -153,7 +170,11 @@ def bench_planning(quick: bool) -> None:
         s_loc, s_rem = stock()
         o_loc, o_rem = ours()
         assert np.array_equal(s_loc, o_loc) and np.array_equal(s_rem, o_rem)
-        t = _best_interleaved({"stock": stock, "pdpatch": ours}, inner, rounds)
+        got = samples[f"planning per request, {n} blocks"] = {}
+        t = _best_interleaved({"stock": stock, "pdpatch": ours}, inner, rounds, got)
+        derived[f"planning per request, {n} blocks: stock us"] = t["stock"] / 1e3
+        derived[f"planning per request, {n} blocks: pdpatch us"] = t["pdpatch"] / 1e3
+        derived[f"planning per request, {n} blocks: pdpatch / stock"] = t["pdpatch"] / t["stock"]
         print(f"    per request, {n:5d} blocks: stock _compute_desc_ids x2 "
               f"{t['stock'] / 1e3:8.2f} us | pdpatch desc_ids {t['pdpatch'] / 1e3:8.2f} us | "
               f"ratio {t['pdpatch'] / t['stock']:.3f} (goal <= 1.05)")
@@ -170,8 +191,12 @@ def bench_planning(quick: bool) -> None:
     def ours_peer():
         return PairPlan(local, remote).remote_rows()
 
+    got = samples["planning per peer"] = {}
     t = _best_interleaved({"stock": stock_peer, "pass": passthrough_peer, "pdpatch": ours_peer},
-                          inner // 5, rounds)
+                          inner // 5, rounds, got)
+    derived["planning per peer: stock us"] = t["stock"] / 1e3
+    derived["planning per peer: pass-through / stock"] = t["pass"] / t["stock"]
+    derived["planning per peer: PairPlan / stock"] = t["pdpatch"] / t["stock"]
     print(f"    per peer (handshake): stock _build_fa_remote {t['stock'] / 1e3:8.2f} us | "
           f"patched pass-through {t['pass'] / 1e3:8.2f} us (ratio {t['pass'] / t['stock']:.3f},"
           f" goal <= 1.05) | full pdpatch PairPlan+remote_rows {t['pdpatch'] / 1e3:8.2f} us "
@@ -185,17 +210,22 @@ def bench_planning(quick: bool) -> None:
     for _ in range(20):
         tab = conv.remote_table()
     t_tab = (time.perf_counter() - t0) / 20
+    derived["converted per peer: remote_table ms"] = t_tab * 1e3
     print(f"    converted split->fused, per peer: PairPlan.remote_table() "
           f"({tab.shape[0]} descs) {t_tab * 1e3:.2f} ms")
     for n in (128, 1024):
         start = int(rng.integers(0, blocks - n))
         lids = np.arange(start, start + n)
         rids = rng.choice(blocks, n, replace=False)
+        got = samples[f"converted per request, {n} blocks"] = {}
         t = _best_interleaved({
             "ids": lambda lids=lids, rids=rids: conv.desc_ids(lids, rids),
             "descs": lambda lids=lids, rids=rids: conv.descs(lids, rids),
             "coalesced": lambda lids=lids, rids=rids: coalesce(conv.descs(lids, rids)),
-        }, max(inner // 10, 10), rounds)
+        }, max(inner // 10, 10), rounds, got)
+        for key, what in (("ids", "desc_ids"), ("descs", "address plan"),
+                          ("coalesced", "address plan + coalesce")):
+            derived[f"converted per request, {n} blocks: {what} us"] = t[key] / 1e3
         print(f"    converted split->fused, per request {n:5d} blocks: desc_ids "
               f"{t['ids'] / 1e3:8.2f} us | address plan {t['descs'] / 1e3:8.2f} us | "
               f"+coalesce {t['coalesced'] / 1e3:8.2f} us")
@@ -221,7 +251,8 @@ def _peer(conn, nbytes: int, seed: int) -> None:
             return
 
 
-def bench_transfers(quick: bool) -> None:
+def bench_transfers(quick: bool, samples: dict[str, Any] | None = None,
+                    derived: dict[str, Any] | None = None) -> None:
     from nixl._api import nixl_agent, nixl_agent_config
 
     layers, blocks, bs, heads, dim = 4, 2048, 16, 8, 32  # 8 KiB K + 8 KiB V per block
@@ -277,6 +308,8 @@ def bench_transfers(quick: bool) -> None:
             if not np.array_equal(local_buf[lo:lo + n], remote_bytes[ro:ro + n]):
                 raise AssertionError("transferred bytes differ")
 
+    samples = {} if samples is None else samples
+    derived = {} if derived is None else derived
     rng = np.random.default_rng(7)
     n_req = 512
     reps = 5 if quick else 11
@@ -305,11 +338,14 @@ def bench_transfers(quick: bool) -> None:
                 cases[(label, mode)] = (p, *prep(p, strided))
         best = dict.fromkeys(cases, float("inf"))
         counts = {}
+        walls: dict[str, list[float]] = {f"{label} {mode}": [] for label, mode in cases}
+        samples[f"transfers, {pname} (wall s per READ, one per round)"] = walls
         for rnd in range(reps):
             for key, (p, lh, rh, _rows) in cases.items():
                 if rnd == 0:
                     local_buf[:] = 0
                 dt, counts[key] = once(lh, rh, len(p))
+                walls[f"{key[0]} {key[1]}"].append(dt)
                 if rnd == 0:
                     verify(p)
                 best[key] = min(best[key], dt)
@@ -319,6 +355,10 @@ def bench_transfers(quick: bool) -> None:
         for key, (p, lh, rh, rows) in cases.items():
             gbs = p.total_bytes / best[key]
             label, mode = key
+            derived[f"transfers, {pname}: {label} {mode} GB/s"] = gbs / 1e9
+            derived[f"transfers, {pname}: {label} {mode} / unconverted per-segment"] = gbs / base
+            derived[f"transfers, {pname}: {label} {mode} rows"] = rows
+            derived[f"transfers, {pname}: {label} {mode} NIXL descCount"] = counts[key]
             print(f"    {label} {mode:12s}: {gbs / 1e9:6.2f} GB/s  ({rows:5d} rows/descs, NIXL "
                   f"descCount {counts[key]:5d})  ratio {gbs / base:.2f}")
             agent.release_dlist_handle(lh)
@@ -328,15 +368,18 @@ def bench_transfers(quick: bool) -> None:
     proc.join(10)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--only", choices=["planning", "transfers"])
-    args = ap.parse_args()
+    record.add_arguments(ap)
+    args = ap.parse_args(argv)
+    rec = record.Recorder("descriptors", args, argv)
     if args.only != "transfers":
-        bench_planning(args.quick)
+        bench_planning(args.quick, rec.samples, rec.derived)
     if args.only != "planning":
-        bench_transfers(args.quick)
+        bench_transfers(args.quick, rec.samples, rec.derived)
+    rec.finish()
     return 0
 
 

@@ -35,6 +35,7 @@ trees (``tests/versions_harness.py``).  Each measurement builds a fresh pair (fi
 happens once per worker), stock and pdpatch alternating, best of ``--rounds``.
 
 Run: ``.venv/bin/python -m scripts.bench_first_contact [--release 0.25.1 --release 0.22.1]``
+(``--record`` / ``--json PATH``: every round into a raw record, :mod:`lab.bench.record`)
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import sys
 import time
@@ -51,6 +51,8 @@ from pathlib import Path
 from typing import Any
 from unittest.mock import patch
 
+from lab import cpu_platform
+from lab.bench import record
 from pdpatch.versions import release_of, vllm_version
 
 REPO = Path(__file__).resolve().parents[2]
@@ -307,7 +309,7 @@ def measure(scenario: str, layers: int, blocks: int, rounds: int,
     best = {k: min(v, key=lambda r: r["add_remote_agent"] + r["first READ"])
             for k, v in runs.items()}
     out = {"release": str(rw.version_of()), "scenario": scenario, "layers": layers,
-           "blocks": blocks, **best}
+           "blocks": blocks, **best, "rounds": runs}
     if profile:
         import io
         import pstats
@@ -373,12 +375,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also cProfile one pdpatch first contact; print its top N functions")
-    ap.add_argument("--json", type=Path, help="also write the results here")
+    record.add_arguments(ap)
     args = ap.parse_args(argv)
     from packaging.version import Version
 
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    results = []
+    cpu_platform.apply(os.environ, INSTALLED)   # the installed release's unit code on this CPU
+    rec = record.Recorder("first_contact", args, argv)
+    results = rec.samples["results"] = []
     for release in args.release or [INSTALLED]:
         scenarios = args.scenario or (["coalesce", "converted"]
                                       if Version(release) < Version("0.23") else ["coalesce"])
@@ -388,9 +392,29 @@ def main(argv: list[str] | None = None) -> int:
                                   args.rounds, args.profile)
                 report(res)
                 results.append(res)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+                rec.derived.update(derived(res))
+    rec.finish()
     return 0
+
+
+def derived(res: dict[str, Any]) -> dict[str, float]:
+    """The figures :func:`report` prints of one result, named by its release, scenario and
+    layers."""
+    stock, ours = res["stock"], res["pdpatch"]
+    s_total = stock["add_remote_agent"] + stock["first READ"]
+    o_total = ours["add_remote_agent"] + ours["first READ"]
+    phases = ours["phases"]
+    vllm_add = ours["add_remote_agent"] - phases.get("planning", 0) - \
+        phases.get("staging setup", 0)
+    case = f"{res['release']} {res['scenario']}, {res['layers']} layers"
+    out = {f"{case}: stock ms": s_total, f"{case}: pdpatch ms": o_total,
+           f"{case}: pdpatch / stock": o_total / s_total,
+           f"{case}: pdpatch's phases ms": sum(phases.values()),
+           f"{case}: pdpatch's phases / vLLM's add_remote_agent":
+               sum(phases.values()) / max(vllm_add, 1e-9),
+           f"{case}: READ staged": float(ours["staged"])}
+    out.update({f"{case}: {k} ms": v for k, v in phases.items()})
+    return out
 
 
 if __name__ == "__main__":

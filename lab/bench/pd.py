@@ -13,6 +13,8 @@ decode throughput (tokens after the first / their streaming time), and D's NIXL 
 (throughput), so > 1.00 always means "pdpatch is slower".  Goal: <= 1.02.
 
 Usage: ``.venv/bin/python -m scripts.bench_pd [--reps 8] [--max-tokens 48]``
+(``--record`` / ``--json PATH``: every request's times into a raw record,
+:mod:`lab.bench.record`)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from lab.bench import record
 from lab.paired import median_ci, verdict
 from lab.rig import proxy
 from lab.rig.engine_env import runtime_versions
@@ -56,13 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="100,500,1000", help="prompt lengths (tokens)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--log-dir", type=Path)
+    record.add_arguments(ap)
     args = ap.parse_args(argv)
+    rec = record.Recorder("pd", args, argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdpatch-bench-"))
     vocab = tiny_config()["vocab_size"]
     rng = random.Random(7)
 
     print(f"engines: {runtime_versions().describe()}; model {model_dir()}; logs {log_dir}")
+    rec.data["engines"] = runtime_versions().describe()
     specs = [
         EngineSpec("P-off", "kv_producer", pdpatch=False),
         EngineSpec("D-off", "kv_consumer", pdpatch=False),
@@ -129,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted; all engine processes stopped", file=sys.stderr)
         return 130
 
+    rec.samples.update({"TTFT s": ttft, "decode tok/s": tput, "NIXL xfer s": xfer,
+                        "TTFT s per size": {f"{side} {n}": v for (side, n), v in
+                                            per_size.items()},
+                        "paired TTFT on/off": pair_ttft, "paired decode tok/s off/on": pair_tput,
+                        "outputs compared": compared, "outputs differing": mismatches})
     n_req = len(ttft["on"])
     print(f"\n{n_req} measured P/D requests per side, {args.max_tokens} tokens each, "
           f"prompt sizes {sizes}; bench {bench_s:.0f}s\n")
@@ -144,14 +155,23 @@ def main(argv: list[str] | None = None) -> int:
     for name, off, on, lower_is_better in rows:
         ratio = on / off if lower_is_better else off / on
         print(f"{name:<28}{off:>14.2f}{on:>14.2f}{ratio:>8.3f}x")
+        rec.derived[f"{name.strip()}: off"] = off
+        rec.derived[f"{name.strip()}: on"] = on
+        rec.derived[f"{name.strip()}: ratio"] = ratio
     print(f"\noutputs on vs off identical: {compared - mismatches}/{compared}")
     print("\npaired ratios (same prompt back to back): median, 95% bootstrap CI of the median")
     for name, xs in (("TTFT on/off", pair_ttft), ("decode tok/s off/on", pair_tput)):
         lo, hi = median_ci(xs)
+        rec.derived.update({f"paired {name}": med(xs), f"paired {name}: CI low": lo,
+                            f"paired {name}: CI high": hi})
         print(f"  {name:<22}{med(xs):7.3f}x  [{lo:.3f} .. {hi:.3f}]")
     worst_med, said = verdict({"ttft": pair_ttft, "tput": pair_tput}, GOAL)
     print(f"RATIO (pdpatch on vs off, worst of paired TTFT and decode throughput): "
           f"{worst_med:.3f}x -- {said}")
+    rec.derived.update({"worst paired ratio": worst_med,
+                        "outputs identical": compared - mismatches, "outputs compared": compared})
+    rec.data["verdict"] = said
+    rec.finish()
     return 0 if mismatches == 0 else 1
 
 
