@@ -36,6 +36,8 @@ VARS: dict[str, str] = {
                         "into it (python -m lab.wrapper_clock DIR --steps)",
     "PDLAB_STEP_CLOCK_TARGETS": "with PDLAB_STEP_CLOCK: module:qualname,... to time instead of "
                                 "vLLM's step, schedule and update_from_output",
+    "PDLAB_PEER_CENSUS": "a directory: every rig engine's NIXL workers write what they hold of "
+                         "their prefill peers into it (lab/rig/peer_census; docs/peers.md)",
     "PDLAB_GATE_STATUS": "a file: the upstream gate's pytest run records there which patches "
                          "pdpatch had in force (set by lab/upstream/suites.py)",
     "PDLAB_GATE_PRETEND_VLLM": "a release: in the upstream gate's pytest run pdpatch reads it as "

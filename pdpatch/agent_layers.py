@@ -4,13 +4,17 @@ stack, in one place.
 vLLM's NIXL worker reaches its agent only through ``worker.nixl_wrapper``, so a feature that
 must see some of those calls stands a proxy there: a :class:`Layer`
 (:class:`pdpatch.agent_proxy.AgentProxy`), which handles the calls it defines and passes
-everything else to the agent below it.  Three do, always stacked in this
+everything else to the agent below it.  Four do, always stacked in this
 order, outermost first, whichever went on first (:data:`ORDER`):
 
 * ``notif_fix`` -- ``mla_notif``: rewrites one notification, for one ``_read_blocks_for_req``
   call (0.19/0.20, MLA workers);
 * ``substitution`` -- ``kv_segments``: replaces a converted peer's remote descriptor list, for
   one ``add_remote_agent`` call (0.19/0.20);
+* ``peer_watch`` -- ``peer_restart``: maps prepared remote lists and transfers to their remote
+  agent and notes the agents NIXL reports disconnected, from a decode worker's first
+  ``start_load_kv`` for its life (above ``staging``, whose own calls go to the agent it was
+  given: a staged READ's failure reaches vLLM, and this layer, as a failed READ);
 * ``staging`` -- ``kv_segments``: stages a converted peer's READs, from ``register_kv_caches``
   for the worker's life (:class:`pdpatch.kv.staging.StagingAgent`).
 
@@ -30,7 +34,7 @@ from typing import Any, TypeVar
 
 from pdpatch.agent_proxy import AgentProxy as Layer
 
-ORDER = ("notif_fix", "substitution", "staging")
+ORDER = ("notif_fix", "substitution", "peer_watch", "staging")
 """Layer kinds, outermost first."""
 
 L = TypeVar("L", bound="Layer")

@@ -290,5 +290,10 @@ KV_COALESCE = Setting(
 
 GLOBAL_SETTINGS: tuple[Setting, ...] = (ENABLE, DISABLE, TOGGLE, STRICT, ALLOW_UNTESTED,
                                         LOG_LEVEL)
+PEER_DEADLINE_S = Setting(
+    "PDPATCH_PEER_DEADLINE_S", "int", "60",
+    "a decode request whose READ from a prefill engine, or whose wait for its handshake, lasts "
+    "longer than this is failed (READs released) instead of waiting on a stalled peer; 0: no "
+    "deadline, as vLLM", unit="s", minimum=0, maximum=86400, patch="peer_restart")
 PATCH_OPTIONS: tuple[Setting, ...] = (LAYOUT_FORCE, LAYOUT_PERMUTE, BLOCK_KEYS_ON_MISMATCH,
-                                      KV_STAGING_MIB, KV_GAP_KIB, KV_COALESCE)
+                                      KV_STAGING_MIB, KV_GAP_KIB, KV_COALESCE, PEER_DEADLINE_S)

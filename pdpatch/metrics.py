@@ -54,6 +54,7 @@ STAGED_READS = "staged_reads"
 STAGED_READ_BYTES = "staged_read_bytes"
 REFUSALS = "refusals"
 FAILURES_CONTAINED = "failures_contained"
+PEER_EVENTS = "peer_events"
 
 # kv_requests outcomes and causes
 PULLED = ("pulled", "")
@@ -82,6 +83,13 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
     Metric(FAILURES_CONTAINED, ("patch",), (("read_guard",),),
            "Exceptions on the NIXL read path that failed one request instead of the worker, "
            "by patch."),
+    Metric(PEER_EVENTS, ("event",),
+           tuple((e,) for e in ("disconnected", "new_incarnation", "replaced", "forgotten",
+                                "stale_params", "deadline")),
+           "Prefill engines a decode worker stopped reading from (disconnected, a new "
+           "incarnation, replaced at its address) and forgot, requests whose params name a "
+           "retired incarnation, requests failed past the peer deadline (pdpatch "
+           "peer_restart)."),
 )}
 
 NAME = "metrics"        # the patch that carries these counts: pdpatch.patches.metrics

@@ -950,3 +950,68 @@ LOAD_ENDED_CALLER = (
           "Scheduler._try_promote_blocked_waiting_request"),
     _site(">=0.31", "vllm.v1.core.sched.scheduler", "Scheduler._handle_blocked_waiting_request"),
 )
+
+
+# --------------------------------------------------- peers that come and go (peer_restart)
+# P's scheduler half receives its workers' handshake payloads (`NixlHandshakePayload`: the
+# compatibility hash and the encoded `NixlAgentMetadata`, whose `agent_metadata` is NIXL's own
+# serialized agent -- named `str(uuid.uuid4())` at every worker start, in every release: a
+# restarted P always has new bytes there, whatever engine id it keeps) and serves them on its
+# side channel: `set_xfer_handshake_metadata({rank: payload})`, keys `tp_rank` up to 0.25,
+# `(pp_rank, tp_rank)` from 0.26 (0.19 nixl_connector.py L649-660; 0.25.1 base_scheduler.py
+# L246-257; 0.26.0 L248-259; 0.34.0 L296-316).  D loads those very bytes in `add_remote_agent`.
+SET_HANDSHAKE_METADATA = _per_scheduler("set_xfer_handshake_metadata", "base_scheduler",
+                                        "NixlBaseConnectorScheduler")
+# D's per-remote-engine teardown (0.24+): releases the engine's remote descriptor lists and
+# agents, pops every per-engine table, unregisters it from the transfer topology.  Asserts the
+# engine is held; 0.24-0.25 `del` each table (0.24.0 base_worker.py L2342-2364), 0.26+ pop.
+CLEANUP_REMOTE_ENGINE = (
+    _site(">=0.24", f"{NIXL_PKG}.base_worker", "NixlBaseConnectorWorker._cleanup_remote_engine"),
+)
+CLEANUP_REMOTE_ENGINE_FROM = Version("0.24")
+# 0.31+ forget an engine when another engine id answers at its side-channel address
+# (`_track_remote_engine_replacement`, then `_cleanup_replaced_remote_engines` (0.31) /
+# `_cleanup_remote_engines` (0.32+) each step, once none of its requests is queued).
+ADDRESS_REPLACEMENT = (
+    _site(">=0.31", f"{NIXL_PKG}.base_worker",
+          "NixlBaseConnectorWorker._track_remote_engine_replacement"),
+)
+ADDRESS_REPLACEMENT_FROM = Version("0.31")
+# Where a release starts a handshake for a request of an engine it does not hold: `start_load_kv`
+# up to 0.31 (0.19 nixl_connector.py L2472), `_read_blocks_for_req` from 0.32 (0.33.0
+# pull_worker.py L152); both through `_background_nixl_handshake(req_id, engine_id, meta)`,
+# which puts the request in `_ready_requests` once the handshake is done (0.19 L1482-1531).
+HANDSHAKE_IN_READ_FROM = Version("0.32")
+# The per-remote-engine tables of releases without `_cleanup_remote_engine` (0.19-0.23), and
+# the topology's own (`kv_topo` 0.19: `_tp_size`/`_block_size` of the worker, shared; 0.20-0.22
+# `transfer_topo._engines[engine_id]`, 0.23+ `[(engine_id, pp_rank)]`): a re-handshake under
+# the same engine id reuses whatever stays there (first-wins: 0.19 L1895-1915, 0.22.1
+# utils.py L467-468), so a forgotten engine's entries must all go.
+PER_ENGINE_TABLES = ("kv_caches_base_addr", "dst_num_blocks", "_tp_size", "_block_size",
+                     "_physical_blocks_per_logical", "tp_mappings", "draft_tp_mappings",
+                     "_engine_last_active", "_engine_clock_offset", "dst_region_num_blocks",
+                     "dst_region_group_ids", "dst_region_mem_types", "_dst_pairs")
+
+
+def remote_rank_key(key: Any) -> str:
+    """A remote rank as ``"pp:tp"``: D's ``_remote_agents[engine]`` keys (``tp`` up to 0.25,
+    ``(pp, tp)`` from 0.26) and P's handshake-metadata keys alike."""
+    if isinstance(key, tuple) and len(key) == 2:
+        return f"{int(key[0])}:{int(key[1])}"
+    return f"0:{int(key)}"
+
+
+def fail_unread(worker: Any, req_id: str, version: Version) -> None:
+    """Fail a request whose READ was never posted, as the release fails a request it declines
+    before reading (0.26+: an expired readback; its transport-failure counter untouched where
+    it has the flag, 0.31+); raises :class:`FailureNotRecordable` where it cannot (HMA before
+    0.30)."""
+    style = recv_failure_style(version)
+    if style == "deferred":
+        if release_of(version) < FAILED_TRANSFER_FLAG_FROM:
+            worker._handle_failed_transfer(req_id, None, worker._recv_failures)
+        else:
+            worker._handle_failed_transfer(req_id, None, worker._recv_failures,
+                                           record_failed_transfer=False)
+        return
+    record_recv_failure(worker, req_id, version)

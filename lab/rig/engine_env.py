@@ -229,6 +229,11 @@ WRAPPER_CLOCK = Path(__file__).resolve().parent / "wrapper_clock"
 when ``PDLAB_WRAPPER_CLOCK`` names a directory for its records."""
 
 
+PEER_CENSUS = Path(__file__).resolve().parent / "peer_census"
+"""A ``sitecustomize`` that writes what a decode worker holds of its prefill peers (see its
+docstring), on the engines' path when ``PDLAB_PEER_CENSUS`` names a directory for its records."""
+
+
 def engine_env(
     *,
     pdpatch: bool,
@@ -253,7 +258,9 @@ def engine_env(
     old_pp = env.get("PYTHONPATH")
     clock = str(WRAPPER_CLOCK) \
         if env.get("PDLAB_WRAPPER_CLOCK") or env.get("PDLAB_STEP_CLOCK") else None
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), old_pp, clock, str(CPU_RUNNER),
+    census = str(PEER_CENSUS) if env.get("PDLAB_PEER_CENSUS") else None
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), old_pp, clock, census,
+                                                      str(CPU_RUNNER),
                                                       str(AMX_PERMISSION), str(QUIET_NIXL)]))
     # The test process sets it empty so that vLLM 0.34's unit code sees a Triton (the lenient
     # branch of vllm.triton_utils); an engine must see none, and run the CPU runner above,

@@ -166,6 +166,8 @@ class EngineSpec:
     ``extra_args`` is appended to the command line, e.g. ``("--kv-cache-dtype", "fp8")`` for an
     incompatible pair.
     ``kv_lease_s`` is the engine's ``kv_lease_duration`` (see :data:`RIG_KV_LEASE_S`).
+    ``engine_id`` pins ``kv_transfer_config.engine_id``, which a restarted engine then keeps
+    (deployments that set it); None leaves vLLM's default, a new uuid at every start.
     """
 
     name: str
@@ -176,6 +178,7 @@ class EngineSpec:
     extra_env: Mapping[str, str | None] = field(default_factory=dict)   # None: unset
     max_model_len: int = 2048
     kv_lease_s: int = RIG_KV_LEASE_S
+    engine_id: str | None = None     # kv_transfer_config.engine_id (None: vLLM's uuid per start)
 
 
 class Engine:
@@ -212,11 +215,13 @@ class Engine:
                 "kv_buffer_device": "cpu",
                 "kv_connector_extra_config": {"kv_lease_duration": self.spec.kv_lease_s},
             }
+            if self.spec.engine_id is not None:
+                kv_cfg["engine_id"] = self.spec.engine_id
             cmd += ["--kv-transfer-config", json.dumps(kv_cfg)]
         cmd += list(self.spec.extra_args)
         return cmd
 
-    def start(self) -> None:
+    def start(self, *, append_log: bool = False) -> None:
         env = engine_env(
             pdpatch=self.spec.pdpatch,
             side_channel_port=self.side_channel_port,
@@ -226,7 +231,7 @@ class Engine:
             if env.get(clock):
                 env[clock] = os.path.join(env[clock], self.spec.name)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log_fh = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log_fh = open(self.log_path, "ab" if append_log else "wb")  # noqa: SIM115
         self._log_fh.write(f"$ {' '.join(self.command())}\n".encode())
         self._log_fh.flush()
         self.started_at = time.monotonic()
@@ -313,12 +318,69 @@ class Engine:
         """SIGTERM the whole process group, SIGKILL it after ``grace_s``.  Idempotent."""
         stop_all([self], grace_s)
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (a crash: nothing of it says goodbye)."""
+        stop_all([self], grace_s=0.0, first=signal.SIGKILL)
 
-def stop_all(engines: Sequence[Engine], grace_s: float = 15.0) -> None:
-    """Stop engines in parallel: SIGTERM every group, one shared grace period, then SIGKILL
-    every group (also sweeping children whose API server already exited), then reap."""
+    def restart(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> float:
+        """Start the engine again on the same HTTP and side-channel ports (after :meth:`kill`
+        or :meth:`stop`), its log appended to; wait until healthy.  Returns the seconds that
+        took.  A spec with ``engine_id`` comes back under the same engine id."""
+        if self.alive():
+            self.kill()
+        self.stopped = False
+        self.ready_after_s = None
+        self.start(append_log=True)
+        return self.wait_healthy(timeout_s)
+
+    def wait_healthy(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> float:
+        """Wait until ``/health`` answers; :class:`EngineStartError` with the log tail when the
+        engine exits first or the time runs out."""
+        deadline = self.started_at + timeout_s
+        while not self.healthy():
+            if not self.alive():
+                raise EngineStartError(f"engine {self.spec.name} exited (rc="
+                                       f"{self.proc and self.proc.returncode}) during start; "
+                                       f"log {self.log_path}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"engine {self.spec.name} not healthy after "
+                                       f"{timeout_s:.0f}s; log {self.log_path}:\n"
+                                       f"{self.log_tail()}")
+            time.sleep(0.5)
+        self.ready_after_s = time.monotonic() - self.started_at
+        return self.ready_after_s
+
+    def pause(self) -> None:
+        """SIGSTOP the whole process group (a stalled or partitioned engine)."""
+        self._signal_group(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT the whole process group."""
+        self._signal_group(signal.SIGCONT)
+
+    def pids(self) -> list[int]:
+        """The live processes of the engine's group (API server, engine core, workers)."""
+        if self.proc is None or self.stopped:
+            return []
+        out = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    stat = (entry / "stat").read_text()
+                    if int(stat.rsplit(")", 1)[1].split()[2]) == self.proc.pid:
+                        out.append(int(entry.name))
+        return sorted(out)
+
+
+def stop_all(engines: Sequence[Engine], grace_s: float = 15.0,
+             first: int = signal.SIGTERM) -> None:
+    """Stop engines in parallel: ``first`` (SIGTERM) to every group, one shared grace period,
+    then SIGKILL every group (also sweeping children whose API server already exited), then
+    reap."""
     for e in engines:
-        e._signal_group(signal.SIGTERM)
+        e._signal_group(first)
+        if first != signal.SIGKILL:
+            e._signal_group(signal.SIGCONT)     # a paused engine cannot act on SIGTERM
     deadline = time.monotonic() + grace_s
     for e in engines:
         if e.proc is not None:

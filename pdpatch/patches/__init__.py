@@ -24,6 +24,7 @@ def all_patches() -> list[Patch]:
         params_check,
         params_guard,
         peer_check,
+        peer_restart,
         read_guard,
         readback_guard,
         side_channel_listen,
@@ -32,9 +33,11 @@ def all_patches() -> list[Patch]:
     )
 
     # block_ids_bound and lease_guard before read_guard: read_guard wraps them (an error of
-    # their checks is contained).
-    return [block_ids_bound.PATCH, lease_guard.PATCH, read_guard.PATCH, layout.PATCH,
-            num_blocks.PATCH, mla_notif.PATCH, division_checks.PATCH, spec_classify.PATCH,
+    # their checks is contained).  peer_restart first: its read-path wrapper is innermost (the
+    # others' refusals come first; read_guard contains an error of its bookkeeping).
+    return [peer_restart.PATCH, block_ids_bound.PATCH, lease_guard.PATCH, read_guard.PATCH,
+            layout.PATCH, num_blocks.PATCH, mla_notif.PATCH, division_checks.PATCH,
+            spec_classify.PATCH,
             handshake_failure_guard.PATCH, kv_segments.PATCH, block_keys.PATCH, params_check.PATCH,
             transport_check.PATCH, peer_check.PATCH, side_channel_listen.PATCH, params_guard.PATCH,
             readback_guard.PATCH, metrics.PATCH]
