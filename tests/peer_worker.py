@@ -277,16 +277,18 @@ def scenario_stall() -> dict[str, Any]:
 
 
 def scenario_geometry() -> dict[str, Any]:
-    """P comes back under the same engine id with another KV geometry (twice the blocks' bytes:
-    another head count), which the release's handshake validation refuses: no READ may use the
-    old incarnation's geometry, nor the new one's."""
+    """P comes back under the same engine id with another KV layout (token-major where the
+    decode worker is head-major), which the release's own handshake validation refuses: no
+    READ may use the old incarnation's geometry, nor the new one's."""
+    from pdpatch import vllm_sites
+
     _P[:] = [producer()]
     d = decode_worker()
     _start(d, "P1-0")
     r1 = serve(d, "r1", ENGINE, (1, 2), tokens_of("P1-0"))
     agent_of(d).dead.add("P1-0")
-    meta = incarnation("P2-0")[0]
-    errors = _start(d, "P2-0", block_lens=[2 * n for n in meta.block_lens])
+    token_major, _ = vllm_sites.layout_names(rw.version_of())
+    errors = _start(d, "P2-0", kv_cache_layout=token_major)
     with rw.pdpatch_warnings() as warnings:
         r2 = serve(d, "r2", ENGINE, (3, 4), tokens_of("P2-0"))
         r3 = serve(d, "r3", ENGINE, (5, 6), tokens_of("P2-0"))

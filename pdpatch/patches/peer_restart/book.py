@@ -98,6 +98,9 @@ class PeerBook:
     doomed: set[str] = field(default_factory=set)                 # reqs failed, never to read
     forgotten: int = 0
     active: bool | None = None                                    # decided at first use
+    # the engine whose handshake this thread is adding (so the agent layer can name the
+    # agents NIXL loads for it, those of a handshake refused half-way included)
+    adding: threading.local = field(default_factory=threading.local, repr=False)
 
     def retire(self, engine: str, tokens: Any) -> None:
         ring = self.retired.setdefault(engine, deque(maxlen=RETIRED_PER_ENGINE))

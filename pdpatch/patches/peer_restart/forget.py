@@ -121,3 +121,19 @@ def fail(worker: Any, req_id: str, version: Version) -> None:
     if req_id in getattr(worker, "_recving_metadata", {}):
         getattr(worker, "_recving_transfers", {}).pop(req_id, None)
         vllm_sites.fail_unread(worker, req_id, version)
+
+
+def forget_orphan(worker: Any, engine: str, names: set, version: Version) -> None:
+    """Drop what a failed handshake with ``engine`` left: the agents NIXL loaded for it, its
+    prepared lists and its entries in the per-engine tables (the engine is not held)."""
+    for handle in (worker.dst_xfer_side_handles.pop(engine, None) or {}).values():
+        worker.nixl_wrapper.release_dlist_handle(handle)
+    for name in names:
+        try:
+            # the release may have removed it itself (0.31+: another id at its address)
+            if worker.nixl_wrapper.check_remote_metadata(name):
+                worker.nixl_wrapper.remove_remote_agent(name)
+        except Exception as exc:
+            logger.debug("pdpatch: orphan agent %r of engine %s: %s [peer_restart]", name,
+                         engine, exc)
+    _purge(worker, engine, version)

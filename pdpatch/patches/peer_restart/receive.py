@@ -55,7 +55,10 @@ def book_of(worker: Any, version: Version) -> PeerBook | None:
             vllm_sites.failure_recordable(worker, version)
     except Exception:
         active = False
-    book = object_state(NAME, worker)
+    try:
+        book = object_state(NAME, worker)
+    except (AttributeError, TypeError):     # an object that cannot carry pdpatch's record
+        return None
     book.active = active
     if active and agent_layers.find(worker, PeerWatch) is None:
         agent_layers.push(worker, PeerWatch, book)
@@ -145,6 +148,26 @@ def settle(worker: Any, book: PeerBook, version: Version) -> None:
         for req, meta in pending.deferred:
             if req in getattr(worker, "_recving_metadata", {}) and req not in book.doomed:
                 worker._read_blocks_for_req(req, meta)
+
+
+def sweep_orphans(worker: Any, book: PeerBook, version: Version) -> None:
+    """An engine whose handshake failed after NIXL loaded its agent (the release's validation
+    refused it, a rank did not answer) is neither held nor pending, yet the release keeps that
+    agent and the tables it filled before refusing (the topology's entry among them, which a
+    later handshake under the same id would reuse: first-wins).  Drop them."""
+    futures = getattr(worker, "_handshake_futures", {})
+    with book.lock:
+        engines = [e for e in book.loaded if e not in book.pending]
+    for engine in engines:
+        with worker._handshake_lock:        # the handshake's callback holds it to record one
+            if F.held(worker, engine) or engine in futures:
+                continue
+        with book.lock:
+            names = book.loaded.pop(engine, set())
+            for name in names:
+                book.token_of.pop(name, None)
+                book.dead.discard(name)
+        F.forget_orphan(worker, engine, names, version)
 
 
 def _dead_engines(worker: Any, book: PeerBook) -> list[str]:
@@ -310,6 +333,7 @@ def make_step_hook(version: Version) -> Any:
                 supersede(instance, book, engine, "disconnected", version)
             _sweep_deadline(instance, book, version)
             settle(instance, book, version)
+            sweep_orphans(instance, book, version)
             _trim(instance, book)
         except Exception as exc:        # never fail the step over pdpatch's bookkeeping
             logger.warning("pdpatch: peer bookkeeping failed (%s: %s) [peer_restart]",
@@ -345,14 +369,18 @@ def make_load_hook(version: Version) -> Any:
 def note_agent(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """D's handshake thread: the token of every agent it loads (the digest of the very bytes
     NIXL loads), and the agents loaded per engine."""
-    name = wrapped(*args, **kwargs)
     book = attached.peek(instance, NAME)
-    if book is None or not book.active or not isinstance(name, (str, bytes)):
-        return name
     meta = arg(args, kwargs, 0, "nixl_agent_meta", None)
-    raw = getattr(meta, "agent_metadata", None)
     engine = getattr(meta, "engine_id", None)
-    if isinstance(raw, (bytes, bytearray)) and isinstance(engine, str):
+    if book is None or not book.active or not isinstance(engine, str):
+        return wrapped(*args, **kwargs)
+    book.adding.engine = engine
+    try:
+        name = wrapped(*args, **kwargs)
+    finally:
+        book.adding.engine = None
+    raw = getattr(meta, "agent_metadata", None)
+    if isinstance(raw, (bytes, bytearray)) and isinstance(name, (str, bytes)):
         from pdpatch.patches.peer_restart.book import token
 
         with book.lock:

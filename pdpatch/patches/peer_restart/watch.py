@@ -141,6 +141,14 @@ class PeerWatch(AgentProxy):
             pass
         return result
 
+    def add_remote_agent(self, metadata: Any, *args: Any, **kwargs: Any) -> Any:
+        name = self._agent.add_remote_agent(metadata, *args, **kwargs)
+        engine = getattr(self._book.adding, "engine", None)
+        if engine is not None:
+            with self._book.lock:
+                self._book.loaded.setdefault(engine, set()).add(name)
+        return name
+
     def remove_remote_agent(self, agent: Any, *args: Any, **kwargs: Any) -> Any:
         result = self._agent.remove_remote_agent(agent, *args, **kwargs)
         with self._book.lock:
