@@ -571,6 +571,69 @@ GET_NUM_NEW_MATCHED_TOKENS = (
 )
 NO_EXTERNAL_TOKENS = (0, False)
 
+# The prompt prefix a remote prefill moves (block_keys hashes exactly that prefix on P and D).
+# P stops short of the last b prompt tokens, which D recomputes itself: P's half drops them from
+# `prompt_token_ids` (or, for an embeddings prompt, `prompt_embeds`), `_all_token_ids` and
+# `num_prompt_tokens` before the prefill, so `request_finished` sees the truncated request.  b is
+# 1 for a Mamba hybrid (`_has_mamba`) from 0.19; 0.31+ `_prefill_backoff()`: also the MTP drafter's
+# lookahead window minus one (0.31.0 base_scheduler.py L385-398), and 1 under bounded replay from
+# 0.32 (0.34.0 base_scheduler.py L385-400).  Called from P's `get_num_new_matched_tokens` up to
+# 0.28 (0.28.0 pull_scheduler.py L69), from `on_new_request` from 0.29 (0.34.0
+# base_scheduler.py L206); 0.32+ skip a request that reads no external KV (0.34.0 L429).
+P_PROMPT_TRUNCATION = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE,
+          "NixlConnectorScheduler._truncate_mamba_request_for_prefill"),
+    _site(">=0.20,<0.24", f"{NIXL_PKG}.scheduler",
+          "NixlConnectorScheduler._truncate_mamba_request_for_prefill"),
+    _site(">=0.24,<0.31", f"{NIXL_PKG}.base_scheduler",
+          "NixlBaseConnectorScheduler._truncate_mamba_request_for_prefill"),
+    _site(">=0.31", f"{NIXL_PKG}.base_scheduler",
+          "NixlBaseConnectorScheduler._truncate_request_for_prefill"),
+)
+# D loads `count(len(request.prompt_token_ids or []))` tokens of a `do_remote_prefill` request
+# (minus its local hit), `count` being its half's method below, in the pull and the push
+# half alike (0.19.1 nixl_connector.py L786-787; 0.34.0 pull_scheduler.py L61-62,
+# push_scheduler.py L120-121; the same two lines in every release between): the prompt less the
+# same b, so that D's prefix is the prefix P computed.
+REMOTE_PREFILL_TOKEN_COUNT = (
+    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorScheduler._mamba_prefill_token_count"),
+    _site(">=0.20,<0.24", f"{NIXL_PKG}.scheduler",
+          "NixlConnectorScheduler._mamba_prefill_token_count"),
+    _site(">=0.24,<0.25", f"{NIXL_PKG}.base_scheduler",
+          "NixlBaseConnectorScheduler._mamba_prefill_token_count"),
+    _site(">=0.25", f"{NIXL_PKG}.base_scheduler",
+          "NixlBaseConnectorScheduler._get_remote_prefill_token_count"),
+)
+
+
+def remote_prefill_tokens(half: Any, request: Any, version: Version) -> int | None:
+    """How many prompt tokens D's scheduler half ``half`` loads from P for ``request`` (before
+    its local hit), by the release's own method; None where the half lacks it."""
+    site = lookup(REMOTE_PREFILL_TOKEN_COUNT, release_of(version))
+    count = getattr(half, site.qualname.rsplit(".", 1)[1], None) if site else None
+    if count is None:
+        return None
+    return int(count(len(request.prompt_token_ids or [])))
+
+
+# From 0.31 the Scheduler drops the connector's answer for a request that reads no external KV
+# (prompt logprobs, `skip_reading_prefix_cache`): `ext_tokens, load_kv_async = 0, False` right
+# after `get_num_new_matched_tokens` (0.31.0 scheduler.py L953-954, 0.33.0 L1143-1144; 0.34.0
+# L1182-1183 asks `request.skip_reading_external_kv`, request.py L358-362).  Up to 0.30 the
+# connector's hit is used for such a request too.
+EXTERNAL_HIT_DISCARDED_FROM = Version("0.31")
+EXTERNAL_KV_SKIP_PROPERTY_FROM = Version("0.34")
+
+
+def external_hit_discarded(request: Any, version: Version) -> bool:
+    """Whether the release's Scheduler ignores what the connector answers for ``request``."""
+    release = release_of(version)
+    if release < EXTERNAL_HIT_DISCARDED_FROM:
+        return False
+    attr = ("skip_reading_external_kv" if release >= EXTERNAL_KV_SKIP_PROPERTY_FROM
+            else "skip_reading_prefix_cache")
+    return getattr(request, attr, False) is True
+
 # The scheduler half's NIXL side channel.  `set_xfer_handshake_metadata(metadata)` starts the
 # `nixl_handshake_listener` thread, whose target is the static `_nixl_handshake_listener(
 # encoded_data, ready_event, stop_event, [host,] port)`, then waits on `ready_event` with no

@@ -58,6 +58,11 @@ class Side:
     lora: tuple[str, str] | None = None       # (name, path)
     salt: str | None = None
     connector: str = "NixlConnector"
+    mamba: bool = False
+    """The connector's scheduler half holds a Mamba group (``_has_mamba``, which vLLM derives
+    from a ``MambaSpec`` KV-cache group): P stops its prefill short of the prompt's last token,
+    which D recomputes itself (``vllm_sites.P_PROMPT_TRUNCATION``)."""
+    skip_prefix_cache: bool = False    # the request's skip_reading_prefix_cache (prompt logprobs)
 
 
 # ---------------------------------------------------------------------------- vLLM objects
@@ -106,11 +111,24 @@ def scheduler(side: Side, role: str, num_blocks: int = 1000) -> Any:
         kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
             block_size=side.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32))])
     cfg.cache_config.num_gpu_blocks = num_blocks
+    if hasattr(kv_cache_config, "hash_block_size"):
+        # 0.32+: EngineCore stores the resolved hash block size in the config the scheduler and
+        # its connector half read (0.34.0 core.py L388-401)
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        kv_cache_config.hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, cfg)[1]
     kwargs: dict[str, Any] = {"vllm_config": cfg, "kv_cache_config": kv_cache_config,
                               "log_stats": True,
                               "structured_output_manager": StructuredOutputManager(cfg),
                               "block_size": side.block_size}
-    return Scheduler(**kwargs)
+    sched = Scheduler(**kwargs)
+    if side.mamba:
+        # what the half's __init__ sets for a KV-cache config with a MambaSpec group; in the
+        # half nothing else reads it than the release's own truncation (P) and load count (D)
+        half = sched.connector.connector_scheduler
+        assert half._has_mamba is False, "the half no longer says whether it holds Mamba"
+        half._has_mamba = True
+    return sched
 
 
 def engine_hash_block_size(sched: Any) -> int:
@@ -145,6 +163,8 @@ def request(side: Side, sched: Any, req_id: str, params: dict | None,
 
     fn = init_hashing(side)
     sp = SamplingParams(max_tokens=max_tokens)
+    if side.skip_prefix_cache:
+        sp.skip_reading_prefix_cache = True
     sp.update_from_generation_config({}, EOS)
     kwargs: dict[str, Any] = {}
     if side.lora is not None:
@@ -202,19 +222,28 @@ def captured_pdpatch_log() -> Iterator[list[str]]:
 def prefill(p: Side, req_id: str = "req") -> tuple[dict[str, Any], list[str]]:
     """P finishes a ``do_remote_decode`` request; returns the params vLLM hands back and the
     request's ``block_hashes`` (hex) as P's vLLM computed them."""
+    params, hashes, _ = _prefill(p, req_id)
+    return params, hashes
+
+
+def _prefill(p: Side, req_id: str) -> tuple[dict[str, Any], list[str], int]:
+    """:func:`prefill`, and how many prompt tokens P computed (fewer than the prompt's where
+    its release stops short of the last ones)."""
     sched = scheduler(p, "kv_producer")
     req = request(p, sched, req_id, {"do_remote_prefill": False, "do_remote_decode": True},
                   max_tokens=1)
     sched.add_request(req)
     out = sched.schedule()
-    assert out.num_scheduled_tokens.get(req_id) == len(p.prompt), out.num_scheduled_tokens
+    computed = out.num_scheduled_tokens.get(req_id)
+    # the whole prompt, as P holds it when it schedules (P may have cut its last tokens)
+    assert computed == req.num_prompt_tokens, (out.num_scheduled_tokens, req.num_prompt_tokens)
     outputs = sched.update_from_output(out, runner_output([req]))
     for eco in outputs.values():
         for o in eco.outputs:
             if o.request_id == req_id and o.finished:
                 assert o.kv_transfer_params is not None, "P returned no kv_transfer_params"
                 params = json.loads(json.dumps(o.kv_transfer_params))  # over HTTP and back
-                return params, [h.hex() for h in req.block_hashes]
+                return params, [h.hex() for h in req.block_hashes], computed
     raise AssertionError(f"P did not finish {req_id}: {outputs}")
 
 
@@ -272,7 +301,7 @@ def exchange(p: Side, d: Side, mutate: Callable[[dict], Any] | None = None,
         installer.reset_state()
     try:
         with captured_pdpatch_log() as log:
-            params, p_hashes = prefill(p)
+            params, p_hashes, p_computed = _prefill(p, "req")
             sent = copy.deepcopy(params.get(block_keys.PARAMS_KEY))
             if mutate is not None:
                 mutate(params)
@@ -284,6 +313,7 @@ def exchange(p: Side, d: Side, mutate: Callable[[dict], Any] | None = None,
             os.environ["PYTHONHASHSEED"] = saved_seed
     obs["sent"] = sent
     obs["p_block_hashes"] = p_hashes
+    obs["p_computed"] = p_computed
     obs["sent_bytes"] = len(json.dumps(sent)) if sent is not None else 0
     obs["stats"] = block_keys.stats()
     obs["log"] = log
@@ -375,6 +405,22 @@ MATCHES: dict[str, tuple[Side, Side]] = {
     "sha256_seed_unset": (replace(BASE, seed=None), replace(BASE, seed=None)),
 }
 
+MAMBA = replace(BASE, mamba=True)
+
+#: name -> (P side, D side, expected causes): Mamba hybrids, whose P computes all but the
+#: prompt's last token and whose D loads that prefix and computes the last token itself
+#: (0.19+; 0.31+ also MTP's lookahead window, 0.32+ bounded replay: the same two methods)
+TRUNCATED: dict[str, tuple[Side, Side, list[str]]] = {
+    "same_prompt": (MAMBA, MAMBA, []),
+    # D recomputes the token P never computed: the KV it loads is its own prompt's
+    "last_token_differs": (MAMBA, replace(MAMBA, prompt=_prompt_changed(PROMPT_LEN - 1)), []),
+    "last_loaded_token_differs": (MAMBA, replace(MAMBA, prompt=_prompt_changed(PROMPT_LEN - 2)),
+                                  ["prompt"]),
+    "prompt": (MAMBA, replace(MAMBA, prompt=_prompt_changed(20)), ["prompt"]),
+    "cache_salt": (replace(MAMBA, salt="tenant-a"), replace(MAMBA, salt="tenant-b"),
+                   ["cache_salt"]),
+}
+
 #: the engines' naming differences D reports (once per P) for each match
 NAMING: dict[str, list[str]] = {
     "block_size_differs": ["hash_block_size"], "seed_differs": ["seed"],
@@ -392,6 +438,11 @@ def run_unchecked(name: str) -> dict[str, Any]:
 def run_mismatch(name: str, steps: int = 1) -> dict[str, Any]:
     p, d, mutate, _ = MISMATCHES[name]
     return exchange(p, d, mutate, steps=steps)
+
+
+def run_truncated(name: str) -> dict[str, Any]:
+    p, d, _ = TRUNCATED[name]
+    return exchange(p, d)
 
 
 def run_match(name: str) -> dict[str, Any]:
@@ -426,6 +477,7 @@ def release_report() -> dict[str, Any]:
     out: dict[str, Any] = {"version": str(version_of()), "stock": {}, "patched": {}}
     out["stock"]["match"] = run_match("default")
     out["stock"]["prompt_tail"] = run_mismatch("prompt_tail")
+    out["stock"]["truncated:same_prompt"] = run_truncated("same_prompt")
     out["install"] = install_patch()
     for name in MATCHES:
         out["patched"][f"match:{name}"] = run_match(name)
@@ -435,6 +487,8 @@ def release_report() -> dict[str, Any]:
         out["patched"][f"malformed:{name}"] = run_malformed(name)
     for name in ("stock_p", "other_version"):
         out["patched"][name] = run_unchecked(name)
+    for name in TRUNCATED:
+        out["patched"][f"truncated:{name}"] = run_truncated(name)
     out["install_after"] = {ts.target.label: ts.status
                             for ts in installer_state()["block_keys"].targets}
     out["hash_block_size"] = {
@@ -455,5 +509,6 @@ def safe(fn: Callable[[], Any]) -> Any:
         return {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"}
 
 
-__all__ = ["BASE", "MALFORMED", "MATCHES", "MISMATCHES", "NAMING", "Side", "exchange",
-           "release_report", "run_malformed", "run_match", "run_mismatch", "run_unchecked"]
+__all__ = ["BASE", "MALFORMED", "MAMBA", "MATCHES", "MISMATCHES", "NAMING", "TRUNCATED", "Side",
+           "exchange", "release_report", "run_malformed", "run_match", "run_mismatch",
+           "run_truncated", "run_unchecked"]

@@ -1,10 +1,10 @@
-"""The ``block_keys`` patch on every extracted OLD vLLM release (0.19-0.32), real code.
+"""The ``block_keys`` patch on every extracted OLD vLLM release (0.19-0.33), real code.
 
 Each release runs ``block_keys_scenarios.release_report`` in a subprocess whose ``vllm`` is that
 release's source tree (``tests/versions_harness.py``): its own ``Scheduler``, NIXL connector
 (single-file ``nixl_connector.py`` in 0.19, the ``nixl`` package from 0.20, pull/push split from
 0.24), ``Request`` and block hasher.  Stock first (no pdpatch), then with pdpatch installed.
-0.33 runs in process (``test_block_keys_vllm.py``).
+The installed release (0.34 in the test venv) runs in process (``test_block_keys_vllm.py``).
 """
 
 from __future__ import annotations
@@ -118,3 +118,25 @@ def test_unset_pythonhashseed_still_loads_remote_kv(ver):
         random = name == "xxhash_seed_unset" or Version(ver) < Version("0.29")
         assert obs["sent"]["efp"]["seed"] == ("reported" if random else "default"), obs
         assert any("name blocks differently" in line for line in obs["log"]) == random
+
+
+@pytest.mark.parametrize("ver", OLD_RELEASES)
+def test_p_stopping_short_is_judged_on_the_prefix_that_moves(ver):
+    """Mamba hybrids (every release 0.19+): the release's P computes all but the prompt's last
+    token and its D loads that prefix; pdpatch hashes exactly it on both sides, so the same
+    request loads (it was a 'prompt' mismatch, recomputed on D, before) and a prompt that
+    differs inside it does not."""
+    rep = _release(ver)
+    stock = rep["stock"]["truncated:same_prompt"]
+    assert stock["p_computed"] == sc.PROMPT_LEN - 1 and remote_load(stock), stock
+    for name, (p, d, causes) in sc.TRUNCATED.items():
+        obs = rep["patched"][f"truncated:{name}"]
+        assert obs["p_computed"] == len(p.prompt) - 1, (name, obs)
+        assert obs["sent"]["x"]["nt"] == len(p.prompt) - 1, (name, obs["sent"])
+        if causes:
+            assert local_compute(obs, len(d.prompt)), (name, obs)
+            assert obs["stats"]["causes"] == dict.fromkeys(causes, 1), (name, obs["stats"])
+        else:
+            assert remote_load(obs), (name, obs)
+            assert obs["stats"]["matched"] == 1 and obs["stats"]["causes"] == {}, (name, obs)
+            assert not any(line.startswith("WARNING") for line in obs["log"]), obs["log"]

@@ -241,6 +241,90 @@ def test_push_mode_mismatch_computes_locally_and_frees_p_when_done(patched):
     assert obs["stats"]["causes"] == {"cache_salt": 1}
 
 
+# ------------------------------------------------------- P stops short of the prompt's end
+
+
+def test_stock_vllm_moves_the_prompt_less_its_last_token_on_mamba(fresh_pdpatch):
+    """What the release does for a Mamba hybrid: P computes all but the last prompt token, D
+    loads that prefix (pdpatch must hash exactly it on both sides)."""
+    obs = sc.run_truncated("same_prompt")
+    assert obs["sent"] is None and obs["p_computed"] == sc.PROMPT_LEN - 1
+    assert_remote_load(obs)
+
+
+@pytest.mark.parametrize("name", list(sc.TRUNCATED))
+def test_p_stopping_short_is_judged_on_the_prefix_that_moves(patched, name):
+    """Where P stops short (Mamba 0.19+, MTP 0.31+, bounded replay 0.32+), both sides hash the
+    prefix P computed and D loads: the same request loads (it was a 'prompt' mismatch, and
+    recomputed, before), a prompt that differs inside it does not, and the token D recomputes
+    itself does not count."""
+    p, d, causes = sc.TRUNCATED[name]
+    obs = sc.run_truncated(name)
+    assert obs["p_computed"] == len(p.prompt) - 1
+    assert obs["sent"]["x"]["nt"] == len(p.prompt) - 1
+    if not causes:
+        assert_remote_load(obs)
+        assert obs["stats"]["matched"] == 1 and obs["stats"]["causes"] == {}, obs["stats"]
+        assert warnings_of(obs) == []
+    else:
+        assert_local_compute(obs, len(d.prompt))
+        assert obs["stats"]["causes"] == dict.fromkeys(causes, 1), obs["stats"]
+
+
+def test_a_request_whose_connector_answer_vllm_ignores_is_not_judged(patched):
+    """0.31+: the scheduler drops the connector's hit for a request that reads no external KV
+    (0.34.0 scheduler.py L1182-1183), and from 0.32 P does not cut such a request
+    (base_scheduler.py L429): nothing is loaded, so nothing is judged or counted -- D would
+    otherwise hash one token less than P and count a 'prompt' mismatch."""
+    side = replace(sc.MAMBA, skip_prefix_cache=True)
+    obs = sc.exchange(side, side)
+    assert obs["p_computed"] == sc.PROMPT_LEN
+    assert_local_compute(obs)
+    stats = obs["stats"]
+    assert stats["sent"] == 1 and stats["matched"] == stats["mismatched"] == 0, stats
+    assert stats["causes"] == {} and warnings_of(obs) == []
+
+
+def test_truncated_prompt_with_an_image_across_the_cut(patched):
+    """P's release cuts its prompt (and, for a mixed prompt, not its embeddings) before the
+    prefill; a multimodal item spanning the cut is clipped alike on P and D, so the digests P
+    sends match D's prefix -- and still tell another image apart."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    from pdpatch import vllm_sites
+    from pdpatch.hashing.key_params import parse_params
+    from pdpatch.hashing.verdict import build_p_params, judge
+
+    def with_image(req, ident):
+        req.mm_features = [MultiModalFeatureSpec(
+            data=None, modality="image", identifier=ident, mm_hash=ident,
+            mm_position=PlaceholderRange(offset=sc.PROMPT_LEN - 30, length=30))]
+        return req
+
+    p_sched = sc.scheduler(sc.MAMBA, "kv_producer")
+    d_sched = sc.scheduler(sc.MAMBA, "kv_consumer")
+    p_req = with_image(sc.request(sc.MAMBA, p_sched, "p", {"do_remote_decode": True}, 1), "img")
+    p_half = p_sched.connector.connector_scheduler
+    vllm_sites.lookup(vllm_sites.P_PROMPT_TRUNCATION, V)   # the site exists for this release
+    p_half.on_new_request(p_req)                           # the release cuts the prompt here
+    assert p_req.num_prompt_tokens == sc.PROMPT_LEN - 1
+    engine = bk._engine_keys_for(p_half, V)
+    sent = parse_params(build_p_params(
+        engine, bk._request_inputs(p_req, upto=p_req.num_prompt_tokens), bk.MAX_HEX_KEYS))
+    d_half = d_sched.connector.connector_scheduler
+    for ident, status in (("img", "match"), ("other", "mismatch")):
+        d_req = with_image(sc.request(sc.MAMBA, d_sched, ident, {"do_remote_prefill": True}, 4),
+                           ident)
+        upto = vllm_sites.remote_prefill_tokens(d_half, d_req, V)
+        assert upto == sc.PROMPT_LEN - 1
+        verdict = judge(engine, bk._request_inputs(d_req, upto), sent)
+        assert verdict.status == status, verdict
+    # without the cut on D, the very same request would not match: what the fix is for
+    assert judge(engine, bk._request_inputs(with_image(sc.request(
+        sc.MAMBA, d_sched, "x", {"do_remote_prefill": True}, 4), "img")), sent).causes \
+        == ("prompt", "mm")
+
+
 # ---------------------------------------------------------------------------- untrusted input
 
 

@@ -23,6 +23,14 @@ With this patch:
   (rate-limited) and a counter (:func:`stats`).  A match, or a P without pdpatch (no such
   params), leaves vLLM's answer untouched.  ``PDPATCH_BLOCK_KEYS_ON_MISMATCH=warn`` only warns
   and still loads.
+* **What both hash** is the prompt prefix that moves.  Where P's release stops its prefill
+  short of the prompt's last tokens, which D recomputes itself (Mamba hybrids 0.19+, MTP's
+  lookahead window 0.31+, bounded replay 0.32+, every release through 0.34:
+  :data:`pdpatch.vllm_sites.P_PROMPT_TRUNCATION`), P hashes the prompt as vLLM cut it
+  (``num_prompt_tokens``) and D the count its own half loads
+  (:func:`pdpatch.vllm_sites.remote_prefill_tokens`), multimodal items and prompt embeddings
+  clipped to it; elsewhere that is the whole prompt, hashed as before.  A request whose
+  connector answer the scheduler ignores (0.31+: one that reads no external KV) is not judged.
 * **Every engine** logs its own fingerprint at start (``EngineCore.__init__``) on the
   ``pdpatch`` logger.  Engines that name blocks differently in their prefix caches (different
   ``PYTHONHASHSEED`` -- vLLM's default leaves it unset --, algorithm, block size or release)
@@ -243,12 +251,13 @@ def _engine_keys_for(holder: Any, version: Version) -> EngineKeys | None:
     return ek
 
 
-def _request_inputs(request: Any) -> RequestInputs:
+def _request_inputs(request: Any, upto: int | None = None) -> RequestInputs:
+    """The request's inputs over its first ``upto`` prompt tokens (all of them: None)."""
     from pdpatch.hashing.request_adapter import prompt_tokens, request_inputs
     from pdpatch.hashing.verdict import RequestInputs
 
-    return RequestInputs(prompt_tokens(request),
-                         request_inputs(request, embeds_bytes=_embeds_bytes))
+    return RequestInputs(prompt_tokens(request, upto),
+                         request_inputs(request, embeds_bytes=_embeds_bytes, upto=upto))
 
 
 def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
@@ -276,7 +285,9 @@ def make_p_hook(version: Version) -> Callable[..., Any]:
             engine = _engine_keys_for(sched, version)
             if engine is None:
                 return result
-            params[PARAMS_KEY] = build_p_params(engine, _request_inputs(request), MAX_HEX_KEYS)
+            # the prompt P computed: vLLM has already cut the tokens D recomputes itself
+            inputs = _request_inputs(request, upto=request.num_prompt_tokens)
+            params[PARAMS_KEY] = build_p_params(engine, inputs, MAX_HEX_KEYS)
             _count("sent")
         except Exception as exc:  # never fail a finished request over its proof
             _count("errors")
@@ -296,8 +307,9 @@ def make_d_hook(version: Version) -> Callable[..., Any]:
                                      kwargs: dict) -> Any:
         request = _arg(args, kwargs, 0, "request")
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
-            return wrapped(*args, **kwargs)
+        if not params or not params.get("do_remote_prefill") \
+                or vllm_sites.external_hit_discarded(request, version):
+            return wrapped(*args, **kwargs)         # no remote load to check
         memo = params.get(VERDICT_KEY)
         if memo is None:
             memo = _check(instance, request, params, version)
@@ -324,6 +336,18 @@ def _check(sched: Any, request: Any, params: dict, version: Version) -> str:
         if state_of(NAME).warn.admit("config") is not None:
             logger.warning("pdpatch: block-key check off: %s [block_keys]", exc)
         return "load"
+    try:
+        # the prefix D loads: the prompt less the tokens P stopped short of (Mamba, MTP, ...)
+        upto = vllm_sites.remote_prefill_tokens(sched, request, version)
+    except Exception as exc:
+        _count("errors")
+        if state_of(NAME).warn.admit("d-error") is not None:
+            logger.warning("pdpatch: could not read how much of request %s D loads (%s: %s); "
+                           "loading unchecked [block_keys]", _printable(str(request.request_id)),
+                           type(exc).__name__, exc)
+        return "load"
+    if upto is not None and upto <= 0:
+        return "load"          # an embeddings prompt: vLLM loads nothing from P
     peer = _peer_name(params)
     raw = params.get(PARAMS_KEY)
     other = raw.get("v") if isinstance(raw, dict) else None
@@ -345,7 +369,8 @@ def _check(sched: Any, request: Any, params: dict, version: Version) -> str:
         _warn_causes(verdict, peer, request_id, recompute)
         return _refused(sched, metrics.REFUSED_PARAMS) if recompute else "load"
     try:
-        verdict = judge(_engine_keys_for(sched, version), _request_inputs(request), peer_keys)
+        verdict = judge(_engine_keys_for(sched, version), _request_inputs(request, upto),
+                        peer_keys)
     except Exception as exc:  # a bug here must not take the scheduler down
         _count("errors")
         if state_of(NAME).warn.admit("d-error") is not None:
