@@ -182,6 +182,58 @@ RESTORE_KV_CACHES = (
 # backend packs K and V per token and a block moves as one unit.
 KV_SPLIT_DESCRIPTORS = VersionRange(">=0.19,<0.26")
 
+# How a worker pairs a peer's KV regions with its own (what kv_segments' check of a mixed-name
+# peer must compare).  Up to 0.33 by position, each side's regions in its registration order:
+# its `kv_caches` dict order up to 0.29 (0.29.0 base_worker.py L1154), its layer names sorted
+# by `_region_sort_key` (layer numbers as numbers) from 0.30 (0.30.0 base_worker.py L104-109,
+# L1315-1321; not for circular-buffer caches, `_is_csa_linear`; the same key through 0.34).
+REGIONS_IN_LAYER_NAME_ORDER = VersionRange(">=0.30")
+# From 0.34 through the layers both hold (0.34.0 base_worker.py L506-608 `_pair_regions`): each
+# layer the peer lists in `region_members` (metadata.py L83, one list of layer names per region)
+# pairs its regions, in order, with the local regions of the same layer name; a layer only the
+# peer holds is skipped on a PP stage (`pp_size > 1`, L551-557) and refused otherwise
+# (L558-561), a layer spanning different region counts is refused (L562-565), a local layer
+# the peer lacks too (L577-582), and a peer region whose layers pair with local regions of
+# different block lengths too (L584-597).  vLLM then keeps only the peer's paired regions
+# (`_select_remote_regions`, L642-660, in place; `add_remote_agent` L2547-2554) and passes the
+# local partner of each to `_build_fa_remote` / `_validate_remote_agent_handshake`
+# (`local_region_ids`, L2269-2274, L2736-2742); `_compute_desc_ids` takes
+# `pairs=(regions, keys)` (L170-179).
+REGIONS_PAIRED_BY_LAYER = VersionRange(">=0.34")
+
+# The decode worker's record of the peer ranks it added (`_remote_agents[engine_id]`): keyed by
+# the peer's TP rank up to 0.25 (0.25.1 base_worker.py L340, L1467), by (PP rank, TP rank) from
+# 0.26 (0.26.0 base_worker.py L347, L1525; 0.34.0 L833, L2516), where `add_remote_agent`
+# returns the known agent for `(0, remote_tp_rank)` without doing anything else.
+REMOTE_AGENTS_KEYED_BY_PP_FROM = Version("0.26")
+
+
+def remote_agent_known(worker: Any, engine_id: Any, tp_rank: int, version: Version) -> bool:
+    """Whether ``add_remote_agent(meta, tp_rank, ...)`` for ``engine_id`` would return the
+    agent it already added (the release's own early return) instead of adding the peer."""
+    known = getattr(worker, "_remote_agents", None) or {}
+    agents = known.get(engine_id) or {}
+    key = (0, tp_rank) if release_of(version) >= REMOTE_AGENTS_KEYED_BY_PP_FROM else tp_rank
+    return key in agents
+
+
+# vLLM's own growable KV cache (0.34+): CUDA VMM memory (cuMemCreate/cuMemMap), on by default on
+# CUDA unless a connector that exports FABRIC handles (NIXL) finds no IMEX channel
+# (config/vllm.py L3247-3262; `--enable-extensible-kv-cache` forces it, with a warning that
+# same-host transfers then fall back to TCP, L3264-3269).  Its pages get a FABRIC handle only
+# with an IMEX channel on a FABRIC-capable device (utils/vmm_driver.py L327-348; a failed FABRIC
+# allocation falls back to none, L351-368): without one, UCX's cuda_ipc cannot map them.
+# `cache_config.enable_extensible_kv_cache` (config/cache.py L395) says whether it is on.
+EXTENSIBLE_KV_CACHE = VersionRange(">=0.34")
+
+
+def extensible_kv_cache_on(vllm_config: Any, version: Version) -> bool:
+    """Whether this engine's KV cache is vLLM's own extensible (CUDA VMM) cache."""
+    if version not in EXTENSIBLE_KV_CACHE:
+        return False
+    cache_config = getattr(vllm_config, "cache_config", None)
+    return getattr(cache_config, "enable_extensible_kv_cache", None) is True
+
 
 BUILD_LOCAL_SPLITS = (
     _site(">=0.21,<0.24", f"{NIXL_PKG}.worker",
