@@ -141,7 +141,7 @@ def test_unknown_strides_fail_clearly(shape, stride, match) -> None:
 
 
 def test_lhbnc_heads_outside_blocks_rejected() -> None:
-    # vLLM 0.33 LHBNC: per-layer view (B, H, N, C) with H stride > B stride.
+    # vLLM 0.33+ LHBNC: per-layer view (B, H, N, C) with H stride > B stride.
     shape = (8, 2, 4, 16)
     stride = (64, 8 * 64, 16, 1)
     with pytest.raises(UnsupportedLayout):

@@ -422,7 +422,7 @@ def test_chunk_schedule_refuses_what_it_cannot_plan() -> None:
 
 
 def test_strided_rows_expand_to_one_row_per_descriptor_id() -> None:
-    """vLLM 0.33 prepares ``(addr, len, dev, stride, count)`` rows: descriptor id ``i`` is the
+    """vLLM 0.33+ prepare ``(addr, len, dev, stride, count)`` rows: descriptor id ``i`` is the
     ``i``-th block counted across them, which is what a READ's ids index."""
     from pdpatch.kv.staging.rows import RowTable, as_rows
 

@@ -193,16 +193,28 @@ class LayerGeometry:
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """All attention layers of one worker, in vLLM's layer order."""
+    """All attention layers of one worker, in vLLM's layer order.
+
+    ``names``: each layer's name (the worker's ``kv_caches`` keys), where known -- what a
+    release that pairs a peer's layers by name (vLLM 0.34+) pairs them by."""
 
     layers: tuple[LayerGeometry, ...]
     device_id: int = 0
     label: str = field(default="", compare=False)
+    names: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise UnsupportedLayout("a KV geometry needs at least one layer")
         object.__setattr__(self, "layers", tuple(self.layers))
+        if self.names is not None:
+            names = tuple(self.names)
+            if len(names) != len(self.layers) or not all(isinstance(n, str) for n in names):
+                raise UnsupportedLayout(
+                    f"{len(self.layers)} layers need as many layer names, got {names!r:.200}")
+            if len(set(names)) != len(names):
+                raise UnsupportedLayout(f"layer names repeat: {names!r:.200}")
+            object.__setattr__(self, "names", names)
 
     @property
     def num_layers(self) -> int:
@@ -247,7 +259,14 @@ class KVGeometry:
 
     def with_num_blocks(self, num_blocks: int) -> KVGeometry:
         return KVGeometry(tuple(la.with_num_blocks(num_blocks) for la in self.layers),
-                          self.device_id, self.label)
+                          self.device_id, self.label, self.names)
+
+    def select(self, indices: Iterable[int]) -> KVGeometry:
+        """The layers at ``indices``, in that order (a peer's layers as another worker pairs
+        them: :func:`pdpatch.kv.pairing.pair_regions_by_layer`)."""
+        idx = list(indices)
+        names = None if self.names is None else tuple(self.names[i] for i in idx)
+        return KVGeometry(tuple(self.layers[i] for i in idx), self.device_id, self.label, names)
 
     def registration_ranges(self) -> list[tuple[int, int]]:
         """Merged ``[start, end)`` ranges covering exactly the planned blocks of every layer.
@@ -274,8 +293,9 @@ class KVGeometry:
 
     # -- wire form: an optional extra handshake field (stock peers ignore unknown fields) --
     def to_wire(self) -> dict[str, Any]:
-        """Plain ints/strings/lists only, so msgpack, msgspec and JSON all carry it."""
-        return {
+        """Plain ints/strings/lists only, so msgpack, msgspec and JSON all carry it.  The layer
+        names ride in an optional ``names`` key (a reader that predates it ignores it)."""
+        wire: dict[str, Any] = {
             "v": WIRE_VERSION,
             "dev": self.device_id,
             "layers": [
@@ -288,6 +308,9 @@ class KVGeometry:
                 for la in self.layers
             ],
         }
+        if self.names is not None:
+            wire["names"] = list(self.names)
+        return wire
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any], label: str = "") -> KVGeometry:
@@ -302,7 +325,11 @@ class KVGeometry:
                 None if heads < 0 else int(heads),
                 None if head_major < 0 else bool(head_major),
             ))
-        return cls(tuple(layers), int(wire.get("dev", 0)), label)
+        names = wire.get("names")
+        if names is not None and not isinstance(names, (list, tuple)):
+            raise UnsupportedLayout(f"advertised layer names are not a list: {names!r:.200}")
+        return cls(tuple(layers), int(wire.get("dev", 0)), label,
+                   None if names is None else tuple(names))
 
 
 def handshake_kind(

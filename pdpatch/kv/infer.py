@@ -166,14 +166,16 @@ def infer_geometry(
     heads_dim_5d: int = 3,
     device_id: int = 0,
     label: str = "",
+    names: Sequence[str] | None = None,
 ) -> KVGeometry:
-    """A worker's :class:`KVGeometry` from its per-layer tensors, in layer order."""
+    """A worker's :class:`KVGeometry` from its per-layer tensors, in layer order (``names``:
+    the layers' names, in the same order)."""
     layers = tuple(
         infer_layer_geometry(shape, stride, es, ptr, num_blocks=num_blocks, kv_dim=kv_dim,
                              heads_dim=heads_dim, heads_dim_5d=heads_dim_5d)
         for shape, stride, es, ptr in tensors
     )
-    return KVGeometry(layers, device_id, label)
+    return KVGeometry(layers, device_id, label, None if names is None else tuple(names))
 
 
 def tensor_info(t: object) -> TensorInfo:

@@ -10,7 +10,8 @@ only changes each descriptor's address and length, never the count or the order.
 * per request, address-level descriptor pairs (:meth:`PairPlan.descs`), or descriptor ids into
   per-side tables (:meth:`PairPlan.desc_ids`), exactly as vLLM computes them;
 * per peer, the remote (and local) descriptor tables in vLLM's desc-id order, as tuples, Nx3
-  rows (vLLM <= 0.32) or Nx5 strided rows (vLLM 0.33 / NIXL >= 1.5).
+  rows (vLLM <= 0.32) or Nx5 strided rows (vLLM 0.33+ / NIXL >= 1.5; 0.34.0 base_worker.py
+  L2210 ``_block_strided_descs``, L2318-2324).
 
 Heterogeneous TP: a side can move one of ``parts`` equal contiguous slices of every segment
 (:class:`HeadSlice`), which is a head slice when heads are outermost inside the segment.
@@ -359,7 +360,7 @@ class PairPlan:
 
     def remote_rows(self) -> np.ndarray:
         """Nx5 strided rows of :meth:`remote_table`: one ``(addr, len, dev, stride, count)``
-        row per region, as vLLM 0.33's ``_build_fa_remote`` emits."""
+        row per region, as vLLM 0.33+'s ``_build_fa_remote`` emits."""
         out = np.empty((self.num_regions, 5), dtype=_U64)
         out[:, 0] = self._r_base
         out[:, 1] = self._xfer
@@ -379,7 +380,7 @@ class PairPlan:
         return _nx3(addr.reshape(-1), length.reshape(-1), self.local.device_id)
 
     def local_rows(self) -> np.ndarray:
-        """Nx5 strided rows of :meth:`local_table` (vLLM 0.33 ``_block_strided_descs`` shape:
+        """Nx5 strided rows of :meth:`local_table` (vLLM 0.33+ ``_block_strided_descs`` shape:
         one row per region when sub-blocks are evenly spaced, else one row per block)."""
         r = self.block_size_ratio
         n = self.local_num_blocks

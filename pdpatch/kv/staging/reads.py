@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 # Stage a READ only when it posts at most this fraction of vLLM's descriptors.
 MAX_STAGED_FRACTION = 0.75
 FEW_SAVED = ("staging saves under a quarter of the descriptors vLLM's READ posts (NIXL merges "
-             "its runs of blocks already, as on vLLM 0.33's strided lists, or the blocks lie "
+             "its runs of blocks already, as on vLLM 0.33+'s strided lists, or the blocks lie "
              "far apart, or they are head slices of K and V)")
 # Stage a READ only when vLLM's descriptors average under this many bytes.  Below it vLLM's
 # READ is bound by its descriptors (NIXL's ~10 us each on an H200): 16-64 KiB per block and

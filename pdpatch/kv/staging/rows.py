@@ -118,12 +118,12 @@ def _divisors(n: int) -> list[int]:
 
 
 STRIDED_COLUMNS = 5
-"""vLLM 0.33 prepares lists of strided rows ``(addr, len, dev, stride, count)``: ``count``
+"""vLLM 0.33+ prepare lists of strided rows ``(addr, len, dev, stride, count)``: ``count``
 descriptors ``addr + i * stride``, one id each (``_build_fa_local`` / ``_build_fa_remote``)."""
 
 
 def as_rows(rows: Any) -> np.ndarray:
-    """vLLM's list of ``(addr, len, dev)`` tuples, an Nx3 array, or 0.33's Nx5 strided rows
+    """vLLM's list of ``(addr, len, dev)`` tuples, an Nx3 array, or 0.33+'s Nx5 strided rows
     (expanded: row ``i`` is descriptor id ``i``), as an Nx3+ int64 array."""
     arr = np.asarray(rows if isinstance(rows, np.ndarray) else list(rows), dtype=np.int64)
     if not arr.size:
