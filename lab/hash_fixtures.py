@@ -10,13 +10,13 @@ every case through ``pdpatch.hashing`` and demands identical bytes.
 
 How each release runs (a child process per release, ``--capture`` mode):
 
-* the installed vLLM (0.33.0 in the test venv) runs as installed;
+* the installed vLLM (0.34.0 in the test venv) runs as installed;
 * any other release runs from its own wheel's ``.py`` tree: the wheel is downloaded with
   ``pip download --no-deps vllm==X`` and unpacked by ``scripts/fetch_vllm_sources.sh`` (into
   ``~/.cache/pdpatch/vllm-src/X``; ``--sources DIR`` to use another), and the child gets
   ``PYTHONPATH=<tree>``, so ``import vllm`` is that release's code over the venv's torch,
   transformers, cbor2, xxhash.  Releases before 0.24 also import ``diskcache`` (<= 0.11) and
-  ``gguf``, which the 0.33 venv lacks: they are installed with ``pip install --no-deps --target
+  ``gguf``, which the test venv lacks: they are installed with ``pip install --no-deps --target
   ~/.cache/pdpatch/old-vllm-deps`` and appended to the child's PYTHONPATH (the venv itself is
   not touched).  No compiled vLLM code is needed: hashing is pure Python.
 
@@ -40,9 +40,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "tests" / "fixtures" / "hash"
 # every release on either side of a change in the hashing rules (see pdpatch/hashing/formats.py)
+# (0.34.0: hashes as 0.33.0, but holds token ids as int32)
 DEFAULT_RELEASES = ("0.10.2", "0.11.0", "0.11.1", "0.12.0", "0.13.0", "0.16.0", "0.17.0", "0.18.0",
                     "0.19.0", "0.23.0", "0.24.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0",
-                    "0.32.0", "0.33.0")
+                    "0.32.0", "0.33.0", "0.34.0")
 OLD_TREE_DEPS = ("diskcache", "gguf")
 
 # §4.1 of the research note: every CBOR/pickle integer width, a 2-block prompt and a tail
@@ -50,13 +51,17 @@ GOLDEN_TOKENS = [1, 23, 24, 255, 256, 65535, 65536, 128000, 151643, 0, 7, 42, 10
                  100000, *range(500, 516), 9, 8, 7, 6, 5, 4, 3, 2]
 RANDOM_CASES_PER_ALGO = 12
 RANDOM_SEED = 20261126
+ANY_TOKEN_ID = 2**64 - 1
+"""The bound of a release whose Request holds any int (up to 0.33): the draws are unchanged."""
 
 
 # ----------------------------------------------------------------------------- inputs
-def _token(rng: random.Random) -> int:
-    """A token id from a width class (CBOR: 1/2/3/5/9 bytes; pickle: BININT1/2/BININT/LONG1)."""
-    lo, hi = rng.choice([(0, 23), (24, 255), (256, 65535), (65536, 262143), (262144, 2**31 - 1),
-                         (2**31, 2**32 - 1), (2**32, 2**63 - 1)][: 7 if rng.random() < 0.1 else 4])
+def _token(rng: random.Random, max_id: int = ANY_TOKEN_ID) -> int:
+    """A token id from a width class (CBOR: 1/2/3/5/9 bytes; pickle: BININT1/2/BININT/LONG1), of
+    at most ``max_id`` (what the release's Request holds: the classes past it are not drawn)."""
+    widths = [(0, 23), (24, 255), (256, 65535), (65536, 262143), (262144, 2**31 - 1),
+              (2**31, 2**32 - 1), (2**32, 2**63 - 1)][: 7 if rng.random() < 0.1 else 4]
+    lo, hi = rng.choice([(lo, min(hi, max_id)) for lo, hi in widths if lo <= max_id])
     return rng.choice([lo, hi, rng.randint(lo, hi)])
 
 
@@ -64,8 +69,10 @@ def _ident(rng: random.Random) -> str:
     return "".join(rng.choice("0123456789abcdef") for _ in range(rng.choice([1, 8, 32])))
 
 
-def random_cases(algo: str) -> list[dict[str, Any]]:
-    """Deterministic random inputs (the same for every release)."""
+def random_cases(algo: str, max_id: int = ANY_TOKEN_ID) -> list[dict[str, Any]]:
+    """Deterministic random inputs: the same for every release whose Request holds any token id,
+    and for one that holds fewer (``max_id``: 0.34's int32) the same draws without the wider
+    ids."""
     rng = random.Random(f"{RANDOM_SEED}-{algo}")
     cases = []
     for i in range(RANDOM_CASES_PER_ALGO):
@@ -74,8 +81,8 @@ def random_cases(algo: str) -> list[dict[str, Any]]:
         case: dict[str, Any] = {
             "name": f"random-{i}", "algo": algo, "block_size": bs,
             "seed": rng.choice(["0", "0", "", "random", "12345", "00"]),
-            "prompt": [_token(rng) for _ in range(n)],
-            "appends": [[_token(rng) for _ in range(rng.randint(1, 2 * bs))]
+            "prompt": [_token(rng, max_id) for _ in range(n)],
+            "appends": [[_token(rng, max_id) for _ in range(rng.randint(1, 2 * bs))]
                         for _ in range(rng.randint(0, 3))],
         }
         if rng.random() < 0.35:
@@ -150,13 +157,14 @@ def capture() -> dict[str, Any]:
     rh = ReleaseHasher()
     release = tuple(int(p) for p in vllm.__version__.split("+")[0].split(".")[:2])
     unseeded_random = rh.unseeded_random()
+    max_id = rh.max_token_id()             # from the release's own Request
     cases = []
     for algo in rh.algorithms:
         for case in named_cases(algo, release):
             if case["seed"] is None and unseeded_random[algo]:
                 continue  # nothing reproducible to record; the refusal is tested instead
             cases.append(rh.run(case))
-        cases.extend(rh.run(c) for c in random_cases(algo))
+        cases.extend(rh.run(c) for c in random_cases(algo, max_id))
     os.environ.pop("PYTHONHASHSEED", None)
     return {
         "vllm": vllm.__version__,
@@ -169,6 +177,7 @@ def capture() -> dict[str, Any]:
         "lookahead_supported": "num_hash_lookahead_tokens" in rh.hasher_params,
         "algorithms": rh.algorithms,
         "unseeded_random": unseeded_random,
+        "max_token_id": max_id,
         "cases": cases,
     }
 

@@ -16,7 +16,9 @@ A case is a JSON object: ``algo``, ``block_size``, ``seed`` (PYTHONHASHSEED, nul
 (``name``/``path``/``id``), ``cache_salt``, ``mm`` (``[identifier, offset, length]``),
 ``prompt_embeds`` (``rows``/``cols``: the fixtures' ``arange/7`` float16 tensor, or with
 ``dtype``/``hex``: those raw bytes), ``lookahead``, and what to report besides the keys:
-``event_ints``, ``coarse`` (factors), ``event_extra_keys``.
+``event_ints``, ``coarse`` (factors), ``event_extra_keys``.  Token ids are ints the release's
+``Request`` holds (:meth:`ReleaseHasher.max_token_id`: int32 from 0.34); a larger one is an
+error of vLLM's, reported as such.
 
 Every string handed to vLLM is a fresh object, as a server's JSON decoder makes them (pickle's
 identity memo, see ``pdpatch.hashing.extra_keys``).
@@ -30,6 +32,9 @@ import os
 from typing import Any
 
 ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+# token ids a Request may be asked to hold, widest first: up to 0.33 any Python int, from 0.34
+# an int32 TokenBuffer (ids past 2**31-1 raise OverflowError)
+TOKEN_ID_BOUNDS = (2**64 - 1, 2**63 - 1, 2**32 - 1, 2**31 - 1, 2**16 - 1, 2**15 - 1)
 
 
 def fresh(s: str) -> str:
@@ -101,6 +106,20 @@ class ReleaseHasher:
             self.K.init_none_hash(fn)
             out[algo] = first != self.K.NONE_HASH
         return out
+
+    def max_token_id(self) -> int:
+        """The largest id of :data:`TOKEN_ID_BOUNDS` the release's own ``Request`` holds, in
+        its prompt and in a decode append (read from the code, not from a release list)."""
+        algo = self.algorithms[0]
+        for bound in TOKEN_ID_BOUNDS:
+            try:
+                req = self.request({"algo": algo, "seed": "0", "block_size": 1,
+                                    "prompt": [bound]})
+                req.append_output_token_ids([bound])
+            except OverflowError:
+                continue
+            return bound
+        raise AssertionError("the release holds no token id of 2**15-1")
 
     def _embeds(self, spec: dict[str, Any]) -> Any:
         import torch
@@ -195,4 +214,5 @@ def drive(payload: dict[str, Any]) -> dict[str, Any]:
         except Exception as e:  # vLLM refusing an input is a result too
             results.append({"error": f"{type(e).__name__}: {e}"})
     return {"vllm": rh.version, "algorithms": rh.algorithms,
-            "unseeded_random": rh.unseeded_random(), "results": results}
+            "unseeded_random": rh.unseeded_random(), "max_token_id": rh.max_token_id(),
+            "results": results}

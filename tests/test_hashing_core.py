@@ -46,7 +46,7 @@ def cfg(**over) -> KeyConfig:
     ("0.10.2", "0.10.2"), ("0.11.0", "0.10.2"), ("0.11.1", "0.11.1"), ("0.12.0", "0.11.1"),
     ("0.16.1", "0.11.1"),
     ("0.17.0", "0.17"), ("0.18.0", "0.17"), ("0.19.0", "0.19"), ("0.30.0", "0.19"),
-    ("0.31.0", "0.31"), ("0.33.0", "0.31")])
+    ("0.31.0", "0.31"), ("0.33.0", "0.31"), ("0.34.0", "0.31")])
 def test_key_format_eras(release: str, era: str) -> None:
     assert format_for(release).key_format == era
     assert era in KEY_FORMATS
@@ -64,6 +64,7 @@ def test_release_rules_change_where_the_wheels_changed() -> None:
     assert not f("0.28.0").default_seed_for_crypto and f("0.29.0").default_seed_for_crypto
     assert (f("0.30.0").mm_resume, f("0.31.0").mm_resume) == ("last_item", "window")
     assert not f("0.32.0").lookahead and f("0.33.0").lookahead
+    assert (f("0.33.0").max_token_id, f("0.34.0").max_token_id) == (2**64 - 1, 2**31 - 1)
     assert not f("0.18.0").mm_strict_bounds and f("0.19.0").mm_strict_bounds
 
 
@@ -77,6 +78,18 @@ def test_integer_era_and_garbage_versions_are_refused() -> None:
 def test_newer_release_uses_latest_rules_unverified(caplog) -> None:
     fmt = format_for("0.35.2")
     assert not fmt.verified and fmt.key_format == "0.31" and fmt.lookahead
+
+
+def test_ids_past_the_releases_int32_are_refused() -> None:
+    """0.34 holds token ids as int32: no 0.34 server has a key for a larger id (0.33 does)."""
+    big = [5, 2**31]
+    assert len(BlockKeyHasher(cfg(hash_block_size=2), big).keys) == 1
+    with pytest.raises(InputError, match=r"token id #1 is 2147483648: vLLM 0.34.0 .* int32"):
+        BlockKeyHasher(cfg(vllm_version="0.34.0", hash_block_size=2), big)
+    h = BlockKeyHasher(cfg(vllm_version="0.34.0", hash_block_size=2), [5, 2**31 - 1])
+    with pytest.raises(InputError, match=r"token id #3 is"):
+        h.extend([1, 2**40])
+    assert len(h.tokens) == 2 and len(h.keys) == 1      # the refused append left no trace
 
 
 def test_seed_is_the_exact_string() -> None:

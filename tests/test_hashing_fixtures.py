@@ -16,6 +16,7 @@ import pytest
 
 from pdpatch.hashing import (
     BlockKeyHasher,
+    InputError,
     KeyConfig,
     LoraSpec,
     MMItem,
@@ -31,7 +32,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "hash"
 # one release on each side of every change of the hashing rules
 REQUIRED = ("0.10.2", "0.11.0", "0.11.1", "0.12.0", "0.13.0", "0.16.0", "0.17.0", "0.18.0",
             "0.19.0", "0.23.0", "0.24.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
-            "0.33.0")
+            "0.33.0", "0.34.0")
 
 
 @cache
@@ -121,6 +122,24 @@ def test_unseeded_refusal_matches_vllm_randomness(release: str) -> None:
             h = config.validate()
             unset = [c for c in data["cases"] if c["algo"] == algo and c["seed"] is None]
             assert unset and h.none_hash.hex() == unset[0]["none_hash"]
+
+
+@pytest.mark.parametrize("release", [r for r in REQUIRED if "max_token_id" in load(r)])
+def test_token_id_bound_is_the_releases(release: str) -> None:
+    """The largest token id the release's own Request held when its fixture was made (0.34:
+    int32) is the bound pdpatch refuses past; every id in its cases is within it."""
+    bound = load(release)["max_token_id"]
+    assert format_for(release).max_token_id == bound
+    ids = [t for c in load(release)["cases"]
+           for t in [*(c["prompt"] or []), *(t for a in c.get("appends", []) for t in a)]]
+    assert max(ids) <= bound
+    config = KeyConfig(vllm_version=release, algo="sha256", hash_block_size=1, pythonhashseed="0")
+    if bound < 2**64 - 1:
+        with pytest.raises(InputError, match="int32"):
+            BlockKeyHasher(config, [1, bound + 1])
+        with pytest.raises(InputError, match="int32"):
+            BlockKeyHasher(config, [1]).extend([bound + 1])
+    assert len(BlockKeyHasher(config, [bound]).keys) == 1
 
 
 @pytest.mark.parametrize("release", REQUIRED)

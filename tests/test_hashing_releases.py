@@ -1,4 +1,4 @@
-"""pdpatch.hashing against the REAL block hasher of every vLLM release 0.10.2-0.32, live.
+"""pdpatch.hashing against the REAL block hasher of every vLLM release 0.10.2-0.34, live.
 
 Every run draws fresh random requests for each release -- every algorithm it offers, every
 extra-key kind (LoRA, multimodal items, cache salt, prompt embeddings), odd block sizes, every
@@ -8,9 +8,12 @@ through the release's own code (``tests/release_hashing.py``: a real ``Request``
 ``get_request_block_hasher`` of the release's wheel source tree) and demands byte-identical
 results from :mod:`pdpatch.hashing`.  All cases of one release run in one child process,
 forked from a pool that imported the shared third-party packages once
-(``tests/release_pool.py``).  vLLM 0.33 (installed) is checked live by
-``test_hashing_vllm_live.py``; the golden fixtures (``test_hashing_fixtures.py``) need no
-source tree.
+(``tests/release_pool.py``): the newest patch release of every minor before 0.19 and the
+installed release's own tree (``scripts/block_key_releases.txt``; 0.34.0, also checked in
+process, with hypothesis, by ``test_hashing_vllm_live.py``) and those from 0.19 below it
+(``lab/vllm_releases.txt``).  Token ids are drawn up to what each release's
+``Request`` holds (0.34+: int32), and the release's own code says whether that is pdpatch's
+bound for it.  The golden fixtures (``test_hashing_fixtures.py``) need no source tree.
 
 A failure prints the release, the random seed of the run and the case as JSON.
 """
@@ -26,9 +29,11 @@ from packaging.version import Version
 from release_pool import run_releases
 from versions_harness import REPO, SOURCES_ROOT, listed_releases
 
+from pdpatch import vllm_sites
 from pdpatch.hashing import (
     ALGORITHMS,
     BlockKeyHasher,
+    InputError,
     KeyConfig,
     KeyConfigError,
     LoraSpec,
@@ -55,7 +60,7 @@ def older_releases() -> list[str]:
     return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
 
 
-RELEASES = older_releases() + listed_releases()
+RELEASES = sorted(set(older_releases() + listed_releases()), key=Version)
 
 
 def fetched(release: str) -> bool:
@@ -65,8 +70,10 @@ def fetched(release: str) -> bool:
 # ---------------------------------------------------------------------------- random requests
 
 
-def token(rng: random.Random) -> int:
-    lo, hi = WIDTHS[min(int(rng.expovariate(0.7)), len(WIDTHS) - 1)]
+def token(rng: random.Random, max_id: int) -> int:
+    """A token id of a random width, of at most ``max_id`` (the release's bound)."""
+    widths = [(lo, min(hi, max_id)) for lo, hi in WIDTHS if lo <= max_id]
+    lo, hi = widths[min(int(rng.expovariate(0.7)), len(widths) - 1)]
     return rng.choice([lo, hi, rng.randint(lo, hi)])
 
 
@@ -105,14 +112,14 @@ def decode_block_items(rng: random.Random, bs: int) -> tuple[int, list[list[Any]
                [text(rng), start + 1, rng.randint(1, n - start - 1)]]
 
 
-def random_case(rng: random.Random, algo: str) -> dict[str, Any]:
+def random_case(rng: random.Random, algo: str, max_id: int) -> dict[str, Any]:
     bs = rng.choice([1, 2, 3, 4, 5, 7, 8, 16, 16, 16, 17, 32])
     n = rng.randint(0, 5 * bs + 6)
     case: dict[str, Any] = {
         "algo": algo, "block_size": bs,
         "seed": rng.choice(["0", "0", "", "random", "00", "12345", None]),
-        "prompt": [token(rng) for _ in range(n)],
-        "appends": [[token(rng) for _ in range(rng.randint(1, 2 * bs + 1))]
+        "prompt": [token(rng, max_id) for _ in range(n)],
+        "appends": [[token(rng, max_id) for _ in range(rng.randint(1, 2 * bs + 1))]
                     for _ in range(rng.choice([0, 1, 1, 2, 4]))],
         "event_ints": True, "coarse": [2, 3], "event_extra_keys": True,
     }
@@ -129,15 +136,24 @@ def random_case(rng: random.Random, algo: str) -> dict[str, Any]:
                                  "hex": rng.randbytes(size).hex()}
     elif bs >= 3 and rng.random() < 0.15:
         n, case["mm"] = decode_block_items(rng, bs)
-        case["prompt"] = [token(rng) for _ in range(n)]
-        case["appends"].insert(0, [token(rng) for _ in range(bs)])
+        case["prompt"] = [token(rng, max_id) for _ in range(n)]
+        case["appends"].insert(0, [token(rng, max_id) for _ in range(bs)])
     elif n and rng.random() < 0.4:
         case["mm"] = mm_items(rng, n, bs)
     return case
 
 
-def cases_for(rng: random.Random) -> list[dict[str, Any]]:
-    return [random_case(rng, algo) for algo in ALGORITHMS for _ in range(CASES_PER_ALGO)]
+def cases_for(rng: random.Random, release: str) -> list[dict[str, Any]]:
+    """Random cases for ``release``, whose token ids pdpatch's rules bound (0.34+: int32), and
+    where that bound is below this library's, one id just past it in a prompt and in a decode
+    append: the release must refuse both, as pdpatch does."""
+    max_id = format_for(release).max_token_id
+    cases = [random_case(rng, algo, max_id) for algo in ALGORITHMS for _ in range(CASES_PER_ALGO)]
+    if max_id < 2**64 - 1:
+        base = {"algo": "sha256", "block_size": 2, "seed": "0"}
+        cases.append({**base, "prompt": [1, max_id + 1], "appends": [], "refused": True})
+        cases.append({**base, "prompt": [1, max_id], "appends": [[max_id + 1]], "refused": True})
+    return cases
 
 
 # ---------------------------------------------------------------------------- pdpatch's side
@@ -185,13 +201,15 @@ def runs() -> tuple[int, dict[str, Any], dict[str, Any]]:
         pytest.skip(f"no vLLM source tree under {SOURCES_ROOT} (scripts/fetch_vllm_sources.sh)")
     seed = random.SystemRandom().randrange(2**32)
     rng = random.Random(seed)
-    payloads = {v: {"cases": cases_for(rng)} for v in present}
+    payloads = {v: {"cases": cases_for(rng, v)} for v in present}
     return seed, payloads, run_releases(present, "release_hashing", "drive", payloads)
 
 
 def test_every_minor_from_0_10_2_is_listed() -> None:
+    """Every minor from 0.10 through the newest release pdpatch supports, once."""
+    newest = vllm_sites.NEWEST_SUPPORTED.release[:2]
     minors = sorted(Version(v).release[:2] for v in RELEASES)
-    assert minors == [(0, m) for m in range(10, 33)], minors
+    assert minors == [(0, m) for m in range(10, newest[1] + 1)], minors
     assert RELEASES[0] == "0.10.2"
 
 
@@ -203,9 +221,16 @@ def test_random_requests_match_the_releases_own_hasher(release, runs) -> None:
     got = results[release].check()
     assert got["vllm"].split("+")[0] == release
     assert sorted(got["algorithms"]) == sorted(format_for(release).algorithms)
+    # the largest token id the release's own Request holds is the bound pdpatch has for it
+    assert got["max_token_id"] == format_for(release).max_token_id, got["max_token_id"]
     compared = 0
     for case, theirs in zip(payloads[release]["cases"], got["results"], strict=True):
         where = f"vLLM {release}, run seed {seed}, case {json.dumps(case)}"
+        if case.get("refused"):
+            assert "OverflowError" in theirs.get("error", ""), f"{where}: {theirs}"
+            with pytest.raises(InputError, match="int32"):
+                ours(release, case)
+            continue
         assert "error" not in theirs, f"{where}: vLLM raised {theirs['error']}"
         if theirs.get("skipped"):
             if case["algo"] not in got["algorithms"]:
@@ -220,7 +245,8 @@ def test_random_requests_match_the_releases_own_hasher(release, runs) -> None:
         assert {k: theirs.get(k) for k in mine} == mine, where
         compared += 1
     # most cases of the release's algorithms compare keys (not only refusals and skips)
-    offered = [c for c in payloads[release]["cases"] if c["algo"] in got["algorithms"]]
+    offered = [c for c in payloads[release]["cases"]
+               if c["algo"] in got["algorithms"] and not c.get("refused")]
     assert compared >= len(offered) // 4, (compared, len(offered))
 
 

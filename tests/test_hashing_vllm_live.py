@@ -1,10 +1,13 @@
-"""pdpatch.hashing against REAL vLLM 0.33 hashing, live, on randomized inputs.
+"""pdpatch.hashing against the REAL hashing of the installed vLLM (0.34.0 in the test venv), live,
+on randomized inputs.
 
 Every example builds a real ``vllm.v1.request.Request`` with vLLM's own block hasher
 (``get_request_block_hasher`` + ``init_none_hash`` under the example's PYTHONHASHSEED), appends
 decode tokens with ``append_output_token_ids``, and demands that ``BlockKeyHasher`` produce the
 same ``request.block_hashes``.  Both sides get the *same* string objects, so pickle's identity
-memo sees the same structure.
+memo sees the same structure.  Token ids are drawn up to what the release's ``Request`` holds
+(:attr:`~pdpatch.hashing.formats.HashFormat.max_token_id`: int32 from 0.34), and
+:func:`test_token_id_bound_is_the_releases` shows that bound is the release's own.
 """
 
 from __future__ import annotations
@@ -32,19 +35,23 @@ from vllm.v1.utils import tensor_data  # noqa: E402
 from pdpatch.hashing import (  # noqa: E402
     ALGORITHMS,
     BlockKeyHasher,
+    InputError,
     KeyConfig,
     LoraSpec,
     MMItem,
     PromptEmbeds,
     block_keys,
     coarse_keys,
+    format_for,
     to_event_extra_keys,
     to_event_int,
 )
 from pdpatch.hashing.key_params import build_params, compare, parse_params  # noqa: E402
 from pdpatch.hashing.request_adapter import hasher_for_request  # noqa: E402
+from pdpatch.versions import release_of, vllm_version  # noqa: E402
 
-VERSION = "0.33.0"
+VERSION = str(release_of(vllm_version()))
+MAX_ID = format_for(VERSION).max_token_id
 
 
 def cfg(algo: str, bs: int, seed: str | None = "0", **over) -> KeyConfig:
@@ -57,9 +64,9 @@ LIVE = settings(max_examples=60, deadline=None,
 
 token = st.one_of(st.integers(0, 23), st.integers(24, 255), st.integers(256, 65535),
                   st.integers(65536, 262143), st.sampled_from(
-                      [0, 23, 24, 255, 256, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1, 2**32,
-                       2**63 - 1, 2**64 - 1]),
-                  st.integers(262144, 2**64 - 1))
+                      [t for t in (0, 23, 24, 255, 256, 65535, 65536, 2**31 - 1, 2**31,
+                                   2**32 - 1, 2**32, 2**63 - 1, 2**64 - 1) if t <= MAX_ID]),
+                  st.integers(262144, MAX_ID))
 name = st.text(min_size=1, max_size=10)
 seed = st.sampled_from(["0", "", "random", "00", "424242"])
 
@@ -173,6 +180,26 @@ def test_prompt_embeds_match_vllm(algo, bs, rows, cols, dtype, appends) -> None:
     assert ours.keys == req.block_hashes
 
 
+def test_token_id_bound_is_the_releases() -> None:
+    """The release's Request holds ``MAX_ID`` and, below this library's own bound, refuses the
+    next id -- in the prompt and in a decode append -- as pdpatch does for that release."""
+    req = vllm_request("sha256", "0", 1, [MAX_ID])
+    req.append_output_token_ids([MAX_ID])
+    ours = BlockKeyHasher(cfg("sha256", 1), [MAX_ID])
+    ours.extend([MAX_ID])
+    assert ours.keys == req.block_hashes
+    if MAX_ID == 2**64 - 1:
+        return
+    with pytest.raises(OverflowError):
+        vllm_request("sha256", "0", 1, [1, MAX_ID + 1])
+    with pytest.raises(OverflowError):
+        vllm_request("sha256", "0", 1, [1]).append_output_token_ids([MAX_ID + 1])
+    with pytest.raises(InputError, match="int32"):
+        BlockKeyHasher(cfg("sha256", 1), [1, MAX_ID + 1])
+    with pytest.raises(InputError, match="int32"):
+        BlockKeyHasher(cfg("sha256", 1), [1]).extend([MAX_ID + 1])
+
+
 @pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
 def test_default_seed_matches_vllm(algo: str) -> None:
     toks = list(range(1000, 1100))
@@ -223,6 +250,29 @@ def test_request_adapter_reads_real_requests(algo, bs, data) -> None:
     req.append_output_token_ids([1, 2, 3])  # P has sampled a token: not part of the prompt
     prompt_blocks = len(prompt) // bs
     assert hasher_for_request(config, req).keys == req.block_hashes[:prompt_blocks]
+
+
+@LIVE
+@given(algo=st.sampled_from(ALGORITHMS), bs=st.integers(1, 9), data=st.data())
+def test_request_adapter_prefix_keeps_the_releases_keys(algo, bs, data) -> None:
+    """The first ``upto`` prompt tokens (what a prefill engine that stops short computes, or what
+    a decode engine loads): multimodal items cut there and embeddings to its rows give the
+    release's own keys of the blocks before it."""
+    from pdpatch.hashing.request_adapter import prompt_tokens, request_inputs
+
+    n = data.draw(st.integers(1, 6 * bs + 3))
+    prompt = data.draw(st.lists(st.integers(0, 262143), min_size=n, max_size=n))
+    mm = data.draw(mm_items(n))
+    upto = data.draw(st.integers(1, n))
+    req = vllm_request(algo, "0", bs, list(prompt), mm=mm, lora=LoraSpec("ad", "/ad"))
+    h = cfg(algo, bs).hasher(prompt_tokens(req, upto), **request_inputs(req, upto=upto))
+    assert h.keys == req.block_hashes[:upto // bs]
+    assert all(i.offset + i.length <= upto for i in h.extra.mm)
+    embeds = torch.arange(n * 3, dtype=torch.float32).reshape(n, 3).to(torch.bfloat16)
+    req = vllm_request(algo, "0", bs, None, embeds=embeds)
+    h = cfg(algo, bs).hasher(prompt_tokens(req, upto), **request_inputs(
+        req, upto=upto, embeds_bytes=lambda t: bytes(tensor_data(t))))
+    assert h.keys == req.block_hashes[:upto // bs]
 
 
 def test_request_adapter_prompt_embeds() -> None:

@@ -1,6 +1,6 @@
 """vLLM-compatible prefix-cache block keys, computed without importing vLLM.
 
-The keys a vLLM server (0.10.2 .. 0.33) puts in ``request.block_hashes`` and in KV events,
+The keys a vLLM server (0.10.2 .. 0.34) puts in ``request.block_hashes`` and in KV events,
 byte for byte, for all four ``--prefix-caching-hash-algo`` values, with LoRA, multimodal,
 cache-salt and prompt-embeds extra keys, the NONE_HASH seed rules of each release, coarse keys
 for hybrid models and the KV-event integer form.  Golden fixtures captured from real vLLM

@@ -187,7 +187,8 @@ class ExtraKeys:
         return not self.mm and self.prompt_embeds is None
 
     def mm_keys(self, start: int, end: int, start_mm_idx: int) -> tuple[list[Any], int]:
-        """Port of ``_gen_mm_extra_hash_keys`` (0.10.2 .. 0.33)."""
+        """Port of ``_gen_mm_extra_hash_keys`` (0.10.2 .. 0.34; 0.34.0 kv_cache_utils.py L518,
+        unchanged from 0.33)."""
         keys: list[Any] = []
         items = self.mm
         if not items:
@@ -247,8 +248,9 @@ class ExtraKeys:
 
     def lookahead_block(self, start: int, end: int, hash_end: int, mm_idx: int
                         ) -> tuple[tuple[Any, ...] | None, int]:
-        """``generate_lookahead_block_hash_extra_keys`` (0.33): keys of ``[start, hash_end)``,
-        then rewind the MM index to items that still overlap the next block."""
+        """``generate_lookahead_block_hash_extra_keys`` (0.33+; 0.34.0 kv_cache_utils.py L1060,
+        unchanged from 0.33): keys of ``[start, hash_end)``, then rewind the MM index to items
+        that still overlap the next block."""
         keys, mm_idx = self.block(start, hash_end, mm_idx)
         while mm_idx > 0:
             if self.mm[mm_idx - 1].end <= end:

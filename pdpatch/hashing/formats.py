@@ -1,11 +1,15 @@
 """Which block-hash rules a vLLM release used, as data.
 
 Every rule here was read from the wheels' own ``vllm/v1/core/kv_cache_utils.py`` and
-``vllm/utils/hashing.py`` (every release 0.10.2 .. 0.33.0; see
-``scripts/make_hash_fixtures.py``).  A peer's
-keys can only be reproduced with the rules of the release it runs, so every entry point takes a
-``vllm_version`` (there is no default: a wrong release gives keys that look right and never
-match) and resolves it here once.
+``vllm/utils/hashing.py`` (every release 0.10.2 .. 0.34.0; see
+``scripts/make_hash_fixtures.py``).  0.34 hashes exactly as 0.33 (``hash_block_tokens``, the
+extra-key functions and ``vllm/utils/hashing.py`` unchanged; the block's tokens are read through
+``token_slice`` of an int32 ``TokenBuffer``, 0.34.0 kv_cache_utils.py L1020-1023, and made a
+tuple of the same ints, L730) but holds token ids as int32 (:attr:`HashFormat.max_token_id`).
+
+A peer's keys can only be reproduced with the rules of the release it runs, so every entry point
+takes a ``vllm_version`` (there is no default: a wrong release gives keys that look right and
+never match) and resolves it here once.
 
 Releases before 0.10.2 (integer-valued hashes, the ``builtin`` algorithm) are not supported.
 Releases newer than the last one verified use its rules and say so through ``verified``.
@@ -22,6 +26,7 @@ from packaging.version import InvalidVersion, Version
 
 from pdpatch import versions, vllm_sites
 from pdpatch.hashing.errors import KeyConfigError, shown
+from pdpatch.hashing.inputs import MAX_TOKEN_ID
 
 logger = logging.getLogger("pdpatch.hashing")
 
@@ -67,6 +72,11 @@ class HashFormat:
     """0.29+: with PYTHONHASHSEED unset, sha256/sha256_cbor seed with ``"vllm-none-hash"``."""
     lookahead: bool
     """0.33+: EAGLE lookahead keys exist (off whenever a KV connector is configured)."""
+    max_token_id: int
+    """The largest token id the release's ``Request`` holds: any int up to 0.33 (this
+    library's bound, 2**64-1), 2**31-1 from 0.34, whose prompt and all-token ids are int32
+    ``TokenBuffer``s (0.34.0 token_buffer.py L20-33, request.py L139-163, L287-296: a larger id
+    raises ``OverflowError`` there)."""
 
     @property
     def key_format(self) -> str:
@@ -138,6 +148,7 @@ def _format_for(release: Version) -> HashFormat:
         coarse_view="last" if at_least("0.24") else "concat" if at_least("0.12") else "none",
         default_seed_for_crypto=at_least("0.29"),
         lookahead=at_least("0.33"),
+        max_token_id=2**31 - 1 if at_least("0.34") else MAX_TOKEN_ID,
     )
 
 

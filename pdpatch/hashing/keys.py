@@ -20,10 +20,10 @@ from typing import Any
 from pdpatch.hashing.algorithms import Algorithm
 from pdpatch.hashing.config import KeyConfig
 from pdpatch.hashing.encoders import chain
-from pdpatch.hashing.errors import KeyConfigError
+from pdpatch.hashing.errors import InputError, KeyConfigError
 from pdpatch.hashing.extra_keys import ExtraKeys, LoraSpec, MMItem, PromptEmbeds
 from pdpatch.hashing.formats import HashFormat, format_for
-from pdpatch.hashing.inputs import token_ids
+from pdpatch.hashing.inputs import MAX_TOKEN_ID, token_ids
 from pdpatch.hashing.seed import ResolvedSeed
 
 EVENT_INT_MASK = (1 << 64) - 1
@@ -64,7 +64,8 @@ class BlockKeyHasher:
 
     def extend(self, tokens: Iterable[int]) -> list[bytes]:
         """Append tokens (``Request.append_output_token_ids``) and return the new keys."""
-        self.tokens.extend(token_ids(tokens, len(self.tokens)))
+        self.tokens.extend(held_ids(self.format, token_ids(tokens, len(self.tokens)),
+                                    len(self.tokens)))
         new = self._call()
         self.keys.extend(new)
         return new
@@ -115,8 +116,18 @@ def hashed_inputs(fmt: HashFormat, prompt: Iterable[int] = (), **request_inputs:
     """A request's validated inputs as ``fmt`` hashes them, without hashing anything: the
     prompt's token ids (a copy: :meth:`BlockKeyHasher.extend` appends to it) and its extra
     keys (``request_inputs``: lora, mm, cache_salt, prompt_embeds)."""
-    tokens = list(token_ids(prompt))
+    tokens = list(held_ids(fmt, token_ids(prompt)))
     return tokens, ExtraKeys(fmt, prompt_length=len(tokens), **request_inputs)
+
+
+def held_ids(fmt: HashFormat, ids: list[int], first_position: int = 0) -> list[int]:
+    """``ids`` (checked by :func:`~pdpatch.hashing.inputs.token_ids`), or an InputError where
+    ``fmt``'s release cannot hold one of them (0.34+: int32 token ids)."""
+    if fmt.max_token_id < MAX_TOKEN_ID and ids and max(ids) > fmt.max_token_id:
+        i = next(i for i, t in enumerate(ids) if t > fmt.max_token_id)
+        raise InputError(f"token id #{first_position + i} is {ids[i]}: vLLM {fmt.release} holds "
+                         f"token ids as int32 (at most {fmt.max_token_id}) and refuses it")
+    return ids
 
 
 def block_keys(tokens: Iterable[int], config: KeyConfig, **request_inputs: Any
