@@ -1,4 +1,5 @@
-"""pdpatch's vLLM-ordered descriptor tables equal REAL vLLM 0.33 output for equal layouts.
+"""pdpatch's vLLM-ordered descriptor tables equal the REAL installed vLLM's (0.33+: Nx5 strided
+rows) output for equal layouts.
 
 The functions under comparison are vLLM's own: the static ``_block_strided_descs``, and the
 ``_build_fa_remote`` / ``_compute_desc_ids`` methods run on a ``NixlBaseConnectorWorker``
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from kv_helpers import LayoutSpec, build_side
 
+from pdpatch import vllm_sites
 from pdpatch.kv import HeadSlice, PairPlan, infer_geometry
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -93,8 +95,12 @@ def test_desc_ids_equal_vllm_compute_desc_ids(ratio) -> None:
     rids = [19, 0, 3, 4, 11, 12][: len(lids) * ratio]
     w = seeded_worker([la.segments[0].length for la in local.layers], L)
     mapped_local = (np.asarray(lids)[:, None] * ratio + np.arange(ratio)).ravel()[: len(rids)]
-    stock_remote = w._compute_desc_ids([rids], n_remote, None, 1)
-    stock_local = w._compute_desc_ids([mapped_local.tolist()], n_local, ratio, 1)
+    # 0.34 names the block list each region reads: pairs=(regions, keys), every region here
+    # reading the one group's (base_worker.py L170-179, vllm_sites.REGIONS_PAIRED_BY_LAYER)
+    group = {"pairs": (list(range(L)), [0] * L)} if \
+        vllm_sites.running_release() in vllm_sites.REGIONS_PAIRED_BY_LAYER else {}
+    stock_remote = w._compute_desc_ids([rids], n_remote, None, 1, **group)
+    stock_local = w._compute_desc_ids([mapped_local.tolist()], n_local, ratio, 1, **group)
     ours_local, ours_remote = pair.desc_ids(lids, rids)
     assert np.array_equal(ours_remote, stock_remote)
     assert np.array_equal(ours_local, stock_local)

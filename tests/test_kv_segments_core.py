@@ -1,6 +1,7 @@
-"""``kv_segments`` building blocks against real vLLM 0.33 objects (no workers): head slices vs
-vLLM's own ``compute_tp_mapping``, the scoped wire classes and msgspec, the hash alternates,
-the shadow metadata, the descriptor cross-check, and the 5-D heads-dim inference it needs."""
+"""``kv_segments`` building blocks against the installed vLLM's real objects (no workers): head
+slices vs vLLM's own ``compute_tp_mapping``, the scoped wire classes and msgspec, the hash
+alternates, the shadow metadata, the descriptor cross-check, and the 5-D heads-dim inference
+it needs."""
 
 from __future__ import annotations
 
@@ -254,6 +255,8 @@ def test_patch_targets_per_release() -> None:
     assert names("0.25.1") == [*common, "add_remote_agent", "_build_fa_remote"]
     assert names("0.28.0") == [*common, "add_remote_agent"]          # no split path left
     assert names("0.33.0") == [*common, "restore_kv_caches", "add_remote_agent"]
+    # 0.34: the same five sites; _build_fa_remote (now taking local_region_ids) stays unwrapped
+    assert names("0.34.0") == [*common, "restore_kv_caches", "add_remote_agent"]
 
 
 def test_settings_readers_and_the_names_the_staging_agent_reports() -> None:

@@ -1,8 +1,8 @@
 """Real vLLM NIXL workers with real attention-backend layouts, for the ``kv_segments`` tests.
 
-No tests here: the helpers are shared by ``test_kv_segments_workers.py`` (vLLM 0.33 in process)
-and the old-release runs (``versions_harness.run_in_release`` imports this module under a
-release's source tree).  Built on ``robust_worker`` (configs, KV-cache config, the
+No tests here: the helpers are shared by ``test_kv_segments_workers.py`` (the installed vLLM in
+process) and the old-release runs (``versions_harness.run_in_release`` imports this module under
+a release's source tree).  Built on ``robust_worker`` (configs, KV-cache config, the
 ``RecordingNixlWrapper`` in vLLM's FakeNixlWrapper style, request metadata, step pumping); what
 is added:
 
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 from unittest.mock import patch
 
+import kvc_harness
 import msgspec
 import robust_worker as rw
 import torch
@@ -57,7 +58,7 @@ def version() -> Version:
 
 
 def backend_class(name: str) -> type:
-    """A real vLLM attention backend class by name (importable on CPU in 0.19-0.33)."""
+    """A real vLLM attention backend class by name (importable on CPU in 0.19-0.34)."""
     module, cls = {
         "FLASH_ATTN": ("vllm.v1.attention.backends.flash_attn", "FlashAttentionBackend"),
         "TRITON_ATTN": ("vllm.v1.attention.backends.triton_attn", "TritonAttentionBackend"),
@@ -82,20 +83,23 @@ def physical_order(backend: type, shape: tuple[int, ...]) -> tuple[tuple[int, ..
     return tuple(shape[i] for i in order), [order.index(i) for i in range(len(order))]
 
 
-def allocate(backend: type, num_blocks: int, block_size: int, heads: int, seed: int,
-             layers: list[str], token_major: bool = False) -> dict[str, torch.Tensor]:
+def allocate(backend: type, num_blocks: int, block_size: int, heads: int | dict[str, int],
+             seed: int, layers: list[str], token_major: bool = False
+             ) -> dict[str, torch.Tensor]:
     """Random KV tensors allocated like vLLM's model runner: physical order from the backend's
     stride order (0.29+: from the layout, ``token_major`` LBNHC), then permuted back to the
-    logical shape."""
-    shape = logical_shape(backend, num_blocks, block_size, heads)
-    if token_major and not hasattr(backend, "get_kv_cache_shape"):
-        # 0.29+: the packed page (N, H, bs, 2D) with its bytes in (N, bs, H, 2D) order
-        physical, inverse = (shape[0], shape[2], shape[1], shape[3]), [0, 2, 1, 3]
-    else:
-        physical, inverse = physical_order(backend, shape)
+    logical shape; ``heads`` per layer where a dict; one tensor per layer, in ``layers``'
+    order (the ``kv_caches`` dict order)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name in layers:
+        h = heads[name] if isinstance(heads, dict) else heads
+        shape = logical_shape(backend, num_blocks, block_size, h)
+        if token_major and not hasattr(backend, "get_kv_cache_shape"):
+            # 0.29+: the packed page (N, H, bs, 2D) with its bytes in (N, bs, H, 2D) order
+            physical, inverse = (shape[0], shape[2], shape[1], shape[3]), [0, 2, 1, 3]
+        else:
+            physical, inverse = physical_order(backend, shape)
         raw = torch.randint(-30000, 30000, physical, dtype=torch.int16, generator=gen)
         out[name] = raw.view(DTYPE).permute(*inverse)
     return out
@@ -193,14 +197,39 @@ def runtime(tp_rank: int, tp_size: int, backend: type, layout: str | None = None
         yield mod
 
 
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+
+
+def _kv_cache_config(num_blocks: int, layers: list[str], block_size: int,
+                     heads: int | dict[str, int]) -> Any:
+    """One KV-cache group of every layer, or (``heads`` per layer) one group per distinct head
+    count, as vLLM groups layers of different specs (all full attention: no HMA)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    def spec(h: int) -> Any:
+        return FullAttentionSpec(block_size=block_size, num_kv_heads=h, head_size=HEAD_DIM,
+                                 dtype=DTYPE)
+
+    if not isinstance(heads, dict):
+        return rw.kv_cache_config(num_blocks, layers, spec(heads))
+    groups = {h: [n for n in LAYERS if heads[n] == h] for h in sorted(set(heads.values()))}
+    tensors = [t for h, names in groups.items()
+               for t in kvc_harness.kv_cache_tensors(num_blocks, spec(h).page_size_bytes, names)]
+    return KVCacheConfig(num_blocks, tensors,
+                         [KVCacheGroupSpec(names, spec(h)) for h, names in groups.items()])
+
+
 def build(engine_id: str, role: str, backend: str, *, num_blocks: int = 12,
           kv_heads: int = 2, tp_rank: int = 0, tp_size: int = 1, block_size: int = 16,
           seed: int = 0, extra: dict | None = None, layout: str | None = None,
-          env: dict[str, str] | None = None, permute: bool = False) -> Side:
+          env: dict[str, str] | None = None, permute: bool = False,
+          layer_heads: dict[str, int] | None = None, cache_order: list[str] | None = None
+          ) -> Side:
     """A real worker of the running release with ``backend``'s KV tensors registered
-    (``env``: environment while it is built, e.g. pdpatch settings of that engine)."""
+    (``env``: environment while it is built, e.g. pdpatch settings of that engine;
+    ``layer_heads``: KV heads per layer where they differ; ``cache_order``: the order of the
+    ``kv_caches`` dict the model runner hands the worker, layer order by default)."""
     from vllm.config import set_current_vllm_config
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     cfg = rw.vllm_config("llama", kv_heads, role, tp_size, extra)
     cfg.cache_config.block_size = block_size
@@ -209,18 +238,19 @@ def build(engine_id: str, role: str, backend: str, *, num_blocks: int = 12,
     if layout is not None and version() >= vllm_sites.LAYOUT_5D_NAMES_FROM:
         # 0.29+ read the layout EngineCore resolved into the config, not get_kv_cache_layout
         cfg.cache_config.kv_cache_layout = vllm_sites.layout_names(version())[not token_major]
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
-    heads = max(1, kv_heads // tp_size)
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=HEAD_DIM,
-                             dtype=DTYPE)
-    kvc = rw.kv_cache_config(num_blocks, layers, spec)
+    layers = list(cache_order or LAYERS)
+    heads: int | dict[str, int] = max(1, kv_heads // tp_size)
+    if layer_heads is not None:
+        heads = {n: max(1, h // tp_size) for n, h in layer_heads.items()}
+    kvc = _kv_cache_config(num_blocks, layers, block_size, heads)
     cls = backend_class(backend)
     with runtime(tp_rank, tp_size, cls, layout), set_current_vllm_config(cfg), \
             patch("threading.Thread"), patch.dict(os.environ, env or {}):
         worker = rw.worker_class()(cfg, engine_id, kvc)
         caches = allocate(cls, num_blocks, block_size, heads, seed, layers, token_major)
         worker.register_kv_caches(caches)
-    return Side(worker, caches, backend, block_size, heads, tp_rank, tp_size)
+    most = max(heads.values()) if isinstance(heads, dict) else heads
+    return Side(worker, caches, backend, block_size, most, tp_rank, tp_size)
 
 
 # ----------------------------------------------------------------------- real handshake
@@ -272,7 +302,7 @@ def serve(ranks: dict[int, Side]) -> Served:
     for rank, side in ranks.items():
         blob = encoder.encode(side.worker.xfer_handshake_metadata)
         data[rank] = blob
-        data[(0, rank)] = blob          # 0.33 keys by (pp rank, tp rank)
+        data[(0, rank)] = blob          # 0.33+ key by (pp rank, tp rank)
     fn = _listener()
     ready, stop = threading.Event(), threading.Event()
     params = list(inspect.signature(fn).parameters)
@@ -315,19 +345,32 @@ def record_handshake_errors(worker: Any) -> list[str]:
 # ----------------------------------------------------------------------------- scenario
 
 
+def proxy_params(d: Side, p: Side, remote_ids: list[int]) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a P/D proxy forwards from P besides the block ids and the
+    peer's address: ``remote_num_tokens`` (the tokens P computed, here its blocks full), which
+    P sends from 0.22 and 0.34's decode worker requires where the engines' block sizes differ
+    (0.34.0 pull_worker.py L188-204 declines the READ without it; earlier releases read it
+    only in region-mapped pulls or not at all)."""
+    if d.block_size == p.block_size:
+        return {}
+    return {"remote_num_tokens": p.block_size * len(remote_ids)}
+
+
 def pull(d: Side, p_ranks: dict[int, Side], local_ids: list[int], remote_ids: list[int],
-         req: str = "req-1", timeout: float = 30.0) -> dict[str, Any]:
+         req: str = "req-1", timeout: float = 30.0, groups: int = 1) -> dict[str, Any]:
     """D pulls ``remote_ids`` of P (engine of ``p_ranks``) into ``local_ids`` through vLLM's own
-    ``start_load_kv`` -> background handshake -> ``_read_blocks``; returns what happened."""
+    ``start_load_kv`` -> background handshake -> ``_read_blocks``, the same ids in each of
+    ``groups`` KV-cache groups; returns what happened."""
     served = serve(p_ranks)
     p0 = next(iter(p_ranks.values()))
     errors = record_handshake_errors(d.worker)
     before = {n: t.view(torch.int16).clone() for n, t in d.caches.items()}
     try:
-        meta = rw.recv_metadata([{"req_id": req, "local_ids": [local_ids],
-                                  "remote_ids": [remote_ids],
+        meta = rw.recv_metadata([{"req_id": req, "local_ids": [local_ids] * groups,
+                                  "remote_ids": [remote_ids] * groups,
                                   "engine": p0.worker.engine_id, "port": served.port,
-                                  "tp_size": p0.tp_size}])
+                                  "tp_size": p0.tp_size,
+                                  "params": proxy_params(d, p0, remote_ids)}])
         crash = rw.step(d.worker, meta)
         acc, crash2 = rw.run_until(
             d.worker, lambda a: req in set(a["done_recving"]) | set(a["failed_recving"])
@@ -485,6 +528,61 @@ def scenario_pair_reorder(d_env: dict[str, str], d_backend: str = D_BACKEND,
         out["mismatches"] = compare_ratio(d, p, 1, [4, 5])
     out["permute_flag"] = bool(d.worker.kv_transfer_config.enable_permute_local_kv)
     out["stats"] = _stats()
+    return out
+
+
+def scenario_layer_order(reverse_p: bool = True, d_extra: dict | None = None
+                         ) -> dict[str, Any]:
+    """A mixed pair (FlashAttention P, Triton D) whose layers differ -- 2 KV heads in layer 0,
+    1 in layer 1 (two KV-cache groups, as vLLM groups layers of different specs) -- and whose
+    P hands its worker the ``kv_caches`` dict in the other order (``reverse_p``).  vLLM pairs
+    the layers by name (0.34+), or by position in name order (0.30-0.33, regions sorted by
+    ``_region_sort_key``), so layer 0 meets layer 0; by position in dict order (0.29; 0.26-0.28
+    register no layers of different sizes) it would pair layer 1 of P with layer 0 of D.
+    pdpatch's check must compare the pairs the release transfers: P's advertised geometry
+    lists its layers in its dict order.
+    ``d_extra``: D's ``kv_connector_extra_config`` (stock with the hash check off shows what
+    the release itself does with the pair)."""
+    _reset()
+    heads = {LAYERS[0]: 2, LAYERS[1]: 1}
+    order = LAYERS[::-1] if reverse_p else LAYERS
+    p = build("prefill", "kv_producer", P_BACKEND, num_blocks=12, seed=1, layer_heads=heads,
+              cache_order=order)
+    d = build("decode", "kv_consumer", D_BACKEND, num_blocks=10, seed=2, layer_heads=heads,
+              extra=d_extra)
+    out = pull(d, {0: p}, [1, 2, 3], [4, 5, 6], groups=len(set(heads.values())))
+    out["mismatches"] = compare(d, p, [(1, 4), (2, 5), (3, 6)])
+    advertised = msgspec.msgpack.decode(
+        p.worker.xfer_handshake_metadata.agent_metadata_bytes).get("pdpatch_kv_geometry")
+    out["advertised_names"] = (advertised or {}).get("names")
+    out["stats"] = _stats()
+    return out
+
+
+def scenario_readd_known_rank(coalesce: bool = False) -> dict[str, Any]:
+    """After a mixed pair's pull, vLLM's ``add_remote_agent`` is called again for the same
+    peer rank (as vLLM's own tests do): the release returns the agent it has and does nothing
+    else (its ``_remote_agents`` keyed by rank up to 0.25, by ``(pp rank, tp rank)`` from
+    0.26), so pdpatch must neither plan, count nor stage that peer a second time."""
+    _reset()
+    p = build("prefill", "kv_producer", P_BACKEND, num_blocks=12, seed=1)
+    backend = P_BACKEND if coalesce else D_BACKEND
+    d = build("decode", "kv_consumer", backend, num_blocks=10, seed=2)
+    out = pull(d, {0: p}, [1, 2, 3], [4, 5, 6])
+    out["mismatches"] = compare(d, p, [(1, 4), (2, 5), (3, 6)])
+    out["stats"] = _stats()
+    meta = msgspec.msgpack.Decoder(rw.worker_module().NixlAgentMetadata).decode(
+        p.worker.xfer_handshake_metadata.agent_metadata_bytes)
+    agents = d.worker._remote_agents[meta.engine_id]
+    dlists = len(d.worker.nixl_wrapper.dlists)
+    try:
+        again = d.worker.add_remote_agent(meta, 0, 1)
+        out["readd_error"] = None
+    except Exception as exc:
+        again, out["readd_error"] = None, f"{type(exc).__name__}: {exc}"
+    out["readd_same_agent"] = again in set(agents.values())
+    out["readd_new_dlists"] = len(d.worker.nixl_wrapper.dlists) - dlists
+    out["stats_after"] = _stats()
     return out
 
 
@@ -676,7 +774,7 @@ def scenario_globals() -> dict[str, Any]:
 
 
 def scenario_restore() -> dict[str, Any]:
-    """0.33 sleep/wake: ``restore_kv_caches`` re-encodes the metadata through vLLM's class; the
+    """0.33+ sleep/wake: ``restore_kv_caches`` re-encodes the metadata through vLLM's class; the
     advertisement must survive it."""
     _reset()
     p = build("prefill", "kv_producer", P_BACKEND, num_blocks=12, seed=1)
@@ -734,6 +832,12 @@ SCENARIOS = {
                                                              d_block_size=32),
     "pair_reorder_ratio_fused": lambda: scenario_pair_reorder(
         {"PDPATCH_LAYOUT_FORCE": "1"}, D_BACKEND, d_block_size=32, p_backend=D_BACKEND),
+    "layer_order": scenario_layer_order,
+    "layer_order_same": lambda: scenario_layer_order(reverse_p=False),
+    "layer_order_no_enforce": lambda: scenario_layer_order(
+        d_extra={"enforce_handshake_compat": False}),
+    "readd_known_rank": scenario_readd_known_rank,
+    "readd_known_rank_coalesced": coalesced(lambda: scenario_readd_known_rank(coalesce=True)),
     "tp_up": scenario_tp_up,
     "tp_down": scenario_tp_down,
     # head-major P, token-major D (kvcached's layout, forced by pdpatch) with TP on either side

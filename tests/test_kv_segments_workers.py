@@ -1,5 +1,5 @@
-"""``kv_segments`` on real vLLM NIXL workers: 0.33 in process, older releases from their source
-trees (``versions_harness``).
+"""``kv_segments`` on real vLLM NIXL workers: the installed release (0.34) in process, older
+releases from their source trees (``versions_harness``).
 
 A FlashAttention prefill and a decode with FlashInfer's layout (Triton: blocks-first
 ``(N, 2, bs, H, D)`` up to 0.25, like FlashInfer; FlashInfer itself needs its CUDA package)
@@ -17,8 +17,9 @@ What each release family shows (see ``test_kv_segments_harness`` for the scenari
   ``_build_fa_remote``;
 * 0.23-0.25: both blocks-first, only the backend name differs (mixed names accepted after the
   geometry check);
-* 0.26+ (0.28, 0.33): packed K|V for every backend, mixed names accepted when the packed
-  geometry pairs exactly.
+* 0.26+ (0.28, 0.33, 0.34): packed K|V for every backend, mixed names accepted when the packed
+  geometry of the layers the release pairs -- by position up to 0.33 (in layer-name order from
+  0.30), by layer name from 0.34 -- pairs exactly.
 """
 
 from __future__ import annotations
@@ -27,13 +28,16 @@ from typing import Any
 
 import pytest
 from packaging.version import Version
-from versions_harness import releases_in, run_in_release
+from versions_harness import INSTALLED, releases_in, run_in_release
 
 from pdpatch import installer, vllm_sites
 from pdpatch.patches import kv_segments
 
 SPLIT_ERA = Version("0.23")      # FlashAttention blocks-first from 0.23
 PACKED_ERA = Version("0.26")
+# Layers of different sizes register from 0.29 (0.26-0.28 assert "All non-MLA kv cache tensors
+# must have the same size", 0.26.0 base_worker.py L1169)
+UNEVEN_LAYERS = Version("0.29")
 TRITON_HND = Version("0.20")     # 0.19's Triton ignores the HND layout NIXL asks for
 
 STOCK = ["pair", "pair_no_enforce"]
@@ -47,17 +51,21 @@ REORDER_TP = ["tp_up_reorder", "tp_down_reorder"]     # from 0.20: 0.19 runs tok
 
 def stock_scenarios(version: Version) -> list[str]:
     reorder = version in vllm_sites.RECEIVE_PERMUTE_SOUND
-    return [*STOCK, "pair_reorder_same", "pair_reorder_ratio_same"] if reorder else STOCK
+    names = [*STOCK, "pair_reorder_same", "pair_reorder_ratio_same"] if reorder else STOCK
+    if version >= UNEVEN_LAYERS:
+        names = [*names, "layer_order_no_enforce"]
+    return names
 
 
 # Same-layout peers with PDPATCH_KV_COALESCE (opt-in), FlashAttention on both sides.  Coalescing
 # reads vLLM's own descriptor lists, whose form changed by era; it runs on the last release of
 # each -- 0.19 (single-file connector), 0.22 (split K/V regions), 0.25 (blocks-first), 0.32
-# (packed K|V, lists of tuples) -- and on 0.33 (strided Nx5 rows): the releases between build
-# their lists as these do, so running it there would test the same fact again.
+# (packed K|V, lists of tuples) -- and on 0.33 and 0.34 (strided Nx5 rows; 0.34 routes them
+# through its region pairs): the releases between build their lists as these do, so running it
+# there would test the same fact again.
 COALESCED = ["pair_coalesced", "pair_coalesced_chunked", "tp_up_coalesced", "tp_down_coalesced",
-             "tp_up_coalesced_chunked"]
-COALESCE_ERAS = ("0.19", "0.22", "0.25", "0.32", "0.33")
+             "tp_up_coalesced_chunked", "readd_known_rank_coalesced"]
+COALESCE_ERAS = ("0.19", "0.22", "0.25", "0.32", "0.33", "0.34")
 
 
 def coalesce_era(version: Version) -> bool:
@@ -73,10 +81,12 @@ def patched_scenarios(version: Version) -> list[str]:
                  "span_stock_fields", "advert_ignored",
                  *(n for n in REORDER if n != "pair_reorder_ratio_fused")]
         if coalesce_era(version):
-            names += COALESCED[:2]
-        return [*names, "globals"]
+            names += [*COALESCED[:2], "readd_known_rank_coalesced"]
+        return [*names, "readd_known_rank", "globals"]
     names = ["pair", "pair_reverse", "pair_same", "tp_up", "tp_down", "span_advertised",
-             "span_stock_fields", "advert_ignored"]
+             "span_stock_fields", "advert_ignored", "readd_known_rank"]
+    if version >= UNEVEN_LAYERS:
+        names += ["layer_order"]
     if coalesce_era(version):
         names += COALESCED
     if not PACKED_ERA <= version < Version("0.33"):
@@ -97,18 +107,18 @@ def patched_scenarios(version: Version) -> list[str]:
 
 # Every fetched release in the patch's range: 0.19 (single-file connector) and 0.20 (package)
 # the closure builder; 0.21-0.22 _build_fa_remote with split FlashAttention; 0.23-0.25
-# blocks-first FlashAttention; 0.26+ packed K|V (0.33, in process: the planner and Nx5 strided
-# descriptors).
+# blocks-first FlashAttention; 0.26+ packed K|V (the installed 0.34, in process: the planner,
+# Nx5 strided descriptors, regions paired by layer name).
 OLD = [ver for ver in releases_in(kv_segments.PATCH.versions) if ver != "<none>"]
 _reports: dict[str, dict[str, Any]] = {}
 
 
 def report(key: str) -> dict[str, Any]:
-    """One subprocess per release (in process for the installed 0.33), cached.  ``X+hnd`` is
+    """One subprocess per release (in process for the installed one), cached.  ``X+hnd`` is
     release X under the layout NIXL asks for when X otherwise runs token-major."""
     if key not in _reports:
         ver, _, variant = key.partition("+")
-        if ver == "0.33.0":
+        if ver == INSTALLED:
             import test_kv_segments_harness as h
 
             installer.uninstall()
@@ -132,7 +142,7 @@ def report(key: str) -> dict[str, Any]:
     return _reports[key]
 
 
-VERSIONS = ["0.33.0", *OLD]
+VERSIONS = [INSTALLED, *OLD]
 COALESCE_VERSIONS = [x for x in VERSIONS if coalesce_era(Version(x))]
 
 
@@ -403,7 +413,9 @@ def test_block_size_ratio_into_blocks_first_memory(ver: str) -> None:
     """D blocks of 32 tokens, P blocks of 16, D blocks-first.  vLLM 0.19-0.25 cannot receive
     smaller blocks into blocks-first memory (its V descriptors are not divided by the ratio:
     the stock same-backend pair overruns into the next block, then crashes in the receive
-    post-processing), so pdpatch refuses that pairing by name; on packed 0.33 it works."""
+    post-processing), so pdpatch refuses that pairing by name; on packed 0.33+ it works (0.34
+    with the ``remote_num_tokens`` a proxy forwards from P, which it requires for the pairing
+    of blocks of different sizes)."""
     out = scenario(ver, "patched", "block_ratio")
     if v(ver) < PACKED_ERA:
         refused(out, "GeometryMismatch", "blocks-first", "block-size ratio")
@@ -439,6 +451,53 @@ def test_not_interchangeable_backends_stay_rejected(ver: str) -> None:
     assert out["stats"]["hash_alternates_accepted"] == 0
 
 
+@pytest.mark.parametrize("ver", [x for x in VERSIONS if v(x) >= UNEVEN_LAYERS])
+def test_mixed_pair_is_checked_on_the_layers_the_release_pairs(ver: str) -> None:
+    """Layers of different sizes (2 KV heads, then 1), P's ``kv_caches`` dict in the other
+    order, so P advertises its layers as ``[layers.1, layers.0]``.  From 0.30 the release
+    pairs them by layer name -- by position in name order (0.30-0.33), through
+    ``region_members`` (0.34+) -- and serves the pair byte-exactly with the hash check off;
+    pdpatch accepts it as exactly (before, it compared P's layer 1 with D's layer 0 and refused
+    a pair stock serves).  0.29 pairs by position in dict order, P's layer 1 with D's layer 0:
+    the release refuses (block lengths), and so does pdpatch, naming the layer (0.26-0.28
+    register no layers of different sizes)."""
+    out = scenario(ver, "patched", "layer_order")
+    stock = scenario(ver, "stock", "layer_order_no_enforce")
+    assert out["advertised_names"] == [f"model.layers.{i}.self_attn.attn" for i in (1, 0)]
+    by_name = v(ver) in vllm_sites.REGIONS_IN_LAYER_NAME_ORDER or \
+        v(ver) in vllm_sites.REGIONS_PAIRED_BY_LAYER
+    if by_name:
+        ok_pull(stock, [1, 2, 3])
+        ok_pull(out, [1, 2, 3])
+        assert (out["stats"]["mixed_accepted"], out["stats"]["rejected"]) == (1, 0)
+    else:
+        refused(stock)
+        refused(out, "GeometryMismatch", "layer 0", "heads")
+        assert out["stats"]["rejected"] == 1
+
+
+@pytest.mark.parametrize("ver", VERSIONS)
+def test_a_known_peer_rank_is_left_to_the_release(ver: str) -> None:
+    """``add_remote_agent`` again for a peer rank the worker added (its ``_remote_agents``
+    keyed by rank up to 0.25, by (pp rank, tp rank) from 0.26): the release returns the agent
+    it has, and pdpatch neither plans, counts nor stages the peer again (it counted a second
+    acceptance on 0.26+ before)."""
+    out = scenario(ver, "patched", "readd_known_rank")
+    ok_pull(out, [1, 2, 3])
+    assert out["readd_error"] is None and out["readd_same_agent"] is True
+    assert out["readd_new_dlists"] == 0
+    assert out["stats_after"] == out["stats"]
+
+
+@pytest.mark.parametrize("ver", COALESCE_VERSIONS)
+def test_a_known_peer_rank_is_not_staged_again(ver: str) -> None:
+    out = scenario(ver, "patched", "readd_known_rank_coalesced")
+    ok_pull(out, [1, 2, 3])
+    assert out["stats"]["coalesced"] == 1
+    assert out["readd_error"] is None and out["readd_same_agent"] is True
+    assert out["stats_after"] == out["stats"]
+
+
 @pytest.mark.parametrize("ver", VERSIONS)
 def test_stock_decoder_ignores_the_advertised_field(ver: str) -> None:
     out = scenario(ver, "patched", "advert_ignored")
@@ -462,7 +521,7 @@ def test_wire_classes_are_scoped_and_uninstall_restores(ver: str) -> None:
 
 
 def test_advertisement_survives_sleep_and_wake() -> None:
-    out = scenario("0.33.0", "patched", "restore")
+    out = scenario(INSTALLED, "patched", "restore")
     assert out == {"before": True, "after": True, "same_keys": True}
 
 

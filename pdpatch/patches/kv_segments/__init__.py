@@ -8,7 +8,8 @@ memory does the same on 0.23-0.25.  Stock vLLM refuses such a pair twice over: t
 compatibility hash covers the backend *name*, and with that check off
 ``_validate_remote_agent_handshake`` asserts on block lengths and region counts -- and even
 then the remote descriptors would be built with the *local* layout.  From 0.26 every backend
-packs K|V per token, so two backend names can share one geometry, and the hash still refuses.
+packs K|V per token, so two backend names can share one geometry, and the hash still refuses
+(through 0.34: 0.34.0 metadata.py L200 hashes ``attn_backend_name``).
 
 The pipeline, one module each:
 
@@ -20,8 +21,10 @@ The pipeline, one module each:
   advertised geometry is read from the raw payload;
 * :mod:`.planning` -- pure: equal K/V placements run stock code; different ones (0.19-0.25)
   are planned with :class:`pdpatch.kv.PairPlan`; mixed backend names (all releases) are accepted
-  only on an exact byte pairing; anything else raises :class:`GeometryMismatch` in the
-  handshake thread, which fails only that peer's requests;
+  only on an exact byte pairing of the layers the release pairs -- by position up to 0.33
+  (layer-name order from 0.30), by layer name from 0.34 (:mod:`pdpatch.kv.pairing`); anything
+  else raises :class:`GeometryMismatch` in the handshake thread, which fails only that peer's
+  requests;
 * :mod:`.substitution` -- vLLM's own ``add_remote_agent`` runs on a shadow of the peer's
   metadata and its remote descriptor list is swapped for pdpatch's;
 * :mod:`.staged_reads` -- a converted peer's READs go through

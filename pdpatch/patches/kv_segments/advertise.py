@@ -49,7 +49,9 @@ def local_geometry(worker: Any, kv_caches: Mapping[str, Any]) -> KVGeometry | No
         return None
     if getattr(worker, "use_host_buffer", False):
         kv_caches = getattr(worker, "host_xfer_buffers", None) or {}
-    tensors = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else []
+    if not isinstance(kv_caches, Mapping):
+        return None
+    tensors = list(kv_caches.values())
     if not tensors or not all(hasattr(t, "stride") and hasattr(t, "data_ptr") and
                               len(getattr(t, "shape", ())) in (4, 5) for t in tensors):
         return None
@@ -59,7 +61,7 @@ def local_geometry(worker: Any, kv_caches: Mapping[str, Any]) -> KVGeometry | No
         [tensor_info(t) for t in tensors], num_blocks=int(worker.num_blocks),
         device_id=int(getattr(worker, "device_id", 0) or 0),
         label=f"engine {getattr(worker, 'engine_id', '?')} rank {getattr(worker, 'tp_rank', 0)}",
-        **_probe_heads_dims(worker))
+        names=[str(name) for name in kv_caches], **_probe_heads_dims(worker))
 
 
 def _set_advertised(worker: Any, geometry: KVGeometry) -> None:
@@ -118,7 +120,8 @@ def make_register_wrapper(version: Version) -> Wrapper:
 
 
 def restore_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """0.33 re-encodes the metadata through the stock class on wake-up: advertise again."""
+    """0.33+ re-encode the metadata through the stock class on wake-up (0.34.0 base_worker.py
+    L2046-2052, as 0.33's): advertise again."""
     result = wrapped(*args, **kwargs)
     state = existing_worker_state(instance)
     geometry = state.geometry if state is not None else None

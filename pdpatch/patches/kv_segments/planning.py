@@ -42,7 +42,7 @@ def _with_heads(geometry: KVGeometry, heads: int | None, head_major: bool | None
         la, num_heads=la.num_heads if la.num_heads is not None else heads,
         head_major=la.head_major if la.head_major is not None else head_major)
         for la in geometry.layers)
-    return KVGeometry(layers, geometry.device_id, geometry.label)
+    return KVGeometry(layers, geometry.device_id, geometry.label, geometry.names)
 
 
 @dataclass
@@ -55,6 +55,7 @@ class LocalView:
     true: KVGeometry | None   # from tensor strides (what pdpatch advertises)
     heads: int
     head_major: bool | None
+    members: list[list[str]] | None = None   # the layers of each region (0.31+ metadata)
 
 
 def _own_metadata(worker: Any) -> dict[str, Any]:
@@ -112,18 +113,24 @@ def local_view(worker: Any, version: Version,
             device_id=int(own.get("device_id") or 0), label="local (vLLM's view)")
     except KVPlanError:
         return None
-    return LocalView(_with_heads(view, heads, head_major), kind, layers, true, heads, head_major)
+    members = own.get("region_members")
+    members = [list(m) for m in members] if isinstance(members, list) and \
+        len(members) == n else None
+    return LocalView(_with_heads(view, heads, head_major), kind, layers, true, heads, head_major,
+                     members)
 
 
-def remote_geometry(meta: Any, num_layers: int, layout: str, heads: int,
+def remote_geometry(meta: Any, num_layers: int | None, layout: str, heads: int,
                     advertised: Mapping | None) -> KVGeometry:
-    """The peer's geometry: its advertisement, else vLLM's own metadata fields."""
+    """The peer's geometry: its advertisement, else vLLM's own metadata fields.
+    ``num_layers``: the local layer count it must match (positional pairing, up to 0.33);
+    None: all of the peer's layers (0.34+ pairs them by name: a PP stage holds a slice)."""
     from pdpatch.kv import GeometryMismatch, KVGeometry, geometry_from_handshake
 
     label = f"remote engine {meta.engine_id}"
     if advertised is not None:
         geo = KVGeometry.from_wire(dict(advertised), label=label)
-        if geo.num_layers != num_layers:
+        if num_layers is not None and geo.num_layers != num_layers:
             raise GeometryMismatch(
                 f"peer advertises {geo.num_layers} KV layers, the local model has {num_layers}",
                 None, geo)
@@ -131,14 +138,64 @@ def remote_geometry(meta: Any, num_layers: int, layout: str, heads: int,
             raise GeometryMismatch(
                 f"peer advertises {geo.num_blocks} blocks but its metadata says "
                 f"{meta.num_blocks}", None, geo)
-        geo = KVGeometry(geo.layers, int(meta.device_id), label)
+        geo = KVGeometry(geo.layers, int(meta.device_id), label, geo.names)
     else:
+        addrs = list(meta.kv_caches_base_addr)
         geo = geometry_from_handshake(
-            list(meta.kv_caches_base_addr), list(meta.block_lens), int(meta.num_blocks),
-            num_layers=num_layers, layout=layout,
+            addrs, list(meta.block_lens), int(meta.num_blocks),
+            num_layers=len(addrs) if num_layers is None else num_layers, layout=layout,
             block_strides=getattr(meta, "block_strides", None) or None,
             device_id=int(meta.device_id), label=label)
     return _with_heads(geo, heads, head_major_of(getattr(meta, "kv_cache_layout", None)))
+
+
+def _in_registration_order(worker: Any, mine: KVGeometry, remote: KVGeometry,
+                           version: Version) -> tuple[KVGeometry, KVGeometry]:
+    """Both sides' per-layer geometries (from tensors, in ``kv_caches`` dict order) in the
+    order each registers its regions, which 0.30-0.33 pair by position: their layer names
+    sorted as vLLM sorts them (:data:`pdpatch.vllm_sites.REGIONS_IN_LAYER_NAME_ORDER`).
+    vLLM's own region view, and geometries without names, are left as they are."""
+    from pdpatch.kv.pairing import in_region_order
+
+    if version not in vllm_sites.REGIONS_IN_LAYER_NAME_ORDER or mine.names is None or \
+            remote.names is None or getattr(worker, "_is_csa_linear", False):
+        return mine, remote
+    return mine.select(in_region_order(mine.names)), remote.select(in_region_order(remote.names))
+
+
+def paired_by_layer(worker: Any, meta: Any, local: LocalView, remote_tp_size: int,
+                    advertised: Mapping | None) -> tuple[KVGeometry, KVGeometry]:
+    """(local, remote) geometries pair by pair as vLLM 0.34+ will transfer them
+    (:data:`pdpatch.vllm_sites.REGIONS_PAIRED_BY_LAYER`): through the layers both hold, not
+    by position.  Both sides' tensors by layer name where both advertise names (pdpatch on
+    each side), else vLLM's own regions through their ``region_members``.  Raises
+    :class:`GeometryMismatch` where the release refuses the pairing itself."""
+    from pdpatch.kv import KIND_PACKED, GeometryMismatch
+    from pdpatch.kv.pairing import pair_layers_by_name, pair_regions_by_layer
+
+    stage = int(getattr(worker, "pp_size", 1) or 1) > 1      # a PP stage: a slice of the peer
+    total = int(worker.vllm_config.model_config.get_total_num_kv_heads())
+    heads = max(1, total // int(remote_tp_size))
+    if advertised is not None and local.true is not None and local.true.names is not None:
+        remote = remote_geometry(meta, None, KIND_PACKED, heads, advertised)
+        if remote.names is not None:
+            pairs = pair_layers_by_name(local.true.names, remote.names, peer_may_hold_more=stage)
+            return (local.true.select(li for _, li in pairs),
+                    remote.select(ri for ri, _ in pairs))
+    members = getattr(meta, "region_members", None) or []
+    if local.members is None or len(members) != len(meta.kv_caches_base_addr):
+        raise GeometryMismatch("the peer did not advertise the layers of its KV regions "
+                               "(region_members), by which vLLM pairs them")
+    if getattr(meta, "packed_member_layouts", None):
+        # vLLM splits such rows into one virtual region per layer first (0.34.0 base_worker.py
+        # L441-504); a peer of another backend name is accepted only on a pairing pdpatch
+        # models, and it does not model those rows
+        raise GeometryMismatch("the peer packs several layers per block row "
+                               "(packed_member_layouts), which pdpatch does not check against "
+                               "another backend's layout")
+    remote = remote_geometry(meta, None, KIND_PACKED, heads, None)
+    pairs = pair_regions_by_layer(local.members, members, peer_may_hold_more=stage)
+    return local.view.select(li for _, li in pairs), remote.select(ri for ri, _ in pairs)
 
 
 @dataclass
@@ -209,14 +266,16 @@ def shadow(meta: Any, remote: KVGeometry, kind: str) -> Any:
 
 
 def _peer_geometry(worker: Any, meta: Any, local: LocalView, remote_tp_size: int,
-                   advertised: Mapping | None) -> KVGeometry:
+                   advertised: Mapping | None, version: Version) -> KVGeometry:
     """The peer's geometry as ``local`` pairs with it: packed where the local side is, else
-    told apart by its regions; each of its ranks holding its share of the model's KV heads.
+    told apart by its regions; each of its ranks holding its share of the model's KV heads;
+    as many layers as the local side up to 0.33 (positional pairing), all of its own from 0.34.
     One place for :func:`plan_peer` and :func:`peer_read_ranges`, which model the same peer."""
     from pdpatch.kv import KIND_PACKED
 
     total = int(worker.vllm_config.model_config.get_total_num_kv_heads())
-    return remote_geometry(meta, local.num_layers,
+    by_name = version in vllm_sites.REGIONS_PAIRED_BY_LAYER
+    return remote_geometry(meta, None if by_name else local.num_layers,
                            KIND_PACKED if local.kind == KIND_PACKED else "auto",
                            max(1, total // int(remote_tp_size)), advertised)
 
@@ -244,7 +303,7 @@ def peer_read_ranges(worker: Any, meta: Any, remote_tp_size: int, version: Versi
         if local is None:
             return None
         return list(_peer_geometry(worker, meta, local, remote_tp_size,
-                                   advertised).read_ranges())
+                                   advertised, version).read_ranges())
     except Exception as exc:
         logger.info("pdpatch kv_segments: peer %s's memory not modelled (%s: %s); its READs "
                     "are staged without gap reads", getattr(meta, "engine_id", "?"),
@@ -316,10 +375,17 @@ def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version, *,
                 "divided by the block-size ratio (the reads would overrun into the next "
                 "block); use equal block sizes or a split (K/V-first) decode layout")
         reorders = vllm_sites.reorders_heads_on_receive(worker, meta, version)
-        remote = _peer_geometry(worker, meta, local, remote_tp_size, advertised)
         if remote_kind == local.kind:
-            # Mixed backend names, same placement: accept only an exact byte pairing.
-            mine = local.true if (advertised is not None and local.true is not None) else local.view
+            # Mixed backend names, same placement: accept only an exact byte pairing of the
+            # layers the release will pair (by position up to 0.33, by layer name from 0.34).
+            if version in vllm_sites.REGIONS_PAIRED_BY_LAYER:
+                mine, remote = paired_by_layer(worker, meta, local, remote_tp_size, advertised)
+            else:
+                remote = _peer_geometry(worker, meta, local, remote_tp_size, advertised,
+                                        version)
+                mine = local.true if (advertised is not None and local.true is not None) \
+                    else local.view
+                mine, remote = _in_registration_order(worker, mine, remote, version)
             PairPlan(mine, remote, local_slice=sl.local, remote_slice=sl.remote,
                      block_size_ratio=sl.block_size_ratio, receiver_reorders_heads=reorders)
             count("mixed_accepted")
@@ -327,6 +393,7 @@ def plan_peer(worker: Any, meta: Any, remote_tp_size: int, version: Version, *,
                         "%s geometry (%s)", remote_name or "?", meta.engine_id, local_name,
                         remote_kind, remote.describe())
             return None
+        remote = _peer_geometry(worker, meta, local, remote_tp_size, advertised, version)
         plan = PairPlan(local.view, remote, local_slice=sl.local, remote_slice=sl.remote,
                         block_size_ratio=sl.block_size_ratio, receiver_reorders_heads=reorders)
         return Conversion(meta, shadow(meta, remote, local.kind), plan, plan.remote_table(),

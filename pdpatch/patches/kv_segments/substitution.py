@@ -139,9 +139,9 @@ def make_add_remote_wrapper(version: Version) -> Wrapper:
         meta = arg(args, kwargs, 0, "nixl_agent_meta", None)
         rank = arg(args, kwargs, 1, "remote_tp_rank", 0)
         tp_size = arg(args, kwargs, 2, "remote_tp_size", 1)
-        if meta is None or rank in getattr(instance, "_remote_agents", {}).get(
-                getattr(meta, "engine_id", None), {}):
-            return wrapped(*args, **kwargs)
+        if meta is None or vllm_sites.remote_agent_known(
+                instance, getattr(meta, "engine_id", None), rank, version):
+            return wrapped(*args, **kwargs)       # the release returns the agent it has
         t0 = time.perf_counter()
         conversion = _plan(instance, meta, tp_size, version)
         t1 = time.perf_counter()
