@@ -144,6 +144,21 @@ def test_each_request_difference_is_named(kw, want):
         assert v.status == "mismatch" and list(v.causes) == want, (p, d, v)
 
 
+def test_lookahead_keys_of_a_034_engine_with_nixl_still_match():
+    """0.34 keeps EAGLE's lookahead block hashes with the NIXL connector (0.33 turned them off
+    with any KV connector): such an engine names its blocks unlike a 0.33 P, the request's
+    canonical keys do not change."""
+    none_hash = KeyConfig(algo="sha256", hash_block_size=16, vllm_version="0.34.0",
+                          pythonhashseed="0").validate().none_hash
+    eagle = V.engine_keys(algo="sha256", hash_block_size=16, vllm_version="0.34.0",
+                          none_hash=none_hash, pythonhashseed="0", lookahead=2)
+    assert "lookahead=2" in eagle.describe() and "vllm=0.34.0" in eagle.describe()
+    for p, d in ((engine(), eagle), (eagle, engine())):
+        v = verdict(p, d)
+        assert v.status == "match" and v.naming == ("lookahead",), v
+    assert verdict(engine(), eagle, d_prompt=PROMPT[:-1]).causes == ("prompt",)
+
+
 def test_a_release_that_hashes_less_still_compares_every_input():
     """0.30 keys a LoRA by name only; the canonical keys take its path too, on either side."""
     old = engine(version="0.30.0")

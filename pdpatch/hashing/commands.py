@@ -262,8 +262,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", "--hash-block-size", dest="hash_block_size", type=int,
                    metavar="N", help="the server's hash block size (see above)")
     p.add_argument("--lookahead", type=int, metavar="N",
-                   help="EAGLE lookahead tokens (vLLM 0.33; 0, the default, whenever a KV "
-                   "connector is configured)")
+                   help="EAGLE lookahead tokens (vLLM 0.33+: the engine's "
+                   "num_hash_lookahead_tokens; 0, the default, unless EAGLE drops the trailing "
+                   "block, and on 0.33 with any KV connector -- 0.34 keeps it with NIXL)")
     seed = p.add_mutually_exclusive_group()
     seed.add_argument("--seed", metavar="PYTHONHASHSEED",
                       help="the server EngineCore's PYTHONHASHSEED, verbatim")

@@ -35,8 +35,10 @@ FIELD_HINTS = {
                        "most CUDA backends) for a model with one KV-cache group",
     "pythonhashseed": "the server EngineCore's PYTHONHASHSEED, verbatim ('' and '0' are seeds "
                       "too); null/None when it is unset (vLLM's default)",
-    "lookahead": "EAGLE lookahead tokens of vLLM 0.33 (0 whenever a KV connector is "
-                 "configured)",
+    "lookahead": "EAGLE lookahead tokens of vLLM 0.33+, the engine's num_hash_lookahead_tokens "
+                 "(0 unless EAGLE drops the trailing block; 0.33 also 0 with any KV "
+                 "connector, 0.34 only with one that does not support lookahead block hashes: "
+                 "NIXL does)",
 }
 """What each field is, for error messages and ``--help`` (the CLI's flags say the same)."""
 REQUIRED_FIELDS = ("vllm_version", "algo", "hash_block_size", "pythonhashseed")

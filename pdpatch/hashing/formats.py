@@ -71,7 +71,11 @@ class HashFormat:
     default_seed_for_crypto: bool
     """0.29+: with PYTHONHASHSEED unset, sha256/sha256_cbor seed with ``"vllm-none-hash"``."""
     lookahead: bool
-    """0.33+: EAGLE lookahead keys exist (off whenever a KV connector is configured)."""
+    """0.33+: EAGLE lookahead keys exist.  A server uses them (``num_hash_lookahead_tokens`` >
+    0) only with EAGLE's trailing-block drop on; then 0.33 turns them off with any KV connector
+    (0.33.0 config/vllm.py L678-692), 0.34 only with a connector whose
+    ``supports_lookahead_block_hashes`` is False (0.34.0 config/vllm.py L633-654; NIXL's is
+    True, nixl/connector.py L93-96; the base class's False, base.py L199-203)."""
     max_token_id: int
     """The largest token id the release's ``Request`` holds: any int up to 0.33 (this
     library's bound, 2**64-1), 2**31-1 from 0.34, whose prompt and all-token ids are int32
