@@ -31,7 +31,8 @@ HANDLE_POSIX_FD = 0x1
 HANDLE_FABRIC = 0x8
 
 KIND_DEVICE = "device"  # cudaMalloc: legacy CUDA IPC works
-KIND_VMM = "vmm"  # cuMemCreate/cuMemMap (kvcached) or a stream-ordered pool: no legacy IPC
+KIND_VMM = "vmm"  # cuMemCreate/cuMemMap (kvcached, vLLM 0.34's extensible KV cache) or a
+#                   stream-ordered pool: no legacy IPC
 KIND_HOST = "host"
 KIND_UNKNOWN = "unknown"
 
@@ -121,6 +122,7 @@ def check_transport(
     kv_buffer_device: str = "cuda",
     cuda_context_at_agent: bool | None = None,
     peers_map_memory: bool = True,
+    extensible_kv_cache: bool = False,
 ) -> list[Finding]:
     """Findings for one worker's NIXL/UCX setup (empty when nothing is known to be slow).
 
@@ -135,7 +137,10 @@ def check_transport(
     (0.55 GB/s; 4.65 GB/s for the same transfer with the context made first).
     ``peers_map_memory``: whether peers transfer *this* worker's KV memory (a prefill worker
     in pull mode, a decode worker in push mode, ``kv_both``); only then does memory cuda_ipc
-    cannot export slow the transfers.
+    cannot export slow the transfers.  ``extensible_kv_cache``: the KV memory is vLLM's own
+    extensible cache (0.34+, :func:`pdpatch.vllm_sites.extensible_kv_cache_on`), whose pages
+    carry a FABRIC handle only where the engine has an IMEX channel; the finding then names it
+    and its settings instead of kvcached's.
     """
     env = env or {}
     findings: list[Finding] = []
@@ -186,12 +191,24 @@ def check_transport(
             what = f"KV memory {m.label} " if m.label else "KV memory "
             posix = " (its POSIX_FD handle does not help)" if (
                 (m.handle_types or 0) & HANDLE_POSIX_FD) else ""
+            slow = (": peers cannot map it over cuda_ipc, so UCX moves their same-node "
+                    "transfers of it over TCP loopback (measured ~0.5 GB/s on an H200, ~4000x "
+                    "below a device copy)")
+            if extensible_kv_cache:
+                findings.append(Finding(
+                    "vmm-no-ipc-handle", ERROR,
+                    what + "is vLLM's extensible KV cache (CUDA VMM) without a FABRIC handle"
+                    + posix + " -- vLLM allocates one only where the engine can open an IMEX "
+                    "channel and the device supports FABRIC handles" + slow,
+                    "give this engine an IMEX channel (/dev/nvidia-caps-imex-channels/channel*, "
+                    "on a GPU with FABRIC handle support) so vLLM allocates FABRIC-exportable "
+                    "pages, or pass --no-enable-extensible-kv-cache (cudaMalloc KV memory); "
+                    "across nodes use an RDMA NIC"))
+                continue
             findings.append(Finding(
                 "vmm-no-ipc-handle", ERROR,
                 what + "is CUDA VMM (e.g. kvcached) with no legacy-IPC or FABRIC handle"
-                + posix + ": peers cannot map it over cuda_ipc, so UCX moves their same-node "
-                "transfers of it over TCP loopback (measured ~0.5 GB/s on an H200, ~4000x "
-                "below a device copy)",
+                + posix + slow,
                 "use cudaMalloc KV memory where peers map it (prefill workers in vLLM's pull "
                 "mode: kvcached on the decode side only), or VMM pages "
                 "created with CU_MEM_HANDLE_TYPE_FABRIC (needs an IMEX channel); across nodes "

@@ -93,6 +93,21 @@ def test_vmm_memory_without_handles() -> None:
     assert check_transport(GOOD, memory=[kvc], peers_map_memory=False) == []
 
 
+def test_vllms_extensible_cache_without_a_fabric_handle() -> None:
+    """vLLM 0.34's extensible KV cache is VMM memory too: the finding names it and what to set
+    (an IMEX channel, or the cache off), not kvcached; with a FABRIC handle (an IMEX channel
+    where vLLM allocated it) cuda_ipc maps it and there is nothing to say."""
+    pages = MemoryFacts(KIND_VMM, False, 0, "kv_caches")
+    [f] = check_transport(GOOD, memory=[pages], extensible_kv_cache=True)
+    assert f.code == "vmm-no-ipc-handle" and f.level == tp.ERROR
+    assert "vLLM's extensible KV cache" in f.message and "kvcached" not in f.line()
+    assert "IMEX channel" in f.fix and "--no-enable-extensible-kv-cache" in f.fix
+    fabric = MemoryFacts(KIND_VMM, False, HANDLE_FABRIC)
+    assert check_transport(GOOD, memory=[fabric], extensible_kv_cache=True) == []
+    assert check_transport(GOOD, memory=[pages], extensible_kv_cache=True,
+                           peers_map_memory=False) == []
+
+
 def test_everything_at_once_and_host_buffers() -> None:
     env = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "off"}
     f = check_transport(env, memory=[MemoryFacts(KIND_VMM, False, 0)])

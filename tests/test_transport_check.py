@@ -69,13 +69,43 @@ def test_vmm_memory_is_a_finding_only_where_peers_map_it(monkeypatch, role: str,
     assert codes == (["vmm-no-ipc-handle"] if finding else [])
 
 
+@pytest.mark.parametrize("extensible", [True, False, None])
+def test_vmm_finding_names_vllms_extensible_cache_where_that_is_the_memory(
+        monkeypatch, extensible: bool | None) -> None:
+    """vLLM 0.34's own extensible KV cache is CUDA VMM memory; without a FABRIC handle (no
+    IMEX channel, forced on with ``--enable-extensible-kv-cache``) peers cannot map it either.
+    Where the engine's config says it is on (a real ``CacheConfig``; the memory faked: no VMM
+    on this machine), the finding names it and its two settings, not kvcached; off or unset
+    (resolved off), the kvcached wording stays."""
+    from types import SimpleNamespace
+
+    from vllm.config import CacheConfig, KVTransferConfig
+
+    from pdpatch import transport, vllm_sites
+
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
+    monkeypatch.setattr(transport, "probe_memory", lambda ptr, label="": transport.MemoryFacts(
+        transport.KIND_VMM, False, 0, label))
+    cfg = SimpleNamespace(cache_config=CacheConfig(enable_extensible_kv_cache=extensible))
+    worker = SimpleNamespace(kv_buffer_device="cuda", vllm_config=cfg, kv_transfer_config=(
+        KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer")))
+    [finding] = transport_check.findings_for(worker, {"l0": torch.zeros(4)})
+    assert finding.code == "vmm-no-ipc-handle"
+    named = extensible is True and vllm_sites.running_release() in vllm_sites.EXTENSIBLE_KV_CACHE
+    text = finding.line()
+    assert ("extensible KV cache" in finding.message) is named
+    assert ("--no-enable-extensible-kv-cache" in finding.fix) is named
+    assert ("IMEX channel" in finding.fix) is True
+    assert ("kvcached" in text) is not named
+
+
 def _assert_warns_on_real_registration(stock: dict, patched: dict) -> None:
     assert stock["warnings"] == [], stock
     [line] = [w for w in patched["warnings"] if "ucx-tls-no-cuda-ipc" in w]
     assert "UCX_TLS='tcp' leaves out cuda_ipc" in line and "add cuda_ipc to UCX_TLS" in line
 
 
-def test_real_registration_warns_on_0_33(fresh_pdpatch):
+def test_real_registration_warns_on_the_installed_release(fresh_pdpatch):
     import robust_worker as rw
 
     stock = rw.scenario_transport()

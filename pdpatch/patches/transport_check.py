@@ -6,6 +6,16 @@ loopback at ~0.5 GB/s.  Nothing fails, so without this the operator only sees sl
 check runs once per worker, on the tensors just registered, and only logs (``pdpatch.transport``
 holds the rules).  The worker's role and transfer mode say whether peers map its memory: a
 decode worker's READs into its own kvcached pool are not slowed (runs z, ce, cn).
+
+vLLM 0.34's own extensible KV cache is CUDA VMM memory too (``ExtensibleKVCache``,
+``v1/worker/extensible_kv_cache.py``).  vLLM keeps it off by default for NIXL where no IMEX
+channel is open (``config/vllm.py`` L3247-3262) and gives its pages a FABRIC handle, which
+cuda_ipc maps, where one is (``utils/vmm_driver.py`` L327-348); forced on without one
+(``--enable-extensible-kv-cache``), or where the FABRIC allocation fails (L351-368), its pages
+are the slow case above, and the finding names the extensible cache and its two settings
+(:func:`pdpatch.vllm_sites.extensible_kv_cache_on`).  The rules hold unchanged through 0.34:
+the worker registers in ``register_kv_caches`` (0.34.0 base_worker.py L1558-2011) and the
+push worker overrides it calling ``super()`` (push_worker.py L157-158).
 """
 
 from __future__ import annotations
@@ -41,10 +51,13 @@ def findings_for(worker: Any, kv_caches: dict[str, Any]) -> list[transport.Findi
     if device == "cuda" and kv_caches:
         first = next(iter(kv_caches.values()))
         memory.append(transport.probe_memory(first.data_ptr(), label="kv_caches"))
-    push = vllm_sites.pushes(worker, vllm_sites.running_release())
+    version = vllm_sites.running_release()
+    push = vllm_sites.pushes(worker, version)
+    extensible = vllm_sites.extensible_kv_cache_on(getattr(worker, "vllm_config", None), version)
     return transport.check_transport(os.environ, memory=memory, kv_buffer_device=device,
                                      pull=not push,
-                                     peers_map_memory=_peers_map_memory(worker, push))
+                                     peers_map_memory=_peers_map_memory(worker, push),
+                                     extensible_kv_cache=extensible)
 
 
 def _peers_map_memory(worker: Any, push: bool) -> bool:
