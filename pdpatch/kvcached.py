@@ -17,6 +17,17 @@ nothing).  What counts is kvcached's own runtime state:
   ``<connector>._original_get_layout``, ``<worker owner>._kvcached_register_patched`` /
   ``_kvcached_original_register_kv_caches``, ``TransferTopology._kvcached_topology_patched``.
 
+Which vLLM releases kvcached runs on is kvcached's to say, and this module reads only what it
+did.  kvcached 0.1.6 refuses vLLM 0.31 and later outright: with ``ENABLE_KVCACHED`` set, its
+``EngineCore.__init__`` patch raises ``KVCachedConfigError("kvcached has no runner adapter for
+vLLM ...")`` for any release >= 0.29 outside ``>=0.29.0,<0.31.0`` (kvcached 0.1.6
+``integration/vllm/patches.py`` L388, L1178-1185), before its ``init_kvcached`` (L1235).  So on
+vLLM 0.31-0.34 ``_kvcached_initialized`` stays False, :attr:`KvcachedState.in_deployment` is
+never true through kvcached 0.1.6, and no kvcached engine starts (a kvcached decode engine on
+0.33 on an H200: docs/proof.md).  What may still load there, with ``ENABLE_KVCACHED`` unset,
+is its NixlConnector patch (the markers below), which then defers to vLLM's own code.  The
+markers are kvcached 0.1.6's: re-check them when a kvcached release adapts vLLM 0.31+.
+
 Pure module: no vLLM or kvcached import; classes to inspect are passed in.
 """
 

@@ -1,7 +1,7 @@
 """Real vLLM NIXL worker objects on CPU, for the kvcached-compatibility tests.
 
 In the style of vLLM's own NIXL unit tests (``tests/v1/kv_connector/unit/test_nixl_connector.py``
-and ``test_nixl_desc_geometry.py`` of the 0.33 sdist): the worker class, its
+and ``test_nixl_desc_geometry.py`` of the 0.33 and 0.34 sdists): the worker class, its
 ``register_kv_caches`` and the handshake metadata are vLLM's; only the NIXL agent is replaced, by
 :class:`RecordingNixlWrapper`, which records what would be registered and which descriptor lists
 would be prepared, and the distributed runtime is a single gloo-free rank (the TP rank/size

@@ -1,4 +1,5 @@
-"""Layout override on real vLLM 0.33: the EngineCore path (``resolve_kv_cache_layout``).
+"""Layout override on the installed vLLM (0.29+: 0.34 in the test venv): the EngineCore path
+(``resolve_kv_cache_layout``).
 
 kvcached cannot run without CUDA, so "kvcached runs in this engine" is its module globals stood in
 by a module object under kvcached's real module name (what :mod:`pdpatch.kvcached` reads); the

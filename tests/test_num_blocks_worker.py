@@ -1,4 +1,5 @@
-"""num_blocks reconciliation on real vLLM 0.33 NIXL workers (CPU, recording NIXL agent).
+"""num_blocks reconciliation on the installed vLLM's real NIXL workers (0.34 in the test venv;
+CPU, recording NIXL agent).
 
 Every check is byte-range by byte-range: what the worker registers, what it advertises, the local
 descriptor of every (region, block id), and the remote descriptors a real peer worker builds from
@@ -32,7 +33,8 @@ def patched(fresh_pdpatch):
 
 @pytest.mark.parametrize("variant", ["per-layer", "layer-interleaved"])
 def test_stock_vllm_rejects_over_allocated_views(fresh_pdpatch, version, variant):
-    """The bug being fixed, on the real code: without pdpatch 0.33 cannot register them."""
+    """The bug being fixed, on the real code: without pdpatch 0.30+ cannot register them
+    (0.34.0 base_worker.py L1806-1815)."""
     alloc = h.kvcached_views(NAMES, VIRTUAL, variant)
     with pytest.raises(AssertionError, match="cannot be partitioned into NIXL regions"):
         h.register(alloc, PLANNED, version)

@@ -29,6 +29,18 @@ On 0.19 (no upstream guard) a handshake that would split heads across heterogene
 token-major layout is rejected: 0.19 slices a token-major block as if it were head-major and
 corrupts data silently.  vLLM 0.20 added the same check.
 
+Through 0.34 (0.34.0 paths under ``distributed/kv_transfer/kv_connector/``): NixlConnector still
+asks for head-major (``v1/nixl/connector.py`` L163-181, ``return "LBHNC"``), resolved in
+EngineCore (``v1/attention/backends/utils.py`` L311, imported by ``v1/engine/core.py``); a
+token-major decode worker still refuses a head-major peer unless ``enable_permute_local_kv`` is
+set (``v1/nixl/base_worker.py`` L2857-2877), and its reorder,
+``kv_postprocess_blksize_and_layout_on_receive`` (``utils.py`` L298-320), is 0.33's
+byte for byte (it reads memory order), called for every block-size ratio with the flag on
+(base_worker.py L3169-3173).  What changed is who triggers the override: kvcached 0.1.6 refuses
+vLLM 0.31+ at ``EngineCore.__init__`` (:mod:`pdpatch.kvcached`), so from 0.31 only
+``PDPATCH_LAYOUT_FORCE`` does; vLLM 0.34's own extensible KV cache builds its views in whatever
+layout was resolved, so it needs nothing here.
+
 Settings: toggle ``PDPATCH_LAYOUT``; per deployment ``kv_connector_extra_config["pdpatch"]``
 ``{"layout": false}`` switches it off, ``{"layout_force": true}`` forces token-major without
 kvcached (``PDPATCH_LAYOUT_FORCE=1`` does the same), ``{"layout_permute": false}`` (or

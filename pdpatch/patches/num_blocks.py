@@ -3,7 +3,7 @@ planned, whatever the allocator handed it.
 
 Why: kvcached's KV tensors are views over a virtual range sized from the whole GPU, 1.2-7x more
 blocks than ``kv_cache_config.num_blocks``.  Stock NixlConnector then asserts (0.19-0.29:
-``shape[0] == num_blocks``), or mis-partitions (0.30-0.33: "cannot be partitioned into NIXL
+``shape[0] == num_blocks``), or mis-partitions (0.30-0.34: "cannot be partitioned into NIXL
 regions", or bogus segments), and from 0.29 registers the tensor's whole storage -- the entire
 virtual range -- with NIXL.  kvcached's own fix rewrites ``worker.num_blocks``, which from 0.30
 changes only what is advertised (registration reads ``kv_cache_config.num_blocks``).
@@ -26,6 +26,18 @@ What this does, in a wrapper of ``register_kv_caches`` on the class defining it 
   effect -- pdpatch's; the ``KVCacheConfig`` shared with the model runner is never mutated;
 * afterwards the advertised handshake metadata (``num_blocks``, ``region_num_blocks``) is
   decoded and checked against the target count.
+
+Through vLLM 0.34 with no change here (0.34.0 ``v1/nixl/base_worker.py``): registration still
+reads the per-layer plan from ``kv_cache_config.num_blocks`` x the physical-per-logical ratio
+(L1688-1698), registers each cache's whole ``untyped_storage()`` (L1705, L1719-1720) and
+raises "KV cache view cannot be partitioned into NIXL regions" for a view of more blocks than
+planned (L1806-1815), so the slicing and re-basing above are what a kvcached-style pool needs
+there too; what it advertises is still ``num_blocks`` / ``region_num_blocks`` in the encoded
+metadata (L1973-2011).  vLLM 0.34's own extensible KV cache (CUDA VMM) needs none of it: the
+connector is created after the cache is committed, with a ``KVCacheConfig`` copy whose
+``num_blocks`` is the committed count, and gets views whose storage spans exactly the
+committed blocks (``v1/worker/extensible_kv_cache.py`` L224-233, L489-510, L530-534), so
+every tensor holds the plan and vLLM's own registration runs untouched here.
 
 Switch: ``kv_connector_extra_config["pdpatch"]["num_blocks_mode"]`` = ``"slice"`` (default) or
 ``"virtual"`` (advertise and register the tensors' whole, equal, block count; the worker gets a
