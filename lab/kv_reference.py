@@ -180,7 +180,7 @@ def vllm_remote_descs(
     Same count and order as stock: per layer one logical region per segment role (K then V;
     2·L regions for split/fused peers, L for packed), ``remote.num_blocks`` descriptors per
     region, id = ``region * num_blocks + block``.  ``form``: ``"tuples"`` (vLLM 0.19-0.25),
-    ``"nx3"`` (0.26-0.32) or ``"nx5"`` (0.33 strided rows).
+    ``"nx3"`` (0.26-0.32) or ``"nx5"`` (0.33+ strided rows).
     """
     pair = PairPlan(local, remote, local_slice=local_slice, remote_slice=remote_slice,
                     block_size_ratio=block_size_ratio)
