@@ -31,12 +31,14 @@ def kinds(worker) -> list[str]:
     return [layer.kind for layer in agent_layers.stack(worker)]
 
 
-def test_the_three_proxies_are_layers_of_known_kinds() -> None:
+def test_the_four_proxies_are_layers_of_known_kinds() -> None:
     from pdpatch.kv.staging import StagingAgent
     from pdpatch.patches.kv_segments.substitution import _SubstitutingAgent
     from pdpatch.patches.mla_notif import _NotifIdFix
+    from pdpatch.patches.peer_restart.watch import PeerWatch
 
-    assert [c.kind for c in (_NotifIdFix, _SubstitutingAgent, StagingAgent)] == list(ORDER)
+    assert [c.kind for c in (_NotifIdFix, _SubstitutingAgent, PeerWatch, StagingAgent)] == \
+        list(ORDER)
 
 
 @pytest.mark.parametrize("order", list(itertools.permutations(ORDER)))
@@ -60,12 +62,14 @@ def test_interleaved_scoped_layers_never_strand_one() -> None:
     real = Real()
     worker = SimpleNamespace(nixl_wrapper=real)
     staging = agent_layers.push(worker, LAYERS["staging"])
+    watch = agent_layers.push(worker, LAYERS["peer_watch"])
     with agent_layers.layered(worker, LAYERS["substitution"]) as sub:
         notif = agent_layers.push(worker, LAYERS["notif_fix"])
         assert kinds(worker) == list(ORDER)
-    assert agent_layers.stack(worker) == [notif, staging]
+    assert agent_layers.stack(worker) == [notif, watch, staging]
     assert not agent_layers.remove(worker, sub)            # already off
     assert agent_layers.remove(worker, notif)
+    assert agent_layers.remove(worker, watch)
     assert agent_layers.stack(worker) == [staging] and staging._agent is real
     assert agent_layers.remove(worker, staging) and worker.nixl_wrapper is real
 

@@ -45,8 +45,9 @@ def test_install_reapplied_after_uninstall_wraps_once(fresh_pdpatch):
     fresh_pdpatch.uninstall()
     fresh_pdpatch.install()
     chain = list(wrapt.wrapper_chain(read_attr()))
-    # Once per patch that wraps the read path here: block_ids_bound, lease_guard, read_guard.
-    assert len([w for w in chain if isinstance(w, wrapt.FunctionWrapper)]) == 3
+    # Once per patch that wraps the read path here: peer_restart, block_ids_bound, lease_guard,
+    # read_guard.
+    assert len([w for w in chain if isinstance(w, wrapt.FunctionWrapper)]) == 4
     fresh_pdpatch.uninstall()
     assert read_attr() is original
 
@@ -55,6 +56,7 @@ def test_toggle_off_skips_with_reason(fresh_pdpatch, monkeypatch):
     monkeypatch.setenv("PDPATCH_READ_GUARD", "0")
     monkeypatch.setenv("PDPATCH_BLOCK_IDS_BOUND", "0")      # the read path's other wrappers
     monkeypatch.setenv("PDPATCH_LEASE_GUARD", "0")
+    monkeypatch.setenv("PDPATCH_PEER_RESTART", "0")
     original = read_attr()
     states = fresh_pdpatch.install()
     assert states["read_guard"].status == "skipped"
@@ -250,6 +252,7 @@ PDPATCH_NAMES = {
     "pdpatch_kv_geometry": "protocol: P's handshake metadata field",
     "pdpatch_block_keys": "protocol: the kv_transfer_params entry P sends",
     "pdpatch_kv_lease_expiry": "protocol: the kv_transfer_params entry P sends (lease_guard)",
+    "pdpatch_p_incarnation": "protocol: the kv_transfer_params entry P sends (peer_restart)",
     "_pdpatch_block_keys": "D's verdict memo inside the params it judged (block_keys)",
     "pdpatch_counter": "dataclass field metadata (pdpatch.state)",
     "pdpatch_label": "dataclass field metadata (pdpatch.state)",

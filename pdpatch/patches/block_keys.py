@@ -447,7 +447,8 @@ PATCH = Patch(
     versions=vllm_sites.SUPPORTED,
     targets=_targets,
     relies_on=(vllm_sites.SCHEDULER_REQUEST_FINISHED, vllm_sites.UPDATE_STATE_AFTER_ALLOC,
-               vllm_sites.REQUEST_INIT, vllm_sites.BLOCK_HASHING),
+               vllm_sites.REQUEST_INIT, vllm_sites.BLOCK_HASHING,
+               vllm_sites.P_PROMPT_TRUNCATION, vllm_sites.REMOTE_PREFILL_TOKEN_COUNT),
     state=BlockKeysState,
     object_state=Fingerprint,
 )
