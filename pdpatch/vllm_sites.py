@@ -1116,6 +1116,29 @@ def remote_rank_key(key: Any) -> str:
     return f"0:{int(key)}"
 
 
+# How long P keeps a finished request's blocks for D without a READ: `kv_lease_duration` of
+# the connector's extra config (0.22+, 30 s by default: 0.22.1 worker.py L219, 0.34.0
+# base_worker.py L686), `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` before (480 s: 0.19
+# nixl_connector.py L978, 0.21.0 scheduler.py L562).  Stock vLLM serves a request's blocks
+# only if D reads them within it (D's heartbeats, 0.22+, extend it only while D holds the
+# request).
+LEASE_FROM = Version("0.22")
+
+
+def lease_seconds(worker: Any, version: Version) -> float:
+    """P's lease on a finished request's blocks, as this engine's configuration states it."""
+    if release_of(version) < LEASE_FROM:
+        import os
+
+        return float(os.environ.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "480"))
+    ktc = getattr(getattr(worker, "vllm_config", None), "kv_transfer_config", None)
+    extra = getattr(ktc, "kv_connector_extra_config", None) or {}
+    try:
+        return float(extra.get("kv_lease_duration", 30))
+    except (TypeError, ValueError):
+        return 30.0
+
+
 def fail_unread(worker: Any, req_id: str, version: Version) -> None:
     """Fail a request whose READ was never posted, as the release fails a request it declines
     before reading (0.26+: an expired readback; its transport-failure counter untouched where

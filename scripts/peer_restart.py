@@ -43,17 +43,20 @@ from lab.rig.engine_env import runtime_versions
 from lab.rig.servers import EngineGroup, EngineSpec, sigterm_as_interrupt
 
 FIXED_ID = "prefill-fixed"
+#: The table's engines lease P's blocks for vLLM's default 30 s: how long a D without P's
+#: incarnation tokens waits after noticing a restart (docs/peers.md).
+TABLE_LEASE_S = 30
 
 
 def specs(variant: str, *, p_stock: bool = False, lease_s: int | None = None,
           deadline_s: int | None = None, stock_d: bool = True) -> list[EngineSpec]:
-    extra_p: dict[str, Any] = {} if lease_s is None else {"kv_lease_s": lease_s}
+    lease: dict[str, Any] = {} if lease_s is None else {"kv_lease_s": lease_s}
     env_d = {} if deadline_s is None else {"PDPATCH_PEER_DEADLINE_S": str(deadline_s)}
     out = [EngineSpec("P", "kv_producer", pdpatch=not p_stock,
-                      engine_id=FIXED_ID if variant == "same_id" else None, **extra_p),
-           EngineSpec("D", "kv_consumer", pdpatch=True, extra_env=env_d)]
+                      engine_id=FIXED_ID if variant == "same_id" else None, **lease),
+           EngineSpec("D", "kv_consumer", pdpatch=True, extra_env=env_d, **lease)]
     if stock_d:
-        out.append(EngineSpec("Dstock", "kv_consumer", pdpatch=False))
+        out.append(EngineSpec("Dstock", "kv_consumer", pdpatch=False, **lease))
     return out
 
 
@@ -75,32 +78,49 @@ def decoders_of(group: EngineGroup) -> list[str]:
 
 
 def run_table(variant: str, log_dir: Path, p_stock: bool, fresh: int) -> dict[str, Any]:
-    with EngineGroup(specs(variant, p_stock=p_stock), log_dir) as group:
+    """See the module doc.  Fresh P/D requests go on until D answered ``fresh`` of them or
+    P's lease plus a minute passed since the restart (without pdpatch on P, D waits out the
+    lease before it reads requests that name no incarnation)."""
+    with EngineGroup(specs(variant, p_stock=p_stock, lease_s=TABLE_LEASE_S), log_dir) as group:
         names = decoders_of(group)
         started(group, names)
         p = group["P"]
         stale_tags = ["stale-0", "stale-1"]
-        fresh_tags = [f"fresh-{i}" for i in range(fresh)]
-        refs = {t: peers.reference(p, t) for t in stale_tags + fresh_tags}
+        refs = {t: peers.reference(p, t) for t in stale_tags}
         stale = {t: peers.prefill(p, t) for t in stale_tags}
         restart_s = restart_p(group)
+        healthy_at = time.time()
         answers = []
         for name in names:
             for i, t in enumerate(stale_tags):
                 a = peers.decode(group[name], t, stale[t], refs[t], stream=bool(i % 2))
                 a.tag = f"stale/{a.tag}"
                 answers.append(a)
-        for i, t in enumerate(fresh_tags):
+        ok = dict.fromkeys(names, 0)
+        deadline = time.monotonic() + p.spec.kv_lease_s + 60
+        i = 0
+        while ok["D"] < fresh and time.monotonic() < deadline:
+            t = f"fresh-{i}"
+            want = peers.reference(p, t)
             params = peers.prefill(p, t)
             for name in names:
-                answers.append(peers.decode(group[name], t, params, refs[t],
-                                            stream=bool(i % 2)))
+                a = peers.decode(group[name], t, params, want, stream=bool(i % 2))
+                answers.append(a)
+                ok[name] += a.outcome == "ok"
+            i += 1
+            if answers[-len(names)].outcome != "ok":
+                time.sleep(5.0)
+        recovered = {name: min((a.started + a.wall_s - healthy_at for a in answers
+                                if a.engine == name and a.outcome == "ok"), default=None)
+                     for name in names}
         healthy = {name: group[name].healthy() for name in names}
         logs = {name: [ln for ln in group[name].log_text().splitlines()
                        if "[peer_restart]" in ln or "NIXL_ERR" in ln][-12:] for name in names}
     return {"kind": "table", "variant": variant, "p_pdpatch": not p_stock,
-            "restart_s": round(restart_s, 1), "answers": [a.row() for a in answers],
-            "healthy_after": healthy, "log_lines": logs}
+            "restart_s": round(restart_s, 1), "p_lease_s": p.spec.kv_lease_s,
+            "answers": [a.row() | {"since_restart_s": round(a.started - healthy_at, 1)}
+                        for a in answers],
+            "recovered_after_s": recovered, "healthy_after": healthy, "log_lines": logs}
 
 
 def run_census(variant: str, log_dir: Path, restarts: int) -> dict[str, Any]:

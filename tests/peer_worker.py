@@ -140,13 +140,14 @@ def request(worker: Any, req_id: str, engine: str, blocks: tuple[int, int],
 
 
 def serve(worker: Any, req_id: str, engine: str, blocks: tuple[int, int],
-          tokens: dict[str, str] | None, timeout: float = 10.0) -> dict[str, Any]:
+          tokens: dict[str, str] | None, arrival: float | None = None,
+          timeout: float = 10.0) -> dict[str, Any]:
     """Send one request and pump steps until it is reported: ``ok`` (received), ``failed``
     (failed, or received with its blocks marked invalid) or ``pending``; and the agents its
     READs went to."""
     agent = agent_of(worker)
     before = len(agent.reads)
-    crash = rw.step(worker, request(worker, req_id, engine, blocks, tokens))
+    crash = rw.step(worker, request(worker, req_id, engine, blocks, tokens, arrival))
     acc, crash2 = rw.run_until(
         worker, lambda a: req_id in set(a["done_recving"]) | set(a["failed_recving"]),
         timeout=timeout)
@@ -195,18 +196,24 @@ def _start(worker: Any, agent: str, engine: str = ENGINE, **changes: Any) -> lis
 def scenario_restart(tokens: bool = True) -> dict[str, Any]:
     """P serves r1 as incarnation P1; P1 dies and P2 answers under the same engine id and
     address; r2-r4 carry P2's params (with P2's tokens when ``tokens``, i.e. P has pdpatch),
-    then r5 carries P1's (a request prefilled before the restart that reached D late)."""
+    then r5 carries P1's (a request prefilled before the restart that reached D late).
+    Without tokens, r3 reaches D within P's lease of the restart D noticed (at r2), r4 and r4b
+    after it (their arrival times say so)."""
+    from pdpatch import vllm_sites
+
     _P[:] = [producer()]
     d = decode_worker()
     tok = tokens_of if tokens else (lambda _: None)
+    later = time.time() + vllm_sites.lease_seconds(d, rw.version_of()) + 1.0
     _start(d, "P1-0")
     out: dict[str, Any] = {"r1": serve(d, "r1", ENGINE, (1, 2), tok("P1-0"))}
     agent_of(d).dead.add("P1-0")
     errors = _start(d, "P2-0")
     with rw.pdpatch_warnings() as warnings:
-        for i, req in enumerate(("r2", "r3", "r4")):
-            out[req] = serve(d, req, ENGINE, (3 + 2 * i, 4 + 2 * i), tok("P2-0"))
-        out["r5_stale"] = serve(d, "r5", ENGINE, (9, 10), tokens_of("P1-0"))
+        for i, req in enumerate(("r2", "r3", "r4", "r4b")):
+            arrival = later if req in ("r4", "r4b") and not tokens else None
+            out[req] = serve(d, req, ENGINE, (3 + 2 * i, 4 + 2 * i), tok("P2-0"), arrival)
+        out["r5_stale"] = serve(d, "r5", ENGINE, (13, 14), tokens_of("P1-0"))
     out.update({"handshake_errors": errors, "held": held(d), "warnings": warnings,
                 "removed": list(agent_of(d).removed)})
     return out

@@ -102,7 +102,11 @@ def supersede(worker: Any, book: PeerBook, engine: str, why: str, version: Versi
     failed = []
     if why == "disconnected":
         pending.reads_failed = True
-        book.fence[engine] = time.time()
+        # A request without tokens (P without pdpatch) cannot show which incarnation prefilled
+        # it.  One prefilled before the restart reaches D, if stock vLLM is to serve it at all,
+        # within P's lease of its blocks, which began before now: until then only requests
+        # that name their incarnation are read.
+        book.fence[engine] = time.time() + vllm_sites.lease_seconds(worker, version)
         for req in _reqs_of(worker, engine, reading=True):
             F.fail(worker, req, version)
             book.doomed.add(req)
@@ -228,8 +232,9 @@ def make_read_guard(version: Version) -> Any:
                          _held_tokens(instance, book, engine), engine in book.pending,
                          list(book.dead))
         if tokens is None and arrival is not None and arrival < book.fence.get(engine, -1.0):
-            _refuse(instance, book, req, meta, "reached this engine before it noticed the "
-                    "restart and name no incarnation", version)
+            _refuse(instance, book, req, meta, "name no incarnation and reached this engine "
+                    "within P's lease (kv_lease_duration) of the restart D noticed, so they may "
+                    "be the dead incarnation's (pdpatch on P names it)", version)
             return None
         pending = book.pending.get(engine)
         if tokens is not None:
