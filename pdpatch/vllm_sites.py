@@ -1153,3 +1153,20 @@ def fail_unread(worker: Any, req_id: str, version: Version) -> None:
                                            record_failed_transfer=False)
         return
     record_recv_failure(worker, req_id, version)
+
+
+# ---------------------------------------------------------------- block_ids_bound, params_check
+
+# 0.34 pairs D's blocks with a peer's of another size (a block-size ratio, or other physical
+# blocks per logical block: 0.34.0 pull_worker.py L179-183) from P's last token:
+# `_pair_blocks_by_last_token` (base_worker.py L3683-3727) drops each side's sub-blocks past token
+# `remote_num_tokens` (`RemoteMeta.num_tokens`, metadata.py L242, L347) and pairs the lists from
+# their ends (pull_worker.py L311-333); without that count the read is declined (L188-205).  Up
+# to 0.33 such blocks pair by position (`_map_block_ids_for_block_size_ratio`, 0.33.0
+# pull_worker.py L435).
+PAIRS_BY_LAST_TOKEN_FROM = Version("0.34")
+# 0.34 pairs regions by layer name and reads region by region where the two sides put a layer
+# in different cache groups: `not _dst_pairs[engine_id].groups_match` (0.34.0 pull_worker.py
+# L217, L233; base_worker.py L132-157, L550-605).  0.33 compares `dst_region_group_ids` with
+# `region_group_ids` (0.33.0 pull_worker.py).
+REGION_READ_BY_GROUPS_MATCH_FROM = Version("0.34")

@@ -1,6 +1,7 @@
 """The robustness scenarios (``tests/robust_worker.py``) on every extracted old vLLM release,
 one subprocess per release (``tests/versions_harness.py``), cached for the test session so
-the per-bug test modules share it.  0.33 runs in process in each test module instead."""
+the per-bug test modules share it.  The installed release (:data:`INSTALLED`) runs in process
+in each test module instead."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ from typing import Any
 import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+from versions_harness import INSTALLED as INSTALLED_RELEASE
 from versions_harness import releases_in, run_in_release
 
 from pdpatch.vllm_sites import SUPPORTED
 
+#: The venv's vLLM release, whose code the in-process tests run.
+INSTALLED = Version(INSTALLED_RELEASE)
 #: Old releases under test: every fetched release pdpatch supports, below the installed one.
 OLD_RELEASES = releases_in(SUPPORTED)
 
@@ -74,3 +78,21 @@ def stock_and_patched(ver: str, name: str, patch: str) -> tuple[dict[str, Any], 
     rep = report(ver)
     assert rep["status"][patch] == "active", rep["summary"]
     return stock, scenario(ver, "patched", name)
+
+
+def pretend_newer(monkeypatch: pytest.MonkeyPatch, root: Any,
+                  edit: tuple[str, str] | None = None) -> Version:
+    """pdpatch sees a vLLM newer than every release it verified (``newer_release.NEXT``) whose
+    sources are the installed release's modules under ``root`` (a fresh directory), with
+    ``edit`` = (module, qualname): that function's code changed (one statement added).  The
+    code that runs stays the installed release's: what pdpatch decides is what changes.
+    Returns the release pdpatch sees."""
+    from newer_release import NEXT, newer_release
+
+    from pdpatch import verified, versions
+
+    tree = newer_release(root, edit, "_pdpatch_edit = 1")
+    monkeypatch.setattr(versions, "vllm_version", lambda: NEXT)
+    monkeypatch.setattr(verified, "installed_root", lambda: tree)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(root / "cache"))
+    return NEXT

@@ -1,4 +1,4 @@
-"""Real vLLM NIXL workers on CPU for the robustness tests, on any release 0.19-0.33.
+"""Real vLLM NIXL workers on CPU for the robustness tests, on any release 0.19-0.34.
 
 In the style of vLLM's own NIXL unit tests (``tests/v1/kv_connector/unit/test_nixl_connector.py``
 of the sdists): the worker class, ``register_kv_caches``, ``add_remote_agent`` (called by the
@@ -11,7 +11,7 @@ deliver notifications to a peer worker; the TP rank/size functions the worker mo
 are patched for construction, as vLLM's tests do.
 
 Everything here is version-agnostic (names looked up per release) so the same scenarios run in
-process under the installed 0.33 and in a subprocess under an older release's source tree
+process under the installed release and in a subprocess under an older release's source tree
 (``tests/versions_harness.py``).  Scenario functions return JSON-able observations.
 """
 
@@ -704,7 +704,6 @@ def notify_only_recv(req_id: str, engine: str, port: int, hma: bool) -> tuple[An
     ``awaiting_kvs=False``.  Returns the metadata and whether the request was parked."""
     from vllm import SamplingParams
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
@@ -719,9 +718,8 @@ def notify_only_recv(req_id: str, engine: str, port: int, hma: bool) -> tuple[An
     _, parked = half.get_num_new_matched_tokens(request, len(prompt))
     cached = []
     for group in range(2 if hma else 1):
-        # hashed: cached blocks (the field vLLM's own tests set, in every release)
-        cached.append([KVCacheBlock(block_id=1 + 2 * group + i,
-                                    _block_hash=f"cached-{group}-{i}".encode())
+        # hashed: cached blocks, hashed as each release's block pool hashes them
+        cached.append([prefix_cache_block(1 + 2 * group + i, f"cached-{group}-{i}".encode())
                        for i in range(2)])
     half.update_state_after_alloc(request, KVCacheBlocks(blocks=tuple(cached)), 0)
     return half.build_connector_meta(SchedulerOutput.make_empty()), bool(parked)
@@ -853,12 +851,13 @@ def scheduler_half(role: str = "kv_producer", extra: dict | None = None,
     return scheduler_connector(role, extra, hma=hma).connector_scheduler
 
 
-def prefix_cache_block(block_id: int) -> Any:
-    """A block D found in its own prefix cache: hashed, as the release's block pool hands it."""
+def prefix_cache_block(block_id: int, key: bytes | None = None) -> Any:
+    """A block D found in its own prefix cache: hashed, as the release's block pool hands it
+    (``key``: its hash; by default one naming the block)."""
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
     block = KVCacheBlock(block_id)
-    key = f"prefix-block-{block_id}".encode()
+    key = key if key is not None else f"prefix-block-{block_id}".encode()
     if hasattr(block, "set_block_hash"):        # 0.32+
         block.set_block_hash(key)
     else:
@@ -867,22 +866,29 @@ def prefix_cache_block(block_id: int) -> Any:
 
 
 def admit_remote_prefill(sched: Any, req_id: str, hits: list[int], reads: list[int],
-                         remote_ids: list[int], engine: str = "prefill-engine") -> None:
+                         remote_ids: list[int], engine: str = "prefill-engine",
+                         tokens: tuple[Any, int] | None = None,
+                         extra: dict[str, Any] | None = None) -> None:
     """What ``Scheduler.schedule`` hands D's scheduler half for a remote-prefill request: its
     blocks (``hits`` from the prefix cache, then the fresh ``reads`` it pulls into) and the
-    number of tokens to load; P listed ``remote_ids``."""
+    number of tokens to load; P listed ``remote_ids``.  ``tokens``: (P's computed tokens, sent
+    as ``remote_num_tokens`` as P sends it from 0.21 on; D's prompt length); by default D's
+    prompt fills its blocks but one token and P's count is not sent.  ``extra``: more params."""
     from vllm import SamplingParams
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import Request
 
-    n_tokens = (len(hits) + len(reads)) * BLOCK_SIZE - 1
+    n_tokens = (len(hits) + len(reads)) * BLOCK_SIZE - 1 if tokens is None else tokens[1]
     request = Request(request_id=req_id, prompt_token_ids=list(range(n_tokens)),
                       sampling_params=SamplingParams(max_tokens=8), pooling_params=None)
     request.kv_transfer_params = {
         "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [remote_ids],
         "remote_engine_id": engine, "remote_request_id": req_id, "remote_host": HOST,
         "remote_port": PORT, "tp_size": 1}
+    if tokens is not None:
+        request.kv_transfer_params["remote_num_tokens"] = tokens[0]
+    request.kv_transfer_params.update(extra or {})
     blocks = KVCacheBlocks(([prefix_cache_block(b) for b in hits] +
                             [KVCacheBlock(b) for b in reads],))
     sched.update_state_after_alloc(request, blocks, n_tokens - len(hits) * BLOCK_SIZE)
@@ -910,11 +916,23 @@ RATIO_CASES = {
     "ratio_hit": ([20], [5], [17, 18, 19, 20]),
     # more ids than D's 2 blocks can hold
     "ratio_more": ([], [6, 7], list(range(21, 39))),
+    # vllm#50558: P prefilled 32 tokens (4 blocks of 8, ending on D's block boundary); D's
+    # prompt has P's first token appended (33 tokens): D allocates 3 blocks of 16
+    "ratio_appended": ([], [8, 9, 10], [25, 26, 27, 28]),
+    "ratio_appended_hit": ([21], [12, 13], [29, 30, 31, 32]),
+}
+# Per case: P's computed tokens (its `remote_num_tokens`, which 0.34 pairs blocks of different
+# sizes from and declines such a read without) and D's prompt length.
+RATIO_TOKENS = {
+    "ratio_full": (31, 31), "ratio_partial": (20, 20), "ratio_hit": (31, 31),
+    "ratio_more": (31, 31), "ratio_appended": (32, 33), "ratio_appended_hit": (32, 33),
 }
 
 
 def _block_id_run(cases: dict[str, tuple[list[int], list[int], list[int]]],
-                  p_block_size: int) -> dict[str, Any]:
+                  p_block_size: int,
+                  tokens: dict[str, tuple[Any, int]] | None = None,
+                  extra: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     d_blocks, p_blocks = 32, 40
     ratio = BLOCK_SIZE // p_block_size
     d = build_worker("decode-engine", num_blocks=d_blocks)
@@ -922,12 +940,15 @@ def _block_id_run(cases: dict[str, tuple[list[int], list[int], list[int]]],
                      block_size=p_block_size)
     sched = scheduler_half(role="kv_consumer")
     connect_by_handshake(d, {0: remote_metadata(p, "prefill-engine", "P0")}, 1)
-    admit_remote_prefill(sched, "warmup", [], [0], [0])
+    # one of P's blocks, read into one of D's (P's token count where the cases send theirs)
+    one_block = None if tokens is None else (p_block_size, p_block_size)
+    admit_remote_prefill(sched, "warmup", [], [0], [0], tokens=one_block)
     crash = step(d, sched.build_connector_meta(None))
     _, crash2 = run_until(d, lambda a: "warmup" in a["done_recving"])
     assert crash is None and crash2 is None, (crash, crash2)
     for req_id, (hits, reads, remote_ids) in cases.items():
-        admit_remote_prefill(sched, req_id, hits, reads, remote_ids)
+        admit_remote_prefill(sched, req_id, hits, reads, remote_ids,
+                             tokens=(tokens or {}).get(req_id), extra=(extra or {}).get(req_id))
     crash = step(d, sched.build_connector_meta(None))
     acc: dict[str, Any] = finished(d)
     if crash is None:
@@ -935,7 +956,7 @@ def _block_id_run(cases: dict[str, tuple[list[int], list[int], list[int]]],
                                set(a["failed_recving"]), acc=acc)
     after = None
     if crash is None:
-        admit_remote_prefill(sched, "after", [], [11], [24])
+        admit_remote_prefill(sched, "after", [], [11], [24], tokens=one_block)
         crash = step(d, sched.build_connector_meta(None))
         after, crash2 = run_until(d, lambda a: "after" in a["done_recving"])
         crash = crash or crash2
@@ -943,7 +964,13 @@ def _block_id_run(cases: dict[str, tuple[list[int], list[int], list[int]]],
     paired = {req: [{"local": sorted({i % (d_blocks * ratio) for i in r["local_ids"]}),
                      "remote": sorted({i % p_blocks for i in r["remote_ids"]})} for r in reads]
               for req, reads in _reads_by_req(d).items()}
-    return {"crash": crash, "results": acc, "after": after, "paired": paired,
+    # Which of P's blocks each of D's (sub-)blocks receives: descriptor i of a READ's local
+    # list is read from descriptor i of its remote list.
+    pairs = {req: [list(pair) for pair in sorted(
+                 {(lo % (d_blocks * ratio), re % p_blocks) for r in reads
+                  for lo, re in zip(r["local_ids"], r["remote_ids"], strict=True)})]
+             for req, reads in _reads_by_req(d).items()}
+    return {"crash": crash, "results": acc, "after": after, "paired": paired, "pairs": pairs,
             "descriptors": _reads_by_req(d),
             "failure_style": vllm_sites.recv_failure_style(version_of())}
 
@@ -960,7 +987,7 @@ def scenario_block_ids() -> dict[str, Any]:
 
 def scenario_block_ids_ratio() -> dict[str, Any]:
     """:func:`scenario_block_ids` with P's blocks half D's size (:data:`RATIO_CASES`)."""
-    return _block_id_run(RATIO_CASES, BLOCK_SIZE // 2)
+    return _block_id_run(RATIO_CASES, BLOCK_SIZE // 2, RATIO_TOKENS)
 
 
 LISTENER_WAIT_S = 3.0  # a listener that cannot bind dies within milliseconds

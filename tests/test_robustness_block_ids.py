@@ -6,8 +6,13 @@ and correct lists are read exactly as stock reads them.
 
 Real code everywhere: D's scheduler half builds the metadata (``update_state_after_alloc``,
 ``build_connector_meta``), D's worker reads (handshake, ``start_load_kv``, result reporting),
-with a recording NIXL agent (``tests/robust_worker.py::scenario_block_ids``).  0.33 in process;
-0.19-0.32 from their source trees (``tests/robust_matrix.py``)."""
+with a recording NIXL agent (``tests/robust_worker.py::scenario_block_ids``).  The installed
+release in process; older ones from their source trees (``tests/robust_matrix.py``).
+
+With P's blocks smaller than D's, 0.19-0.33 pair D's sub-blocks with P's list by position and
+0.34 from P's last token (``remote_num_tokens``): a proxy that appends P's first token to a
+prompt ending on D's block boundary (vllm#50558) is read right by 0.33 and wrongly by 0.34,
+reported done; with ``block_ids_bound`` 0.34 fails it alone (:func:`assert_ratio`)."""
 
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import robust_matrix
 import robust_worker as rw
 from packaging.version import Version
 
-from pdpatch import vllm_sites
+from pdpatch import metrics, vllm_sites
 
 WRONG = ("more", "more_hit", "appended_hit")
 RIGHT = ("exact", "exact_hit")
@@ -82,23 +87,28 @@ def assert_same_reads_as_stock(stock: dict, patched: dict) -> None:
         assert patched["descriptors"][case] == stock["descriptors"][case], case
 
 
-def test_block_ids_bound_0_33(fresh_pdpatch, caplog):
-    stock = rw.scenario_block_ids()
-    assert_stock_reads_wrong_blocks(stock)
-    states = fresh_pdpatch.install()
-    assert states["block_ids_bound"].status == "active"
+def refusal_lines(caplog, scenario) -> tuple[dict, list[str]]:
+    """``scenario``'s observations, and the error lines ``block_ids_bound`` logged meanwhile
+    (the installer's summary line, which names the patch too, is logged at INFO)."""
     lg = logging.getLogger("pdpatch")            # pdpatch's logger does not propagate
     lg.addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.ERROR, logger="pdpatch"):
-            patched = rw.scenario_block_ids()
+            obs = scenario()
     finally:
         lg.removeHandler(caplog.handler)
-    assert_refused(patched, Version("0.33.0"))
+    return obs, [r.getMessage() for r in caplog.records
+                 if r.levelno >= logging.ERROR and "[block_ids_bound" in r.getMessage()]
+
+
+def test_block_ids_bound_installed(fresh_pdpatch, caplog):
+    stock = rw.scenario_block_ids()
+    assert_stock_reads_wrong_blocks(stock)
+    states = fresh_pdpatch.install()
+    assert states["block_ids_bound"].status == "active"
+    patched, lines = refusal_lines(caplog, rw.scenario_block_ids)
+    assert_refused(patched, robust_matrix.INSTALLED)
     assert_same_reads_as_stock(stock, patched)
-    # (the installer's summary line, which names the patch too, is logged at INFO)
-    lines = [r.getMessage() for r in caplog.records
-             if r.levelno >= logging.ERROR and "[block_ids_bound" in r.getMessage()]
     assert len(lines) == len(WRONG), lines
     # Both counts are named: P's list and D's allocation (hits + blocks read).
     assert "request more refused: it lists 22 remote blocks" in lines[0], lines
@@ -124,33 +134,106 @@ def test_block_ids_on_old_release(ver):
 
 
 RATIO_RIGHT = ("ratio_full", "ratio_partial", "ratio_hit")
+RATIO = 2                                   # the rig's D block holds two of P's
+
+
+def right_pairs(case: str) -> list[list[int]]:
+    """(D's sub-block, P's block) for each token range both hold: D's allocation position p
+    (its hits, then the blocks it reads into) covers P's positions p * RATIO ... (RATIO - 1)
+    more, as far as P's list goes."""
+    hits, reads, remote = rw.RATIO_CASES[case]
+    return [[block * RATIO + j, remote[(len(hits) + i) * RATIO + j]]
+            for i, block in enumerate(reads) for j in range(RATIO)
+            if (len(hits) + i) * RATIO + j < len(remote)]
+
+
+def assert_done(obs: dict, case: str) -> None:
+    assert case in obs["results"]["done_recving"], obs["results"]
+    assert case not in obs["results"]["failed_recving"], obs["results"]
+    assert not set(rw.RATIO_CASES[case][1]) & set(obs["results"]["invalid_blocks"]), obs
 
 
 def assert_ratio(stock: dict, patched: dict, version: Version) -> None:
-    """P's blocks half D's size: D's blocks are read as sub-blocks, paired with P's list from
-    its end.  A list longer than D's blocks can hold is read from its last ids by stock vLLM
-    and refused with pdpatch; lists that fit are read exactly as stock reads them."""
+    """P's blocks half D's size: D's blocks are read as sub-blocks.  A list longer than D's
+    blocks can hold is read from its last ids by stock vLLM and refused with pdpatch; the
+    correct lists are read right, by stock and pdpatch alike.  vllm#50558 (D's prompt one
+    token longer than P's, which ends on D's block boundary): 0.34 pairs from P's last token
+    and reads D's blocks one block late, reported done -- pdpatch fails it alone there; 0.19-0.33
+    pair by position and read it right, without a local hit (stock and pdpatch alike).  With
+    a local hit every release reads it wrongly; pdpatch catches it on 0.34 (exactly, from
+    ``remote_num_tokens``), not before (its bound there only refuses lists longer than D's
+    allocation holds)."""
     assert stock["crash"] is None and patched["crash"] is None, (stock, patched)
-    _, reads, remote = rw.RATIO_CASES["ratio_more"]
-    (pair,) = stock["paired"]["ratio_more"]
-    assert pair["remote"] == remote[-2 * len(reads):], pair
-    assert "ratio_more" in stock["results"]["done_recving"], stock["results"]
-    assert "ratio_more" not in stock["results"]["failed_recving"], stock["results"]
-    assert_failed_alone(patched, "ratio_more", reads, version)
-    for case in RATIO_RIGHT:
-        hits, _, remote = rw.RATIO_CASES[case]
-        (pair,) = stock["paired"][case]
-        assert pair["remote"] == remote[2 * len(hits):], (case, pair)     # by position
-        assert case in patched["results"]["done_recving"], patched["results"]
-        assert case not in patched["results"]["failed_recving"], patched["results"]
+    for obs in (stock, patched):
+        assert obs["pairs"]["warmup"] == [[0, 0]] and obs["pairs"]["after"] == [[22, 24]], obs
+        for case in RATIO_RIGHT:
+            assert obs["pairs"][case] == right_pairs(case), (case, obs["pairs"])
+            assert_done(obs, case)
     for case in (*RATIO_RIGHT, "warmup", "after"):
         assert patched["descriptors"][case] == stock["descriptors"][case], case
 
+    _, reads, remote = rw.RATIO_CASES["ratio_more"]
+    assert stock["pairs"]["ratio_more"] == [
+        [b * RATIO + j, r] for (b, j), r in zip([(b, j) for b in reads for j in range(RATIO)],
+                                                remote[-RATIO * len(reads):], strict=True)]
+    assert_done(stock, "ratio_more")
+    assert_failed_alone(patched, "ratio_more", reads, version)
 
-def test_block_ids_bound_0_33_block_size_ratio(fresh_pdpatch):
+    by_last_token = version >= vllm_sites.PAIRS_BY_LAST_TOKEN_FROM
+    appended = right_pairs("ratio_appended")
+    if by_last_token:
+        late = [[lo + RATIO, p] for lo, p in appended]       # one of D's blocks late
+        assert stock["pairs"]["ratio_appended"] == late != appended, stock["pairs"]
+        assert_done(stock, "ratio_appended")
+        assert_failed_alone(patched, "ratio_appended", rw.RATIO_CASES["ratio_appended"][1],
+                            version)
+    else:
+        for obs in (stock, patched):
+            assert obs["pairs"]["ratio_appended"] == appended, obs["pairs"]
+            assert_done(obs, "ratio_appended")
+        assert patched["descriptors"]["ratio_appended"] == \
+            stock["descriptors"]["ratio_appended"]
+
+    _, reads, remote = rw.RATIO_CASES["ratio_appended_hit"]
+    wrong = [[b * RATIO + j, remote[i * RATIO + j]] for i, b in enumerate(reads)
+             for j in range(RATIO)]                           # P's first blocks, not its last
+    assert stock["pairs"]["ratio_appended_hit"] == wrong != right_pairs("ratio_appended_hit")
+    assert_done(stock, "ratio_appended_hit")
+    if by_last_token:
+        assert_failed_alone(patched, "ratio_appended_hit", reads, version)
+    else:
+        assert patched["pairs"]["ratio_appended_hit"] == wrong, patched["pairs"]
+
+
+def test_block_ids_bound_installed_block_size_ratio(fresh_pdpatch, caplog):
     stock = rw.scenario_block_ids_ratio()
     fresh_pdpatch.install()
-    assert_ratio(stock, rw.scenario_block_ids_ratio(), Version("0.33.0"))
+    patched, lines = refusal_lines(caplog, rw.scenario_block_ids_ratio)
+    assert_ratio(stock, patched, robust_matrix.INSTALLED)
+    if robust_matrix.INSTALLED >= vllm_sites.PAIRS_BY_LAST_TOKEN_FROM:
+        assert [line.split(" refused")[0] for line in lines] == [
+            f"pdpatch: KV load of request {case}"
+            for case in ("ratio_more", "ratio_appended", "ratio_appended_hit")], lines
+        # P's token count, both lists' lengths and what they should be are named
+        assert ("request ratio_appended refused: it says P computed 32 tokens "
+                "(remote_num_tokens): 4 blocks of 8 tokens on P and 2 of 16 here; it lists 4 "
+                "remote blocks, and this decode engine holds 0 of the prompt's blocks from its "
+                "prefix cache and reads 3") in lines[1], lines
+
+
+def test_block_size_ratio_without_remote_num_tokens_is_the_releases_own(fresh_pdpatch):
+    """0.34 declines a read between different block sizes without P's token count itself
+    (``remote_num_tokens``); pdpatch leaves that to it (the same outcome, no refusal counted)."""
+    if robust_matrix.INSTALLED < vllm_sites.PAIRS_BY_LAST_TOKEN_FROM:
+        pytest.skip("the installed release pairs by position and needs no token count")
+    cases = {"ratio_appended": rw.RATIO_CASES["ratio_appended"]}
+    stock = rw._block_id_run(cases, rw.BLOCK_SIZE // 2)
+    fresh_pdpatch.install()
+    patched = rw._block_id_run(cases, rw.BLOCK_SIZE // 2)
+    for obs in (stock, patched):
+        assert "ratio_appended" not in obs["pairs"], obs["pairs"]          # no READ posted
+        assert "ratio_appended" in obs["results"]["failed_recving"], obs["results"]
+    assert metrics.total(metrics.REFUSALS, "block_ids_bound") == 0
 
 
 @pytest.mark.parametrize("ver", robust_matrix.OLD_RELEASES)

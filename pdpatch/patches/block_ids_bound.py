@@ -1,9 +1,10 @@
 """Patch ``block_ids_bound``: a ``remote_block_ids`` list whose length does not match what the
 decode engine allocated fails that request instead of reading another request's blocks.
 
-The pull read path pairs D's blocks with P's by the **end** of P's list: every release 0.19-0.33
-trims P's group to its last ``len(local)`` ids (``_read_blocks``' prefix-cache trim: 0.19
-``nixl_connector.py`` L2649-2653, 0.33 ``base_worker.py::_apply_prefix_caching``), where
+With equal block sizes the pull read path pairs D's blocks with P's by the **end** of P's list:
+every release 0.19-0.34 trims P's group to its last ``len(local)`` ids (``_read_blocks``'
+prefix-cache trim: 0.19 ``nixl_connector.py`` L2649-2653; ``_apply_prefix_caching`` from 0.22,
+0.34.0 ``base_worker.py`` L3878-3913, called from ``pull_worker.py::_read_blocks``), where
 ``local`` holds only the blocks D did not find in its own prefix cache.  Position ``i`` of D's
 allocation (``h`` hit blocks, then the ``k`` blocks it reads into) is block ``i`` of the
 prompt; position ``i`` of a correct P list is block ``i`` of P's prompt.  So the end trim pairs
@@ -17,21 +18,35 @@ the right blocks exactly when P lists ``h + k`` blocks, and otherwise reads the 
   listed): every block read is shifted by one, again silently.  Without a local hit the
   release's own ``num_local <= len(remote)`` assert fires (``read_guard`` contains it).
 
-The check needs ``h``.  0.29+ carry it to the worker (``ReqMeta.local_num_computed_blocks``,
-counted in ``update_state_after_alloc``); for 0.19-0.28 this patch counts it there with the same
-expression and attaches it to that request's ``ReqMeta`` in ``build_connector_meta``
-(:class:`LocalHits`, pdpatch's record on it, :mod:`pdpatch.attached`, which no vLLM code reads;
-it travels with the metadata to the worker processes, which receive it pickled).
+Where P's blocks are smaller (``block_size_ratio`` r > 1) or hold another number of physical
+blocks per logical block, 0.19-0.33 pair D's sub-blocks with P's list by position
+(``_map_block_ids_for_block_size_ratio`` from 0.27, 0.33.0 ``pull_worker.py`` L435) and then
+end-trim; D's token count is not known to the worker there, so only a list longer than
+``(h + k) * r`` -- more than D's allocation can hold -- is refused (and only with equal
+physical-per-logical ratios).  0.34 pairs both lists from P's last token instead
+(``_pair_blocks_by_last_token``, 0.34.0 ``base_worker.py`` L3683-3727, from
+``pull_worker.py`` L311-333) with ``remote_num_tokens`` T (it declines such a read without it,
+L188-205).  P lists exactly the blocks of its T computed tokens (``Scheduler._connector_finished``,
+0.34.0 ``scheduler.py`` L3511-3514; ``remote_num_tokens = num_computed_tokens``,
+``pull_scheduler.py`` L279), so 0.34 pairs right exactly when P lists cdiv(T, P's logical block)
+blocks and D holds (``h + k``) cdiv(T, D's logical block): anything else shifts every pair, which
+this patch refuses there.  vllm#50558 without a local hit is such a case that 0.33 read right
+and 0.34 reads one of D's blocks late (P's prompt ending on D's block boundary, D's one token
+longer).
 
-Judged only where the release's own pairing is the plain end trim of one full-attention group:
-one KV-cache group, no decode-context parallelism on either side, the same
-physical-per-logical block ratio on both sides, no region-mapped (0.33 MLA) read, no
-bidirectional (turn-2) transfers, and a handshaken peer.  With equal block sizes the bound is
-exact (``len(remote) == h + k``); where P's blocks are ``r`` times smaller (the release's
-``block_size_ratio``) D's token count is not known to the worker to a block, so only a list
-longer than ``(h + k) * r`` -- more than D's allocation can hold -- is refused.  A refused load is
-failed with the release's own bookkeeping (:func:`pdpatch.vllm_sites.record_recv_failure`): the
-scheduler recomputes or fails the request, no READ is posted, the engine serves on.
+The check needs ``h``.  0.29+ carry it to the worker (``ReqMeta.local_num_computed_blocks``,
+counted in ``update_state_after_alloc``, 0.34.0 ``pull_scheduler.py`` L160-169); for 0.19-0.28
+this patch counts it there with the same expression and attaches it to that request's
+``ReqMeta`` in ``build_connector_meta`` (:class:`LocalHits`, pdpatch's record on it,
+:mod:`pdpatch.attached`, which no vLLM code reads; it travels with the metadata to the worker
+processes, which receive it pickled).
+
+Judged only where the release's own pairing is one of the above for one full-attention group:
+one KV-cache group, no decode-context parallelism on either side, no region-mapped (0.33+ MLA)
+read, no bidirectional (turn-2) transfers, a handshaken peer that the release neither marked
+invalid nor is about to handshake with again (0.34.0 ``pull_worker.py`` L140-155).  A refused
+load is failed with the release's own bookkeeping (:func:`pdpatch.vllm_sites.record_recv_failure`):
+the scheduler recomputes or fails the request, no READ is posted, the engine serves on.
 """
 
 from __future__ import annotations
@@ -82,15 +97,60 @@ def _single_full_attention_group(worker: Any) -> bool:
             and not getattr(worker, "_has_mamba", False))
 
 
-def _region_mapped(worker: Any, engine_id: str) -> bool:
-    """0.33's MLA read between peers with different cache-group regions pairs blocks its own
-    way (``_apply_prefix_caching_by_region``)."""
+def _region_mapped(worker: Any, engine_id: str, version: Version) -> bool:
+    """An MLA read between peers with different cache-group regions, which the release pairs
+    region by region (``_apply_prefix_caching_by_region``, 0.33+): 0.34 decides it by
+    ``_dst_pairs[engine_id].groups_match`` (0.34.0 pull_worker.py L217, L233), 0.33 by comparing
+    the two sides' region groups."""
+    if vllm_sites.release_of(version) >= vllm_sites.REGION_READ_BY_GROUPS_MATCH_FROM:
+        pairs = (getattr(worker, "_dst_pairs", None) or {}).get(engine_id)
+        return pairs is not None and not getattr(pairs, "groups_match", True)
     remote = (getattr(worker, "dst_region_group_ids", None) or {}).get(engine_id)
     return remote is not None and (getattr(worker, "region_group_ids", None) or remote) != remote
 
 
+def _stale_or_invalid_peer(worker: Any, remote: Any, engine_id: str) -> bool:
+    """The release itself fails a request for a peer it marked invalid (0.32+), or handshakes
+    again with a peer that registered its KV again (``registration_generation``, 0.33+) and
+    reads after that, through this wrapper again: judged then, against the new peer (0.34.0
+    pull_worker.py L140-155)."""
+    if engine_id in (getattr(worker, "_invalid_remote_engines", None) or ()):
+        return True
+    known = getattr(worker, "_remote_registration_generations", None)
+    generation = getattr(remote, "registration_generation", 0)
+    return isinstance(known, dict) and isinstance(generation, int) \
+        and known.get(engine_id, 0) < generation
+
+
+def _by_last_token(worker: Any, remote: Any, peer: vllm_sites.PeerBlocks, n_listed: int,
+                   n_hits: int, n_read: int) -> str | None:
+    """0.34+, blocks of different sizes: vLLM pairs both lists from P's last token
+    (``remote_num_tokens``, T), so it pairs the right blocks exactly when P lists the blocks of
+    T tokens at its block size and this engine holds (hits + reads) the blocks of T tokens at
+    its own; otherwise every pair is shifted.  P lists exactly cdiv(T, P's logical block) blocks
+    (those of its computed tokens, ``Scheduler._connector_finished``, 0.34.0 scheduler.py
+    L3511-3514, with ``remote_num_tokens = num_computed_tokens``, pull_scheduler.py L279)."""
+    t = getattr(remote, "num_tokens", None)
+    if t is None or not isinstance(t, int):
+        return None     # 0.34 declines the read itself; a non-integer: its own TypeError
+    groups = worker.kv_cache_config.kv_cache_groups
+    d_logical = int(groups[0].kv_cache_spec.block_size)
+    p_logical = int(worker.block_size) // peer.block_size_ratio * peer.physical_per_logical
+    if d_logical <= 0 or p_logical <= 0:
+        return None
+    want_p, want_d = -(-t // p_logical), -(-t // d_logical)
+    allocated = n_hits + n_read
+    if n_listed == want_p and allocated == want_d:
+        return None
+    return (f"it says P computed {t} tokens (remote_num_tokens): {want_p} blocks of "
+            f"{p_logical} tokens on P and {want_d} of {d_logical} here; it lists {n_listed} "
+            f"remote blocks, and this decode engine holds {n_hits} of the prompt's blocks from "
+            f"its prefix cache and reads {n_read}; vLLM pairs both lists from P's last token "
+            "and would read the wrong blocks")
+
+
 def refusal(worker: Any, meta: Any, version: Version) -> str | None:
-    """Why the release's end-trim would pair the wrong blocks for this receive (None: run the
+    """Why the release's pairing would read the wrong blocks for this receive (None: run the
     release's own read)."""
     remote = getattr(meta, "remote", None)
     local = getattr(meta, "local_block_ids", None)
@@ -103,22 +163,29 @@ def refusal(worker: Any, meta: Any, version: Version) -> str | None:
         return None
     engine_id = remote.engine_id
     if engine_id not in (getattr(worker, "_remote_agents", None) or {}) \
+            or _stale_or_invalid_peer(worker, remote, engine_id) \
             or getattr(worker, "_bidirectional_kv_xfer_enabled", False) \
-            or getattr(worker, "dcp_size", 1) > 1 or _region_mapped(worker, engine_id) \
+            or getattr(worker, "dcp_size", 1) > 1 or _region_mapped(worker, engine_id, version) \
             or not _single_full_attention_group(worker):
         return None
     peer = vllm_sites.peer_blocks(worker, engine_id, version)
-    if peer is None or peer.dcp_size > 1 or peer.physical_per_logical != \
-            getattr(worker, "_physical_blocks_per_logical_kv_block", 1):
+    if peer is None or peer.dcp_size > 1:
         return None
     n_listed, n_hits, n_read = len(listed[0]), hits[0], len(local[0])
     allocated = n_hits + n_read
-    if peer.block_size_ratio == 1 and n_listed != allocated:
-        return (f"it lists {n_listed} remote blocks; this decode engine holds {n_hits} of the "
-                f"prompt's blocks from its prefix cache and reads {n_read}, so a prefill engine "
-                f"with the same prompt lists exactly {allocated}; vLLM pairs the last {n_read} "
-                "listed ids with its blocks and would read the wrong ones")
-    if peer.block_size_ratio > 1 and n_listed > allocated * peer.block_size_ratio:
+    same_ratio = peer.physical_per_logical == \
+        getattr(worker, "_physical_blocks_per_logical_kv_block", 1)
+    if peer.block_size_ratio == 1 and same_ratio:
+        if n_listed != allocated:
+            return (f"it lists {n_listed} remote blocks; this decode engine holds {n_hits} of "
+                    f"the prompt's blocks from its prefix cache and reads {n_read}, so a "
+                    f"prefill engine with the same prompt lists exactly {allocated}; vLLM pairs "
+                    f"the last {n_read} listed ids with its blocks and would read the wrong ones")
+        return None
+    if vllm_sites.release_of(version) >= vllm_sites.PAIRS_BY_LAST_TOKEN_FROM:
+        return _by_last_token(worker, remote, peer, n_listed, n_hits, n_read)
+    if same_ratio and peer.block_size_ratio > 1 \
+            and n_listed > allocated * peer.block_size_ratio:
         return (f"it lists {n_listed} remote blocks of 1/{peer.block_size_ratio} this engine's "
                 f"block size; this decode engine holds {n_hits} blocks from its prefix cache "
                 f"and reads {n_read}, room for at most {allocated * peer.block_size_ratio} of "
