@@ -1170,3 +1170,31 @@ PAIRS_BY_LAST_TOKEN_FROM = Version("0.34")
 # L217, L233; base_worker.py L132-157, L550-605).  0.33 compares `dst_region_group_ids` with
 # `region_group_ids` (0.33.0 pull_worker.py).
 REGION_READ_BY_GROUPS_MATCH_FROM = Version("0.34")
+
+# Optional `kv_transfer_params` fields of a remote prefill that a decode engine's NIXL code
+# reads, from the release that first reads each (params_check validates a field only where the
+# running release reads it).  `tp_size`: `ReqMeta.tp_size` (0.19.1 nixl_connector.py; 0.34.0
+# metadata.py L308), the peer's TP in the handshake; `pp_size`: 0.26.0 metadata.py, 0.34.0 L311,
+# the handshake's PP ranks (base_worker.py L1535) and the heartbeat (base_scheduler.py L219);
+# `dcp_size`: 0.29.0 metadata.py, 0.34.0 L309, base_worker.py L1534, base_scheduler.py L218;
+# `remote_blocks_expiry_time`: 0.26.0 metadata.py, 0.34.0 L346 (the turn-2 expiry, pull_worker.py
+# L130-136); `remote_num_tokens`: 0.30.0 metadata.py L330, 0.34.0 L347 (0.33's region-mapped
+# reads, 0.34's pairing: a non-integer raises TypeError in `_pair_blocks_by_last_token`);
+# `remote_registration_generation`: 0.33.0 metadata.py L343, 0.34.0 L348-350, compared with
+# an int at pull_worker.py L147.  No release reads `remote_tp_size`, `remote_dcp_size` or
+# `remote_pp_size` from them (the push scheduler's `remote_tp_size`/`remote_pp_size` are keys of
+# its own registration message, built from `tp_size`/`pp_size`: 0.34.0 push_scheduler.py
+# L187-188).  (Specs as strings: parsed when asked, not inside every `import vllm`.)
+RECV_PARAMS_READ = (
+    ("tp_size", ">=0.19"),
+    ("pp_size", ">=0.26"),
+    ("dcp_size", ">=0.29"),
+    ("remote_blocks_expiry_time", ">=0.26"),
+    ("remote_num_tokens", ">=0.30"),
+    ("remote_registration_generation", ">=0.33"),
+)
+
+
+def recv_params_read(version: Version) -> frozenset[str]:
+    """The optional remote-prefill fields of :data:`RECV_PARAMS_READ` that ``version`` reads."""
+    return frozenset(name for name, since in RECV_PARAMS_READ if version in VersionRange(since))

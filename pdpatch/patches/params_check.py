@@ -8,21 +8,30 @@ Found by a bad-input sweep against a real vLLM 0.33 decode engine (replayed by
 * ``{"do_remote_prefill": true}`` without ``remote_block_ids`` (or with ``[]``):
   ``get_num_new_matched_tokens`` promises remote tokens, then ``update_state_after_alloc``
   hits ``assert num_external_tokens == 0`` in the scheduler -- EngineCore dies, every request
-  on the engine fails (0.33 ``pull_scheduler.py``);
+  on the engine fails (0.33 ``pull_scheduler.py``; 0.34.0 L189);
 * ``remote_block_ids`` of the wrong shape or type (a string, floats, flat, nested, negative,
   out of range, 200 000 ids) reach the worker's read path, where they crash the worker
   (without ``read_guard``) or, for floats, are truncated to valid ids and read *another
   request's* blocks: a wrong answer with no error;
-* a non-numeric ``remote_port`` or ``tp_size`` and friends fail late, deep in the handshake.
+* a non-numeric ``remote_port`` or ``tp_size`` and friends fail late, deep in the handshake;
+* from 0.34, ``remote_num_tokens`` pairs blocks of different P/D sizes
+  (``_pair_blocks_by_last_token``, 0.34.0 ``base_worker.py`` L3683-3727): a string or a float
+  raises ``TypeError`` in the decode worker (``read_guard`` contains it), a count past
+  ``max_model_len`` is no count P computed.
 
 This patch validates the parameters of a decode-side request (``do_remote_prefill`` true) in
 the front end, where vLLM validates every other sampling parameter
-(``InputProcessor._validate_params``): types, ranges, and sizes bounded by the model
-(``remote_block_ids``: at most one group per layer, at most ``max_model_len`` blocks per group,
-since a block holds at least one token).  A failure raises vLLM's own ``VLLMValidationError``
-naming the field: HTTP 400 on the OpenAI server, ``ValueError`` from ``LLM``.  Engine ids cannot
-be checked here (they are only known after a handshake); an unknown one fails the handshake
-and the request, cleanly.
+(``InputProcessor._validate_params``, 0.34.0 ``input_processor.py`` L130, called at L377): types,
+ranges, and sizes bounded by the model (``remote_block_ids``: at most one group per layer, at
+most ``max_model_len`` blocks per group, since a block holds at least one token;
+``remote_num_tokens``: at most ``max_model_len``).  The optional fields are checked only where
+the running release reads them (:data:`pdpatch.vllm_sites.RECV_PARAMS_READ`: ``tp_size``
+always, ``pp_size`` 0.26+, ``dcp_size`` 0.29+, ``remote_blocks_expiry_time`` 0.26+,
+``remote_num_tokens`` 0.30+, ``remote_registration_generation`` 0.33+, each as 0.34.0's
+``metadata.py`` L308-350 reads it): a field the release ignores cannot hurt it.  A failure raises
+vLLM's own ``VLLMValidationError`` naming the field: HTTP 400 on the OpenAI server,
+``ValueError`` from ``LLM``.  Engine ids cannot be checked here (they are only known after a
+handshake); an unknown one fails the handshake and the request, cleanly.
 """
 
 from __future__ import annotations
@@ -33,19 +42,26 @@ from typing import Any
 from packaging.version import Version
 
 from pdpatch import config, metrics, vllm_sites
-from pdpatch.registry import Patch, Target
+from pdpatch.registry import Patch, Target, Wrapper
 
 NAME = "params_check"
 STR_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host")
-COUNT_FIELDS = ("tp_size", "remote_tp_size", "remote_dcp_size", "remote_pp_size")
+# The peer's parallel sizes, as the NIXL connector reads them from the params (0.34.0
+# metadata.py L308-311): a positive count each.
+COUNT_FIELDS = ("tp_size", "pp_size", "dcp_size")
+# Every optional field some release reads (what `problems` checks unless told the release).
+EVERY_RELEASE = frozenset(name for name, _ in vllm_sites.RECV_PARAMS_READ)
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def problems(params: Any, max_blocks: int, max_groups: int) -> list[str]:
-    """What is wrong with one request's ``kv_transfer_params`` (empty when nothing is)."""
+def problems(params: Any, max_blocks: int, max_groups: int,
+             reads: frozenset[str] = EVERY_RELEASE) -> list[str]:
+    """What is wrong with one request's ``kv_transfer_params`` (empty when nothing is);
+    ``max_blocks`` is the model's ``max_model_len``, ``reads`` the optional fields the release
+    reads (:func:`pdpatch.vllm_sites.recv_params_read`)."""
     if params is None:
         return []
     if not isinstance(params, Mapping):
@@ -64,15 +80,22 @@ def problems(params: Any, max_blocks: int, max_groups: int) -> list[str]:
     if not _is_int(port) or not 0 < port < 65536:
         out.append(f"remote_port must be an integer in 1..65535, got {port!r}")
     for key in COUNT_FIELDS:
-        if key in params and params[key] is not None and (
+        if key in reads and key in params and params[key] is not None and (
                 not _is_int(params[key]) or not 1 <= params[key] <= 65536):
             out.append(f"{key} must be a positive integer, got {params[key]!r}")
     n = params.get("remote_num_tokens")
-    if n is not None and (not _is_int(n) or n < 0):
-        out.append(f"remote_num_tokens must be a non-negative integer, got {n!r}")
+    if "remote_num_tokens" in reads and n is not None and (
+            not _is_int(n) or not 0 <= n <= max_blocks):
+        out.append("remote_num_tokens must be a non-negative integer of at most max_model_len "
+                   f"({max_blocks}), got {_short(n)}")
     t = params.get("remote_blocks_expiry_time")
-    if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool)):
+    if "remote_blocks_expiry_time" in reads and t is not None and (
+            not isinstance(t, (int, float)) or isinstance(t, bool)):
         out.append(f"remote_blocks_expiry_time must be a number, got {t!r}")
+    # compared with an int as it is (0.34.0 pull_worker.py L147): None or a string raises there
+    g = "remote_registration_generation"
+    if g in reads and g in params and not isinstance(params[g], (int, float)):
+        out.append(f"{g} must be a number, got {_short(params[g])}")
     out += _block_id_problems(params.get("remote_block_ids"), max_blocks, max_groups)
     return out
 
@@ -118,29 +141,35 @@ def _kv_connector_extra(processor: Any) -> Mapping | None:
     return extra if isinstance(extra, Mapping) else None
 
 
-def check_kv_transfer_params(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    result = wrapped(*args, **kwargs)
-    params = kwargs["params"] if "params" in kwargs else args[0]
-    extra_args = getattr(params, "extra_args", None)
-    if not extra_args or "kv_transfer_params" not in extra_args:
+def make_check(version: Version) -> Wrapper:
+    reads = vllm_sites.recv_params_read(vllm_sites.release_of(version))
+
+    def check_kv_transfer_params(wrapped: Any, instance: Any, args: tuple,
+                                 kwargs: dict) -> Any:
+        result = wrapped(*args, **kwargs)
+        params = kwargs["params"] if "params" in kwargs else args[0]
+        extra_args = getattr(params, "extra_args", None)
+        if not extra_args or "kv_transfer_params" not in extra_args:
+            return result
+        if not config.extra_config_allows(NAME, _kv_connector_extra(instance)):
+            return result
+        found = problems(extra_args["kv_transfer_params"], *_limits(instance), reads)
+        if found:
+            metrics.count(None, metrics.REFUSALS, NAME)         # the API server's own
+            msg = "invalid kv_transfer_params: " + "; ".join(found) + " [pdpatch params_check]"
+            try:
+                from vllm.exceptions import VLLMValidationError
+            except ImportError:                   # pragma: no cover - every checked release has it
+                raise ValueError(msg) from None
+            raise VLLMValidationError(msg, parameter="kv_transfer_params")
         return result
-    if not config.extra_config_allows(NAME, _kv_connector_extra(instance)):
-        return result
-    found = problems(extra_args["kv_transfer_params"], *_limits(instance))
-    if found:
-        metrics.count(None, metrics.REFUSALS, NAME)         # the API server's own
-        msg = "invalid kv_transfer_params: " + "; ".join(found) + " [pdpatch params_check]"
-        try:
-            from vllm.exceptions import VLLMValidationError
-        except ImportError:                       # pragma: no cover - every checked release has it
-            raise ValueError(msg) from None
-        raise VLLMValidationError(msg, parameter="kv_transfer_params")
-    return result
+
+    return check_kv_transfer_params
 
 
 def _targets(version: Version) -> list[Target]:
     site = vllm_sites.lookup(vllm_sites.VALIDATE_REQUEST_PARAMS, version)
-    return [] if site is None else [Target(site.module, site.qualname, check_kv_transfer_params)]
+    return [] if site is None else [Target(site.module, site.qualname, make_check(version))]
 
 
 PATCH = Patch(
