@@ -1,6 +1,6 @@
 """pdpatch's counts on their way to ``/metrics`` through a release's REAL statistics code.
 
-One scenario, run by ``tests/test_metrics.py`` on the installed 0.33 in process and on every
+One scenario, run by ``tests/test_metrics.py`` on the installed release in process and on every
 old release from its source tree (``robust_worker.release_report``, stock then patched): the
 release's real D ``Scheduler`` with the NIXL connector (``tests/block_keys_scenarios.py``), a
 real decode worker (``robust_worker.build_worker``) behind the connector facade, the release's
@@ -113,19 +113,23 @@ def scenario_metrics() -> dict[str, Any]:
     out = sched.schedule()
     waiting = [r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in reqs]
 
-    # The workers: 0 had a failed transfer (stock's own stats); 1 staged a READ (pdpatch:
-    # counted by its staging agent where pdpatch put one in front of it, 0.19-0.25).
+    # The workers: 0 had a failed transfer (stock's own stats); 1 staged a READ of 4096 bytes
+    # (pdpatch: where kv_segments put a staging agent in front of it, 0.19-0.25, through the
+    # callback the agent calls for every staged READ it posts, which counts for the worker;
+    # elsewhere counted for the worker directly).
     from pdpatch import agent_layers
     from pdpatch.kv.staging import StagingAgent
 
     worker = rw.build_worker("D-engine")
     agent = agent_layers.find(worker, StagingAgent)
-    counter = worker if agent is None else agent
     stats_cls = type(worker.xfer_stats)
     first = stats_cls()
     first.record_failed_transfer()
-    metrics.count(counter, metrics.STAGED_READS)
-    metrics.count(counter, metrics.STAGED_READ_BYTES, amount=4096)
+    if agent is not None:
+        agent._on_posted(4096)
+    else:
+        metrics.count(worker, metrics.STAGED_READS)
+        metrics.count(worker, metrics.STAGED_READ_BYTES, amount=4096)
     metrics.count(rw.build_worker("other-engine"), metrics.STAGED_READS)   # not this worker's
     second = _facade(type(sched.connector), worker).get_kv_connector_stats()
     worker_records = (second.data.get(metrics.RECORDS_KEY) if second is not None else None)

@@ -15,6 +15,7 @@ import robust_worker as rw
 from packaging.version import Version
 
 from pdpatch import vllm_sites
+from pdpatch.patches import division_checks
 
 
 def assert_truncated(obs: dict, version: Version) -> None:
@@ -50,13 +51,13 @@ def assert_rejected(obs: dict, version: Version) -> None:
     assert obs["reads_ok"] == 1 and obs["after"]["done_recving"] == ["r-ok"], obs
 
 
-def test_stock_0_33_reads_truncated_slices(fresh_pdpatch):
-    assert_truncated(rw.scenario_division(), Version("0.33.0"))
+def test_stock_installed_reads_truncated_slices(fresh_pdpatch):
+    assert_truncated(rw.scenario_division(), robust_matrix.INSTALLED)
 
 
-def test_division_checks_0_33_reject_the_peer(fresh_pdpatch):
+def test_division_checks_installed_reject_the_peer(fresh_pdpatch):
     assert fresh_pdpatch.install()["division_checks"].status == "active"
-    assert_rejected(rw.scenario_division(), Version("0.33.0"))
+    assert_rejected(rw.scenario_division(), robust_matrix.INSTALLED)
 
 
 @pytest.mark.parametrize("ver", robust_matrix.OLD_RELEASES)
@@ -66,10 +67,17 @@ def test_division_on_old_release(ver):
     assert_rejected(patched, Version(ver))
 
 
-def test_division_checks_skipped_outside_checked_releases(fresh_pdpatch, monkeypatch):
-    from pdpatch import versions
-
-    monkeypatch.setattr(versions, "vllm_version", lambda: Version("0.34.0"))
-    fresh_pdpatch.install()
-    assert ("division_checks (vLLM 0.34.0 outside <0.34,>=0.19: the unchecked divisions were "
-            "checked in 0.19-0.33 only)") in fresh_pdpatch.summary_line()
+def test_division_checks_on_a_newer_release_follow_its_code(fresh_pdpatch, monkeypatch,
+                                                          tmp_path):
+    """On a vLLM newer than pdpatch verified whose descriptor maths (``_compute_desc_ids``,
+    which the check reasons about) changed, ``division_checks`` stays off, naming the function,
+    and the release reads the truncated slices as stock does (where that code is unchanged the
+    patch applies: ``tests/test_verified_sites.py``, ``test_robustness_read_guard.py``)."""
+    site = vllm_sites.lookup(vllm_sites.DESC_IDS, robust_matrix.INSTALLED)
+    newer = robust_matrix.pretend_newer(monkeypatch, tmp_path, (site.module, site.qualname))
+    ps = fresh_pdpatch.install()["division_checks"]
+    assert ps.status == "skipped" and ps.version_gated, ps.reason
+    assert (f"division_checks (vLLM {newer} is newer than verified "
+            f"({division_checks.PATCH.versions}) and changed {site.qualname}"
+            ) in fresh_pdpatch.summary_line()
+    assert_truncated(rw.scenario_division(), robust_matrix.INSTALLED)

@@ -69,11 +69,12 @@ def test_the_rig_shortens_only_the_handshakes_reply_timeout():
         ctx.term()
 
 
-def test_dead_peer_0_33_fails_the_request_only(fresh_pdpatch):
-    assert_clean(rw.scenario_dead_peer(), Version("0.33.0"))
+def test_dead_peer_installed_fails_the_request_only(fresh_pdpatch):
+    assert_clean(rw.scenario_dead_peer(), robust_matrix.INSTALLED)
     fresh_pdpatch.install()
-    assert ("handshake_failure_guard (vLLM 0.33.0 outside <0.30,>=0.19: fixed upstream: "
-            "get_finished skips failed requests from vLLM 0.22.0") in fresh_pdpatch.summary_line()
+    assert (f"handshake_failure_guard (vLLM {robust_matrix.INSTALLED} outside <0.30,>=0.19: "
+            "fixed upstream: get_finished skips failed requests from vLLM 0.22.0"
+            ) in fresh_pdpatch.summary_line()
 
 
 @pytest.mark.parametrize("ver", robust_matrix.OLD_RELEASES)
@@ -140,8 +141,8 @@ def assert_hma_outcome(obs: dict, version: Version) -> None:
         assert res["failed_recving"] == [] and res["invalid_blocks"] == [], obs
 
 
-def test_dead_peer_hma_0_33_fails_the_request_only():
-    assert_hma_outcome(rw.scenario_dead_peer(hma=True), Version("0.33.0"))
+def test_dead_peer_hma_installed_fails_the_request_only():
+    assert_hma_outcome(rw.scenario_dead_peer(hma=True), robust_matrix.INSTALLED)
 
 
 @pytest.mark.parametrize("ver", robust_matrix.OLD_RELEASES)

@@ -58,10 +58,10 @@ def assert_patched(obs: dict, version: Version) -> None:
     assert obs["p_params_expiry"] == obs["p_lease"] is not None, obs
 
 
-def test_lease_0_33(fresh_pdpatch):
+def test_lease_installed(fresh_pdpatch):
     assert_stock(rw.scenario_lease())
     fresh_pdpatch.install()
-    assert_patched(rw.scenario_lease(), Version("0.33.0"))
+    assert_patched(rw.scenario_lease(), robust_matrix.INSTALLED)
 
 
 @pytest.mark.parametrize("ver", [r for r in robust_matrix.OLD_RELEASES
@@ -134,7 +134,8 @@ class _Calls:
     ("0.30.0", {}), ("0.30.1.dev4", {}),
     ("0.31.0", {"record_failed_transfer": False}),
     ("0.31.0rc1", {"record_failed_transfer": False}),     # the new code, as every gate reads
-    ("0.33.0+cpu", {"record_failed_transfer": False})])
+    ("0.33.0+cpu", {"record_failed_transfer": False}),
+    ("0.34.0", {"record_failed_transfer": False})])
 def test_an_expired_read_is_failed_with_the_arguments_of_its_release(version: str,
                                                                      kwargs: dict) -> None:
     worker = _Calls()

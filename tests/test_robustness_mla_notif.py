@@ -49,7 +49,7 @@ def test_mla_notif_skipped_where_fixed_upstream_0_21(ver):
     assert_released(robust_matrix.scenario(ver, "patched", "mla_notif"))
 
 
-def test_mla_notif_skipped_on_0_33(fresh_pdpatch):
+def test_mla_notif_skipped_on_installed(fresh_pdpatch):
     assert_released(rw.scenario_mla_notif())
     states = fresh_pdpatch.install()
     assert states["mla_notif"].status == "skipped"

@@ -1,8 +1,9 @@
 """``peer_check``: impossible values in a peer's handshake metadata are named at handshake time.
-The metadata is the real 0.33 ``NixlAgentMetadata`` a real registered worker advertises; the
-end-to-end proof (a fake side channel serving P's real reply, corrupted, to a real decode
-engine) is ``tests/e2e/test_robustness_e2e.py``.  The old-release matrix runs every handshake of
-its scenarios with the patch active, so a false rejection of a real peer fails those tests."""
+The metadata is the real ``NixlAgentMetadata`` of the installed release that a real registered
+worker advertises; the end-to-end proof (a fake side channel serving P's real reply, corrupted,
+to a real decode engine) is ``tests/e2e/test_robustness_e2e.py``.  The old-release matrix runs
+every handshake of its scenarios with the patch active, so a false rejection of a real peer
+fails those tests."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def test_impossible_values_named(real_meta, changes, needle):
     assert any(needle in f for f in found), found
 
 
-def test_peer_check_handshake_0_33_rejects_and_serves_on(fresh_pdpatch):
+def test_peer_check_handshake_installed_rejects_and_serves_on(fresh_pdpatch):
     """Through the real handshake path: the rejected peer's request fails, a good peer after."""
     assert fresh_pdpatch.install()["peer_check"].status == "active"
     d = rw.build_worker("decode-engine", num_blocks=32)

@@ -2,8 +2,8 @@
 fails alone (recorded the way each release records KV-load failures) and the worker serves on.
 
 Real code everywhere: vLLM's worker, handshake, ``start_load_kv`` and result reporting, with a
-recording NIXL agent (``tests/robust_worker.py``).  0.33 in process; 0.19-0.32 from their
-source trees (``tests/robust_matrix.py``)."""
+recording NIXL agent (``tests/robust_worker.py``).  The installed release in process; older
+ones from their source trees (``tests/robust_matrix.py``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import robust_worker as rw
 from packaging.version import Version
 
 from pdpatch import vllm_sites
+from pdpatch.patches import read_guard
 
 BAD_BLOCKS = [1, 2, 3]
 
@@ -47,14 +48,14 @@ def assert_contained(obs: dict, version: Version) -> None:
     assert not set(obs["after"]["invalid_blocks"]), obs["after"]
 
 
-def test_stock_0_33_read_assert_kills_the_worker(fresh_pdpatch):
+def test_stock_installed_read_assert_kills_the_worker(fresh_pdpatch):
     assert_stock_crash(rw.scenario_read_assert())
 
 
-def test_read_guard_0_33_fails_only_that_request(fresh_pdpatch):
+def test_read_guard_installed_fails_only_that_request(fresh_pdpatch):
     states = fresh_pdpatch.install()
     assert states["read_guard"].status == "active"
-    assert_contained(rw.scenario_read_assert(), Version("0.33.0"))
+    assert_contained(rw.scenario_read_assert(), robust_matrix.INSTALLED)
 
 
 @pytest.mark.parametrize("ver", robust_matrix.OLD_RELEASES)
@@ -84,10 +85,10 @@ def assert_hma(obs: dict, version: Version) -> None:
         assert obs["crash"] is not None and obs["crash"].startswith("AssertionError"), obs
 
 
-def test_read_guard_0_33_hma_fails_only_that_request(fresh_pdpatch):
+def test_read_guard_installed_hma_fails_only_that_request(fresh_pdpatch):
     assert_stock_crash(rw.scenario_read_assert(hma=True))
     fresh_pdpatch.install()
-    assert_hma(rw.scenario_read_assert(hma=True), Version("0.33.0"))
+    assert_hma(rw.scenario_read_assert(hma=True), robust_matrix.INSTALLED)
 
 
 @pytest.mark.parametrize("ver", robust_matrix.OLD_RELEASES)
@@ -99,16 +100,28 @@ def test_read_assert_hma_on_old_release(ver):
 
 
 def test_failure_styles_cover_every_release_with_the_bug():
-    for minor in range(19, 34):
+    for minor in range(19, 35):
         assert vllm_sites.recv_failure_style(Version(f"0.{minor}.0")) is not None, minor
     assert vllm_sites.recv_failure_style(Version("0.18.1")) is None
 
 
-def test_read_guard_skipped_outside_checked_releases(fresh_pdpatch, monkeypatch):
-    from pdpatch import versions
+def test_read_guard_on_a_newer_release_follows_its_code(fresh_pdpatch, monkeypatch, tmp_path):
+    """On a vLLM newer than pdpatch verified, ``read_guard`` applies where the code it rests
+    on is the newest verified release's, and contains the failure; where its read path
+    changed it stays off, naming the function, and the release's own crash stands."""
+    newer = robust_matrix.pretend_newer(monkeypatch, tmp_path / "same")
+    ps = fresh_pdpatch.install()["read_guard"]
+    assert ps.status == "active", ps.reason
+    assert f"identical to {robust_matrix.INSTALLED}'s" in ps.reason
+    assert_contained(rw.scenario_read_assert(), robust_matrix.INSTALLED)
+    fresh_pdpatch.uninstall()
+    fresh_pdpatch.reset_state()
 
-    monkeypatch.setattr(versions, "vllm_version", lambda: Version("0.34.0"))
-    fresh_pdpatch.install()
-    line = fresh_pdpatch.summary_line()
-    assert "read_guard (vLLM 0.34.0 outside" in line
-    assert "the unguarded read path was checked in 0.19-0.33 only" in line
+    site = vllm_sites.lookup(vllm_sites.READ_BLOCKS_FOR_REQ, robust_matrix.INSTALLED)
+    robust_matrix.pretend_newer(monkeypatch, tmp_path / "edited", (site.module, site.qualname))
+    ps = fresh_pdpatch.install()["read_guard"]
+    assert ps.status == "skipped" and ps.version_gated, ps.reason
+    assert (f"read_guard (vLLM {newer} is newer than verified ({read_guard.PATCH.versions}) "
+            f"and changed {site.qualname}"
+            ) in fresh_pdpatch.summary_line()
+    assert_stock_crash(rw.scenario_read_assert())

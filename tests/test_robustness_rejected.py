@@ -16,8 +16,8 @@ or wait forever.
   locally; with the setting on, the release's readback runs untouched.
 
 ``robust_worker.scenario_rejected`` / ``scenario_rejected_push`` / ``scenario_readback`` on
-each release's real scheduler facade and decode worker: 0.33 in process, older releases
-through the robustness matrix."""
+each release's real scheduler facade and decode worker: the installed release in process, older
+releases through the robustness matrix."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def assert_readback_served(stock: dict, patched: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def report_0_33() -> dict:
+def report_installed() -> dict:
     from pdpatch import installer
 
     names = ("rejected", "rejected_push", "readback", "readback_bidirectional")
@@ -105,28 +105,28 @@ def report_0_33() -> dict:
     return {"stock": stock, "patched": patched}
 
 
-def test_rejected_0_33(report_0_33):
-    assert_rejected_stock(report_0_33["stock"]["rejected"], Version("0.33.0"))
-    assert_rejected_patched(report_0_33["patched"]["rejected"])
+def test_rejected_installed(report_installed):
+    assert_rejected_stock(report_installed["stock"]["rejected"], robust_matrix.INSTALLED)
+    assert_rejected_patched(report_installed["patched"]["rejected"])
 
 
-def test_rejected_push_0_33(report_0_33):
-    assert_rejected_push(report_0_33["stock"]["rejected_push"],
-                         report_0_33["patched"]["rejected_push"], Version("0.33.0"))
+def test_rejected_push_installed(report_installed):
+    assert_rejected_push(report_installed["stock"]["rejected_push"],
+                         report_installed["patched"]["rejected_push"], robust_matrix.INSTALLED)
 
 
-def test_readback_0_33(report_0_33):
-    assert_readback(report_0_33["stock"]["readback"], report_0_33["patched"]["readback"],
-                    Version("0.33.0"))
-    assert_readback_served(report_0_33["stock"]["readback_bidirectional"],
-                           report_0_33["patched"]["readback_bidirectional"])
+def test_readback_installed(report_installed):
+    assert_readback(report_installed["stock"]["readback"], report_installed["patched"]["readback"],
+                    robust_matrix.INSTALLED)
+    assert_readback_served(report_installed["stock"]["readback_bidirectional"],
+                           report_installed["patched"]["readback_bidirectional"])
 
 
 def test_rejected_off_per_deployment(fresh_pdpatch):
     """``kv_connector_extra_config["pdpatch"]`` switches the guard off: the release's code."""
     fresh_pdpatch.install()
     obs = rw.scenario_rejected({"pdpatch": {"disable": ["params_guard"]}})
-    assert_rejected_stock(obs, Version("0.33.0"))
+    assert_rejected_stock(obs, robust_matrix.INSTALLED)
 
 
 @pytest.mark.parametrize("ver", robust_matrix.OLD_RELEASES)

@@ -14,7 +14,6 @@ import pytest
 import robust_matrix
 import robust_worker as rw
 import zmq
-from packaging.version import Version
 
 from pdpatch import vllm_sites
 
@@ -42,11 +41,11 @@ def assert_fails_start(obs: dict) -> None:
     assert_free_port_serves(obs)
 
 
-def test_stock_0_33_waits_forever_on_a_taken_port(fresh_pdpatch):
+def test_stock_installed_waits_forever_on_a_taken_port(fresh_pdpatch):
     assert_hangs(rw.scenario_side_channel_taken())
 
 
-def test_side_channel_listen_0_33_fails_the_start(fresh_pdpatch):
+def test_side_channel_listen_installed_fails_the_start(fresh_pdpatch):
     assert fresh_pdpatch.install()["side_channel_listen"].status == "active"
     assert_fails_start(rw.scenario_side_channel_taken())
 
@@ -60,7 +59,7 @@ def test_a_direct_listener_call_is_untouched(fresh_pdpatch):
     """vLLM's own code or tests may run the listener without a waiting starter: it raises the
     release's error and its event stays unset."""
     fresh_pdpatch.install()
-    owner = vllm_sites.lookup(vllm_sites.HANDSHAKE_LISTENER_OWNER, Version("0.33.0"))
+    owner = vllm_sites.lookup(vllm_sites.HANDSHAKE_LISTENER_OWNER, robust_matrix.INSTALLED)
     cls = getattr(__import__(owner.module, fromlist=["_"]), owner.qualname)
     ready, stop = threading.Event(), threading.Event()
     with socket.socket() as blocker:
