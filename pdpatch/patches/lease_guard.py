@@ -10,7 +10,10 @@ expiry for a P->D request (only for a turn-2 readback, ``remote_blocks_expiry_ti
 checks in ``_is_turn2_read_expired``).  So a request that reaches D more than 30 s after P
 answered -- a stalled proxy or client, a backed-up API server -- is READ from whatever P's
 blocks hold by then, and D serves wrong tokens without an error (this project's e2e CI saw it
-on 0.33: a test client stalled 27 s).
+on 0.33: a test client stalled 27 s).  So it is in 0.34: the lease (0.34.0
+``base_scheduler.py`` L82-88) is set in ``request_finished`` (``pull_scheduler.py`` L256-269),
+an expiry is exported only for a turn-2 readback (L270-272), and D checks one only there
+(``pull_worker.py`` L127-136, called at L159 with ``bidirectional_kv_xfer`` on).
 
 With this patch (0.26+, the releases that measure each peer's clock at the handshake):
 

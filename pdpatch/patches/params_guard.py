@@ -12,11 +12,12 @@ the blocks it holds for it.  The scheduler half's ``request_finished`` sees ``do
 still set (``update_state_after_alloc`` never ran) and queues a notification-only receive;
 ``build_connector_meta`` then passes the params to ``add_new_req_to_recv``, which indexes
 ``remote_block_ids``, ``remote_engine_id``, ``remote_request_id``, ``remote_host`` and
-``remote_port`` (every release 0.19-0.33): one missing, and the scheduler step raises.  A
-request aborted while it waits (a client disconnect) takes the same path on every release.
-An unhashable ``remote_engine_id`` or ``remote_request_id`` (a list) raises ``TypeError`` one
-step earlier, in ``on_new_request``'s heartbeat tables (0.22+), or in the decode worker's
-engine lookup.
+``remote_port`` (every release 0.19-0.34; 0.34.0 ``pull_scheduler.py`` L222-233 queues it,
+``base_scheduler.py`` L485-505 builds it, ``metadata.py`` L341-345 indexes): one missing, and
+the scheduler step raises.  A request aborted while it waits (a client disconnect) takes the
+same path on every release.  An unhashable ``remote_engine_id`` or ``remote_request_id`` (a
+list) raises ``TypeError`` one step earlier, in ``on_new_request``'s heartbeat tables (0.22+;
+0.34.0 ``base_scheduler.py`` L228, L237), or in the decode worker's engine lookup.
 
 The release's own rule for such params is in ``update_state_after_alloc``: without the remote
 fields it "will not utilize KVTransfer" (and turns ``do_remote_prefill`` off).  This patch

@@ -5,11 +5,12 @@ Found by a bad-input sweep (a fake side channel serving P's real handshake reply
 corrupted, against a real vLLM 0.33 decode engine; replayed by
 ``tests/e2e/test_robustness_e2e.py``).  msgspec's typed decode already rejects wrong *types*;
 nothing checks *values*.  A peer advertising ``num_blocks`` of -5, 0 or
-10**12 is accepted and read from (0.33 builds its descriptors from ``region_num_blocks`` and
-happens to read the right bytes; up to 0.29 the count sizes the descriptor list itself --
-``range(num_blocks)`` in 0.19-0.25, ``np.arange`` in 0.26-0.29 -- so 10**12 exhausts the
-decode worker's memory).  Other corruptions (zero block size, zero strides, empty regions) fail
-deep inside the release's validation with bare asserts.
+10**12 is accepted and read from (0.33 and 0.34 build their descriptors from
+``region_num_blocks``, one strided descriptor per region -- 0.34.0 ``base_worker.py``
+L2289-2291, L2318-2322 -- and happen to read the right bytes; up to 0.29 the count sizes the
+descriptor list itself -- ``range(num_blocks)`` in 0.19-0.25, ``np.arange`` in 0.26-0.29 -- so
+10**12 exhausts the decode worker's memory).  Other corruptions (zero block size, zero strides,
+empty regions) fail deep inside the release's validation with bare asserts.
 
 The pre-hook on ``add_remote_agent`` (handshake thread: only that peer's requests fail) checks
 the values every release relies on: positive ``num_blocks``, ``block_size``, block lengths and

@@ -1,12 +1,15 @@
 """Patch ``read_guard``: an exception on the KV read path fails that request, not the worker.
 
 ``_read_blocks_for_req`` runs on the model-runner thread outside any ``try`` in every release
-from 0.19 to 0.33 (``start_load_kv`` has no guard either).  Its asserts -- the prefix-trim
-``num_local_blocks <= len(remote)`` (0.19 ``nixl_connector.py`` L2650, 0.33 ``base_worker.py``
-L3791), ``len(remote) == len(local) == len(groups)``, ``len(local_desc_ids) ==
-len(remote_desc_ids)`` -- and any unexpected error there (a peer sent fewer blocks than the
-decode side allocated: a race or a misconfigured proxy) kill the worker and with it the engine.
-Wrapped, the request's KV load is recorded as failed with the release's own bookkeeping
+from 0.19 to 0.34 (``start_load_kv`` has no guard either: 0.34.0 ``pull_worker.py`` L49-81
+calls it at L77 and L81).  Its asserts -- the prefix-trim ``num_local_blocks <= len(remote)``
+(0.19 ``nixl_connector.py`` L2650, 0.33 ``base_worker.py`` L3791, 0.34.0 ``base_worker.py``
+L3910), ``len(remote) == len(local) == len(groups)`` (0.34.0 L3840), ``len(local_desc_ids) ==
+len(remote_desc_ids)`` (0.34.0 ``pull_worker.py`` L602) -- 0.34's ``TypeError`` for a
+``remote_num_tokens`` that is no integer (``_pair_blocks_by_last_token``, ``base_worker.py``
+L3717-3722) and any unexpected error there (a peer sent fewer blocks than the decode side
+allocated: a race or a misconfigured proxy) kill the worker and with it the engine.  Wrapped,
+the request's KV load is recorded as failed with the release's own bookkeeping
 (:func:`pdpatch.vllm_sites.record_recv_failure`), so the scheduler recomputes or fails just that
 request, frees its blocks, and the engine keeps serving others.
 

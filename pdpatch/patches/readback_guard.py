@@ -11,9 +11,9 @@ cached for it.  ``get_num_new_matched_tokens`` promises that load (``(count, Tru
 queues the receive only with ``bidirectional_kv_xfer`` on, no host buffer taking the request
 first and no receive queued for it before (``_remote_blocks_processed``; a preempted request
 asks again).  Otherwise nothing ever reports the load done: the request sits in
-``WAITING_FOR_REMOTE_KVS`` for good (0.33: any ``kv_role``, default settings, a prompt of 64+
-tokens).  0.19-0.20 have no readback (such a request is computed locally), the push scheduler
-neither.
+``WAITING_FOR_REMOTE_KVS`` for good (0.33 and 0.34: any ``kv_role``, default settings, a prompt
+of 64+ tokens; 0.34.0 ``pull_scheduler.py`` L66-103 promises, L126-134 queues).  0.19-0.20 have
+no readback (such a request is computed locally), the push scheduler neither.
 
 The wrapper asks the release's own question after ``get_num_new_matched_tokens`` promised a
 readback (``do_remote_decode`` set, ``do_remote_prefill`` not): will ``update_state_after_alloc``

@@ -6,8 +6,9 @@ the thread to say its ZMQ socket is bound.  When the bind fails -- another proce
 ``VLLM_NIXL_SIDE_CHANNEL_PORT``, two engines on a host were given the same port, the host name
 does not resolve -- the thread dies with the exception before saying so, and the engine core
 waits forever: the API server never becomes healthy and nothing but a thread traceback in the
-log says why (every release 0.19-0.33; seen in this project's CI, and reported upstream:
-vllm-project/vllm PR 23756, ai-dynamo/dynamo PR 14838).
+log says why (every release 0.19-0.34: 0.34.0 ``base_scheduler.py`` L325-340 starts the thread
+and waits on its event without a timeout, L343 is the listener; seen in this project's CI, and
+reported upstream: vllm-project/vllm PR 23756, ai-dynamo/dynamo PR 14838).
 
 Two wrappers, behaviour changed only on that path: the listener's, on an exception raised
 before the socket was ready, records it for its thread and releases the waiting caller; the

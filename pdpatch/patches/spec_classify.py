@@ -7,13 +7,15 @@ group classification used ``type(group.kv_cache_spec)``, which misses a
 ``next(i for i, t in enumerate(self._group_spec_types) if _is_attention_spec(t))`` with
 ``StopIteration``.  That form never shipped: the first release with the refactor, 0.21.0,
 already unwraps the wrapper (``nixl/utils.py::get_representative_spec_type``, L52; classes tested
-with ``issubclass``, ``tp_mapping.py`` L31), and so does every release through 0.33.  0.19 and
-0.20 predate the refactor and have no such lookup (they classify with ``isinstance`` checks).
+with ``issubclass``, ``tp_mapping.py`` L31), and so does every release through 0.34 (0.34.0
+``utils.py`` L58, ``tp_mapping.py`` L32-33).  0.19 and 0.20 predate the refactor and have no
+such lookup (they classify with ``isinstance`` checks).
 
-What remains in 0.21-0.33 is the ``next()`` itself, with no default, in
-``_build_local_splits_from_plan`` (0.33 ``base_worker.py`` L295) and ``_build_fa_remote``
-(L2207): a worker whose groups hold no attention spec (a pure-SSM model; in 0.33 also the
-HiSparse-only specs, which are neither attention nor Mamba) fails every handshake with
+What remains in 0.21-0.34 is the ``next()`` itself, with no default, in
+``_build_local_splits_from_plan`` (0.33 ``base_worker.py`` L295, 0.34.0 L301-303) and
+``_build_fa_remote`` (0.33 L2207, 0.34.0 L2286-2288): a worker whose groups hold no attention
+spec (a pure-SSM model; from 0.33 also the HiSparse-only specs, which are neither attention nor
+Mamba: 0.34.0 ``kv_cache_interface.py`` L490, L527) fails every handshake with
 ``StopIteration()`` -- an empty message -- or, inside the generator, "generator raised
 StopIteration".  This patch lets the release's builder run and, where it raised that
 StopIteration and the worker's groups indeed hold no attention spec (checked with the release's
