@@ -1139,6 +1139,41 @@ def lease_seconds(worker: Any, version: Version) -> float:
         return 30.0
 
 
+# vllm#52234 (0.22-0.29): a failed receive of an HMA model is reported finished, not failed.
+# The worker's single failure gate, `_handle_failed_transfer`, skips the invalid blocks (the
+# only per-request failure signal before 0.30's `failed_recving`) for HMA models and queues the
+# request, which `get_finished` lists as done receiving.  The channel pdpatch uses instead:
+# the connector's `build_connector_worker_meta()` (the base class's, NIXL does not override
+# it), called by the model runner right after `get_finished` in the same step (0.22.1
+# kv_connector_model_runner_mixin.py L109-116; 0.29.0 L97-104) into
+# `KVConnectorOutput.kv_connector_worker_meta`, folded across workers with `aggregate`; the
+# scheduler's `update_from_output` calls `_handle_invalid_blocks(invalid_block_ids,
+# num_scheduled_tokens)` only when some id is listed (0.22.1 scheduler.py L1311-1319, 0.29.0
+# L1830-1838), finishes what it returns FINISHED_ERROR under the "fail" policy (0.22-0.25
+# `finish_requests`, 0.26-0.29 `error_req_ids`), and `_update_waiting_for_remote_kv` frees a
+# request in `failed_recving_kv_req_ids` with no computed tokens for recomputation.
+HMA_FAILURE_UNREPORTED = VersionRange(">=0.22,<0.30")
+CONNECTOR_WORKER_META = (
+    _site(">=0.22", f"{KVC}.v1.base", "KVConnectorBase_V1.build_connector_worker_meta"),
+)
+SCHEDULER_UPDATE_FROM_OUTPUT = (
+    _site(">=0.19", "vllm.v1.core.sched.scheduler", "Scheduler.update_from_output"),
+)
+SCHEDULER_INVALID_BLOCKS = (
+    _site(">=0.19", "vllm.v1.core.sched.scheduler", "Scheduler._handle_invalid_blocks"),
+)
+UPDATE_WAITING_FOR_REMOTE_KV = (
+    _site(">=0.19", "vllm.v1.core.sched.scheduler", "Scheduler._update_waiting_for_remote_kv"),
+)
+KV_XFER_FINISHED = (
+    _site(">=0.19", "vllm.v1.core.sched.scheduler", "Scheduler._update_from_kv_xfer_finished"),
+)
+WORKER_META_CALLER = (
+    _site(">=0.22", "vllm.v1.worker.kv_connector_model_runner_mixin",
+          "KVConnectorModelRunnerMixin._get_kv_connector_output"),
+)
+
+
 def fail_unread(worker: Any, req_id: str, version: Version) -> None:
     """Fail a request whose READ was never posted, as the release fails a request it declines
     before reading (0.26+: an expired readback; its transport-failure counter untouched where

@@ -15,6 +15,7 @@ def all_patches() -> list[Patch]:
         block_keys,
         division_checks,
         handshake_failure_guard,
+        hma_failed_recv,
         kv_segments,
         layout,
         lease_guard,
@@ -40,7 +41,7 @@ def all_patches() -> list[Patch]:
             spec_classify.PATCH,
             handshake_failure_guard.PATCH, kv_segments.PATCH, block_keys.PATCH, params_check.PATCH,
             transport_check.PATCH, peer_check.PATCH, side_channel_listen.PATCH, params_guard.PATCH,
-            readback_guard.PATCH, metrics.PATCH]
+            readback_guard.PATCH, hma_failed_recv.PATCH, metrics.PATCH]
 
 
 def patch_names() -> list[str]:

@@ -1,0 +1,212 @@
+"""Patch ``hma_failed_recv``: a failed KV receive of a hybrid (HMA) model is reported failed to
+the scheduler, not finished (vllm#52234, vLLM 0.22-0.29).
+
+Where: every failure of a decode worker's receive goes through ``_handle_failed_transfer``
+(0.22.1 worker.py L1915-1931, 0.24.0 base_worker.py L2052-2066, 0.29.0 L2424-2438), which marks
+the request's blocks invalid -- the scheduler's only per-request failure signal before 0.30's
+``failed_recving`` -- *unless the model is HMA* (a sliding-window or Mamba group:
+``_is_hma_required``; "TODO handle failed transfer for HMA"), and queues it.  ``get_finished``
+then lists it as done receiving (0.22.1 L1706-1714, 0.29.0 L2220-2228), the scheduler caches
+its blocks as loaded and decodes from KV that never arrived: HTTP 200 with wrong tokens.  The
+scheduler could not take invalid blocks of several groups anyway
+(``_update_requests_with_invalid_blocks`` unpacks one group).
+
+The channel (each end the release's own): the worker notes the HMA requests it failed
+(``_handle_failed_transfer``) and, once its ``get_finished`` reports them, hands their ids to
+the scheduler in the step's ``KVConnectorOutput.kv_connector_worker_meta`` -- the field vLLM
+fills from the connector's ``build_connector_worker_meta()`` right after ``get_finished`` in the
+same step (0.22.1 kv_connector_model_runner_mixin.py L109-116, 0.29.0 L97-104) and folds across
+workers with ``aggregate`` (kv_connector/utils.py); NIXL itself sends none (the base returns
+None).  The scheduler (``update_from_output``) takes the ids of requests still waiting for their
+KV and lets the release's own invalid-block path fail them as it fails a one-group model's:
+``kv_load_failure_policy="fail"`` finishes them with an error (``_handle_invalid_blocks``
+returns them, the release finishes them ``FINISHED_ERROR``), ``"recompute"`` computes them
+again (``num_computed_tokens`` 0, ``failed_recving_kv_req_ids``: the release's
+``_update_waiting_for_remote_kv`` frees the blocks and the prompt is prefilled locally).  0.30+
+report the failure themselves (``failed_recving``).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from packaging.version import Version
+
+from pdpatch import attached, vllm_sites
+from pdpatch.log import logger
+from pdpatch.patches.common import allowed, arg, targets_at
+from pdpatch.registry import Patch, Target
+
+NAME = "hma_failed_recv"
+SENTINEL = -1
+"""Added to ``invalid_block_ids`` so that the release calls ``_handle_invalid_blocks`` (which
+it does only when some id is there); no block has a negative id, and the wrapper takes it out
+before the release's code sees the set."""
+
+
+@dataclass
+class FailedReceives:
+    """The worker meta: request ids whose KV receive failed, from every worker (``aggregate``:
+    their union).  Duck-typed as vLLM's ``KVConnectorWorkerMetadata`` (vLLM's aggregation and
+    transport call only ``aggregate`` and pickle it), so pdpatch imports no vLLM class here."""
+
+    req_ids: frozenset[str] = frozenset()
+
+    def aggregate(self, other: Any) -> Any:
+        if isinstance(other, FailedReceives):
+            return FailedReceives(self.req_ids | other.req_ids)
+        return self
+
+
+@dataclass
+class WorkerFailures:
+    """A decode worker's HMA requests it failed (written by the handshake thread too) and those
+    its ``get_finished`` reported, to hand to the scheduler."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    failed: set[str] = field(default_factory=set)
+    reported: set[str] = field(default_factory=set)
+
+
+@dataclass
+class SchedulerFailures:
+    """A scheduler's failed receives of the step being processed."""
+
+    req_ids: set[str] = field(default_factory=set)
+
+
+def _hma(worker: Any) -> bool:
+    return bool(getattr(worker, "_is_hma_required", False))
+
+
+def note_failure(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Worker (``_handle_failed_transfer``): an HMA request the release fails."""
+    if _hma(instance) and allowed(NAME, instance) and not vllm_sites.pushes(instance, _v()):
+        req_id = arg(args, kwargs, 0, "req_id", None)
+        if isinstance(req_id, str) and req_id in getattr(instance, "_recving_metadata", {}):
+            mine = attached.entry(instance, NAME, WorkerFailures)
+            with mine.lock:
+                mine.failed.add(req_id)
+    return wrapped(*args, **kwargs)
+
+
+def collect_reported(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Worker (``get_finished``): the failed requests it reports done this step."""
+    result = wrapped(*args, **kwargs)
+    mine = attached.peek(instance, NAME)
+    if mine is not None and mine.failed:
+        try:
+            done = set(result[1] or ())
+        except (TypeError, IndexError):
+            return result
+        with mine.lock:
+            now = mine.failed & done
+            mine.failed -= now
+            mine.reported |= now
+    return result
+
+
+def send_reported(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Connector facade (``build_connector_worker_meta``, right after ``get_finished``): the
+    reported failures go to the scheduler with this step's output."""
+    result = wrapped(*args, **kwargs)
+    worker = getattr(instance, "connector_worker", None)
+    mine = None if worker is None else attached.peek(worker, NAME)
+    if result is None and mine is not None and mine.reported:
+        with mine.lock:
+            ids, mine.reported = frozenset(mine.reported), set()
+        return FailedReceives(ids)
+    return result
+
+
+def _failed_in(meta: Any) -> set[str]:
+    if isinstance(meta, FailedReceives):
+        return set(meta.req_ids)
+    inner = getattr(meta, "metadata", None)           # MultiConnector's tuple of metas
+    if isinstance(inner, tuple):
+        return set().union(*(_failed_in(m) for m in inner)) if inner else set()
+    return set()
+
+
+def take_failures(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Scheduler (``update_from_output``): failed receives of requests still waiting for their
+    KV go down the release's invalid-block path (the sentinel makes it run)."""
+    output = arg(args, kwargs, 1, "model_runner_output", None)
+    kv_out = getattr(output, "kv_connector_output", None)
+    ids = _failed_in(getattr(kv_out, "kv_connector_worker_meta", None))
+    waiting = _waiting_status()
+    ids = {i for i in ids if getattr(instance.requests.get(i), "status", None) == waiting}
+    if not ids or not allowed(NAME, instance):
+        return wrapped(*args, **kwargs)
+    attached.entry(instance, NAME, SchedulerFailures).req_ids = ids
+    before = kv_out.invalid_block_ids
+    kv_out.invalid_block_ids = set(before or ()) | {SENTINEL}
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        kv_out.invalid_block_ids = before
+        attached.entry(instance, NAME, SchedulerFailures).req_ids = set()
+
+
+def fail_waiting(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Scheduler (``_handle_invalid_blocks``): the release's own handling of the real invalid
+    blocks, then the failed HMA receives as it treats a failed one-group receive."""
+    invalid = arg(args, kwargs, 0, "invalid_block_ids", None)
+    mine = attached.peek(instance, NAME)
+    ids = set(mine.req_ids) if mine is not None else set()
+    if not isinstance(invalid, set) or SENTINEL not in invalid:
+        return wrapped(*args, **kwargs)
+    real = invalid - {SENTINEL}
+    rest = list(args[1:]) if args else []
+    result = set(wrapped(real, *rest, **{k: v for k, v in kwargs.items()
+                                         if k != "invalid_block_ids"})) if real else set()
+    if not ids:
+        return result
+    if getattr(instance, "recompute_kv_load_failures", True):
+        for req_id in ids:
+            instance.requests[req_id].num_computed_tokens = 0
+        instance.failed_recving_kv_req_ids |= ids
+        logger.warning("pdpatch: %d request(s) of a hybrid (HMA) model failed to receive their "
+                       "KV and are computed again (kv_load_failure_policy=recompute): %s "
+                       "[hma_failed_recv]", len(ids), sorted(ids))
+        return result
+    logger.error("pdpatch: failing %d request(s) of a hybrid (HMA) model whose KV receive "
+                 "failed (kv_load_failure_policy=fail): %s [hma_failed_recv]", len(ids),
+                 sorted(ids))
+    return result | ids
+
+
+def _waiting_status() -> Any:
+    from vllm.v1.request import RequestStatus
+
+    return RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+def _v() -> Version:
+    return vllm_sites.running_release()
+
+
+def _targets(version: Version) -> list[Target]:
+    return targets_at(version, (vllm_sites.HANDLE_FAILED_TRANSFER, note_failure),
+                      (vllm_sites.GET_FINISHED, collect_reported),
+                      (vllm_sites.CONNECTOR_WORKER_META, send_reported),
+                      (vllm_sites.SCHEDULER_UPDATE_FROM_OUTPUT, take_failures),
+                      (vllm_sites.SCHEDULER_INVALID_BLOCKS, fail_waiting))
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="a failed KV receive of a hybrid (HMA) model is reported failed to the scheduler "
+            "(failed or recomputed by kv_load_failure_policy), not decoded as loaded "
+            "(vllm#52234)",
+    versions=vllm_sites.HMA_FAILURE_UNREPORTED,
+    why_version="vLLM 0.30 reports a failed receive itself (failed_recving); 0.19-0.21 with "
+                "the hybrid manager raise in get_finished instead (handshake_failure_guard "
+                "leaves that error)",
+    targets=_targets,
+    relies_on=(vllm_sites.UPDATE_WAITING_FOR_REMOTE_KV, vllm_sites.KV_XFER_FINISHED,
+               vllm_sites.WORKER_META_CALLER),
+    object_state=WorkerFailures,
+)

@@ -1,0 +1,125 @@
+"""vllm#52234 on a release's real code, worker to scheduler (0.22-0.29): a hybrid (HMA) model's
+KV receive fails (its prefill engine is gone: the release's real ZMQ handshake to a closed
+port), the release's real decode worker reports it, and the release's real scheduler takes the
+step's output.  Stock: the request is promoted as if its KV had arrived (vllm#52234: decoded
+from blocks that never received anything).  With ``hma_failed_recv``: failed
+(``kv_load_failure_policy="fail"``, the default) or computed again (``"recompute"``).
+
+The scheduler is built with vLLM's own unit-test helpers of that release
+(``tests/v1/kv_connector/unit/utils.py`` of its sdist, fetched by ``scripts/fetch_test_extras.sh``:
+``create_vllm_config``, ``create_scheduler``, ``create_request``,
+``create_model_runner_output``); the connector's ``build_connector_worker_meta`` is the
+release's (pdpatch wraps the base class's), called as the model runner calls it after
+``get_finished``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Any
+
+import robust_worker as rw
+
+from lab.env import cache_dir
+
+PROMPT_BLOCKS = 3
+
+
+@functools.cache
+def unit_utils() -> Any:
+    """The release's own ``tests/v1/kv_connector/unit/utils.py`` (loaded by path: its ``tests``
+    package would shadow pdpatch's; once: it registers a test connector at import)."""
+    version = str(rw.version_of())
+    path = cache_dir() / "vllm-tests" / version / "tests" / "v1" / "kv_connector" / "unit" / \
+        "utils.py"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: run scripts/fetch_test_extras.sh")
+    spec = importlib.util.spec_from_file_location(f"vllm_unit_utils_{version}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def hf_env() -> dict[str, str]:
+    """The offline Hugging Face cache the upstream gate keeps (facebook/opt-125m's config)."""
+    from lab.upstream.suites import hf_home
+
+    return {"HF_HOME": str(hf_home()), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def worker_meta_after_failure(req_id: str, block_size: int) -> tuple[Any, list[str], Any]:
+    """The release's HMA decode worker fails ``req_id`` (its prefill engine gone): what its
+    ``get_finished`` reports done, and what the connector's ``build_connector_worker_meta``
+    hands the scheduler in the same step."""
+    from pdpatch import vllm_sites
+
+    d = rw.build_worker("decode-engine", num_blocks=32, hma=True, hybrid_manager=True)
+    port = rw.free_port()
+    with rw.closed_port_timeout():
+        rw.step(d, rw.recv_metadata([{"req_id": req_id, "local_ids": [[1, 2, 3]] * 2,
+                                      "remote_ids": [[4, 5, 6]] * 2, "engine": "prefill-dead",
+                                      "port": port}]))
+        acc, _ = rw.run_until(d, lambda a: req_id in a["done_recving"], timeout=30)
+    # the release's connector facade around this worker, as the model runner holds it
+    facade = object.__new__(importlib.import_module(f"{vllm_sites.NIXL_PKG}.connector")
+                            .NixlConnector)
+    facade.connector_worker = d
+    meta = facade.build_connector_worker_meta()
+    return d, acc["done_recving"], meta
+
+
+def scenario(policy: str) -> dict[str, Any]:
+    os.environ.update(hf_env())
+    u = unit_utils()
+    cfg = u.create_vllm_config(kv_load_failure_policy=policy)
+    sched = u.create_scheduler(cfg)
+    block = cfg.cache_config.block_size
+    request = u.create_request(num_tokens=PROMPT_BLOCKS * block + 1, do_remote_prefill=True,
+                               num_remote_blocks=PROMPT_BLOCKS, block_size=block)
+    sched.add_request(request)
+    first = sched.schedule()
+    waiting = request.status.name
+    d, done, meta = worker_meta_after_failure(request.request_id, block)
+    out = u.create_model_runner_output(reqs=[], finished_recving=set(done),
+                                       kv_connector_worker_meta=meta)
+    engine_out = sched.update_from_output(first, out)
+    finished = [(o.request_id, str(o.finish_reason))
+                for outs in (engine_out or {}).values() for o in outs.outputs
+                if o.finish_reason is not None]
+    after = sched.schedule()
+    req = sched.requests.get(request.request_id)
+    return {"policy": policy, "status_waiting": waiting, "reported_done": sorted(done),
+            "meta": type(meta).__name__ if meta is not None else None,
+            "finished": finished,
+            "status_after": None if req is None else req.status.name,
+            "computed_after": None if req is None else req.num_computed_tokens,
+            "scheduled_tokens_after": after.num_scheduled_tokens.get(request.request_id),
+            "prompt_tokens": request.num_prompt_tokens,
+            "hma": bool(d._is_hma_required)}
+
+
+SCENARIOS = {"hma_fail": lambda: scenario("fail"),
+             "hma_recompute": lambda: scenario("recompute")}
+
+
+def release_report(names: list[str]) -> dict[str, Any]:
+    import traceback
+
+    from pdpatch import installer
+
+    def run_all() -> dict[str, Any]:
+        out = {}
+        for name in names:
+            try:
+                out[name] = SCENARIOS[name]()
+            except Exception:
+                out[name] = {"error": traceback.format_exc()[-3000:]}
+        return out
+
+    report: dict[str, Any] = {"stock": run_all()}
+    installer.install()
+    report["status"] = {n: s["status"] for n, s in installer.status()["patches"].items()}
+    report["patched"] = run_all()
+    return report

@@ -1,0 +1,61 @@
+"""vllm#52234 (0.22-0.29): a failed KV receive of a hybrid (HMA) model, from the release's real
+decode worker to its real scheduler (``tests/hma_failed_recv_scenarios.py``).  Stock: the
+request is promoted as if its KV had arrived and decoded from blocks that never received
+anything.  With ``hma_failed_recv``: failed with an error (``kv_load_failure_policy="fail"``)
+or its whole prompt computed again (``"recompute"``)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+from versions_harness import releases_in, run_in_release
+
+from lab.env import cache_dir
+from pdpatch import vllm_sites
+
+NAMES = ["hma_fail", "hma_recompute"]
+RELEASES = releases_in(vllm_sites.HMA_FAILURE_UNREPORTED)
+
+
+@functools.cache
+def report(version: str) -> dict[str, Any]:
+    run = run_in_release(
+        version, f"import hma_failed_recv_scenarios as h\nemit(h.release_report({NAMES!r}))",
+        timeout=600)
+    return run.check()
+
+
+def observed(rep: dict[str, Any], phase: str, name: str) -> dict[str, Any]:
+    data = rep[phase][name]
+    if "error" in data:
+        raise AssertionError(f"{name} ({phase}) could not run:\n{data['error']}")
+    return data
+
+
+@pytest.mark.parametrize("ver", RELEASES)
+def test_failed_hma_receive_is_failed_not_decoded(ver):
+    if ver == "<none>":
+        pytest.skip("no old vLLM source tree extracted (scripts/fetch_vllm_sources.sh)")
+    if not (cache_dir() / "vllm-tests" / ver).exists():
+        pytest.skip(f"vLLM {ver}'s sdist tests not fetched (its unit-test scheduler helpers)")
+    rep = report(ver)
+    assert rep["status"]["hma_failed_recv"] == "active", rep["status"]
+    for name in NAMES:
+        stock, patched = observed(rep, "stock", name), observed(rep, "patched", name)
+        for obs in (stock, patched):
+            assert obs["hma"] and obs["status_waiting"] == "WAITING_FOR_REMOTE_KVS", obs
+            assert len(obs["reported_done"]) == 1, obs      # the worker lists it as done
+        # stock: promoted with every prompt token counted as received (vllm#52234)
+        assert stock["meta"] is None and stock["finished"] == [], stock
+        assert stock["computed_after"] == stock["prompt_tokens"], stock
+        assert stock["scheduled_tokens_after"] == 1, stock
+        assert patched["meta"] == "FailedReceives", patched
+    fail = observed(rep, "patched", "hma_fail")
+    assert [reason for _, reason in fail["finished"]] == ["error"], fail
+    assert fail["status_after"] is None, fail                 # finished and gone
+    again = observed(rep, "patched", "hma_recompute")
+    assert again["finished"] == [], again
+    # computed again from its first token
+    assert again["scheduled_tokens_after"] == again["prompt_tokens"], again
