@@ -4,6 +4,7 @@
     .venv/bin/python -m scripts.peer_restart census [--restarts 20] [--variant ...]
     .venv/bin/python -m scripts.peer_restart stall  [--stop-s 40] [--deadline-s 20]
     .venv/bin/python -m scripts.peer_restart soak   [--minutes 5] [--every-s 45]
+    .venv/bin/python -m scripts.peer_restart report [--write]   # docs/peers.md's tables
 
 Engines: P (kv_producer; pdpatch unless ``--p-stock``; ``engine_id`` pinned for ``same_id``),
 D (kv_consumer, pdpatch) and Dstock (kv_consumer, pdpatch off), all on the installed vLLM (the
@@ -265,7 +266,8 @@ def summary(values: list[float]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("table", "census", "stall", "soak"))
+    ap.add_argument("what", choices=("table", "census", "stall", "soak", "report"))
+    ap.add_argument("--write", action="store_true", help="report: write docs/peers.md")
     ap.add_argument("--variant", choices=("same_id", "new_id", "both"), default="both")
     ap.add_argument("--p-stock", action="store_true", help="P without pdpatch (table)")
     ap.add_argument("--fresh", type=int, default=4, help="fresh P/D requests (table)")
@@ -280,6 +282,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("lab/results/peers.jsonl"))
     ap.add_argument("--log-dir", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.what == "report":
+        from lab import peers_report
+
+        text = peers_report.render(peers_report.DOC.read_text())
+        if args.write:
+            peers_report.DOC.write_text(text)
+        else:
+            print(text)
+        return 0
     variants = ["same_id", "new_id"] if args.variant == "both" else [args.variant]
     log_root = args.log_dir or Path(tempfile.mkdtemp(prefix="peers-"))
     records = []
