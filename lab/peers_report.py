@@ -44,7 +44,7 @@ def _count(answers: list[dict], outcome: str) -> str:
     return f"{sum(a['outcome'] == outcome for a in answers)}/{len(answers)}"
 
 
-def verdict(stale: list[dict], fresh: list[dict]) -> str:
+def verdict(stale: list[dict], fresh: list[dict], lease_s: float | None = None) -> str:
     """``recovered``: no wrong answer, the dead incarnation's params never answered, a fresh
     request answered, and none failed after the first one that was."""
     if any(a["outcome"] == "wrong" for a in stale + fresh):
@@ -56,7 +56,10 @@ def verdict(stale: list[dict], fresh: list[dict]) -> str:
         return "not recovered"
     if any(a["outcome"] != "ok" for a in fresh[first:]):
         return "recovered, then failed"
-    return "recovered" if first == 0 else f"recovered after {first} failed"
+    if first == 0:
+        return "recovered"
+    waited = f" once P's {lease_s:.0f} s lease ran out" if lease_s else ""
+    return f"recovered{waited} ({first} failed before)"
 
 
 def table_block(recs: list[dict[str, Any]]) -> str:
@@ -81,7 +84,8 @@ def table_block(recs: list[dict[str, Any]]) -> str:
                     f"ok {_count([a for a in fresh if not a['stream']], 'ok')} | "
                     f"ok {_count([a for a in fresh if a['stream']], 'ok')} | "
                     f"{sum(a['outcome'] == 'wrong' for a in mine)} | "
-                    f"{'—' if rec_s is None else f'{rec_s:.1f}'} | {verdict(stale, fresh)} | "
+                    f"{'—' if rec_s is None else f'{rec_s:.1f}'} | "
+                    f"{verdict(stale, fresh, None if p_pdpatch else rec.get('p_lease_s'))} | "
                     f"{rec['vllm']}, {_day(rec)} |")
     return "\n".join(lines)
 
