@@ -920,12 +920,16 @@ RATIO_CASES = {
     # prompt has P's first token appended (33 tokens): D allocates 3 blocks of 16
     "ratio_appended": ([], [8, 9, 10], [25, 26, 27, 28]),
     "ratio_appended_hit": ([21], [12, 13], [29, 30, 31, 32]),
+    # a correct list with a local hit, P's last block ending inside D's first half of a block:
+    # 20 tokens, 3 of P's blocks, D holds 1 and reads 1
+    "ratio_hit_partial": ([22], [14], [33, 34, 35]),
 }
 # Per case: P's computed tokens (its `remote_num_tokens`, which 0.34 pairs blocks of different
 # sizes from and declines such a read without) and D's prompt length.
 RATIO_TOKENS = {
     "ratio_full": (31, 31), "ratio_partial": (20, 20), "ratio_hit": (31, 31),
     "ratio_more": (31, 31), "ratio_appended": (32, 33), "ratio_appended_hit": (32, 33),
+    "ratio_hit_partial": (20, 20),
 }
 
 

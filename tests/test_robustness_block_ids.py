@@ -204,6 +204,20 @@ def assert_ratio(stock: dict, patched: dict, version: Version) -> None:
     else:
         assert patched["pairs"]["ratio_appended_hit"] == wrong, patched["pairs"]
 
+    # A correct list with a local hit whose last P block ends inside D's last block: 0.34 reads
+    # it right (pdpatch alike); 0.19-0.33 map D's sub-blocks from the start and end-trim P's
+    # list, one P block early, reported done -- a fault of those releases with a correct
+    # proxy that pdpatch leaves as it is (patched reads as stock).
+    right = right_pairs("ratio_hit_partial")
+    for obs in (stock, patched):
+        assert_done(obs, "ratio_hit_partial")
+        if by_last_token:
+            assert obs["pairs"]["ratio_hit_partial"] == right, obs["pairs"]
+        else:
+            assert obs["pairs"]["ratio_hit_partial"] == [[28, 34], [29, 35]] != right
+    assert patched["descriptors"]["ratio_hit_partial"] == \
+        stock["descriptors"]["ratio_hit_partial"]
+
 
 def test_block_ids_bound_installed_block_size_ratio(fresh_pdpatch, caplog):
     stock = rw.scenario_block_ids_ratio()

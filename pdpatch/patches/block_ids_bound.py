@@ -23,16 +23,20 @@ blocks per logical block, 0.19-0.33 pair D's sub-blocks with P's list by positio
 (``_map_block_ids_for_block_size_ratio`` from 0.27, 0.33.0 ``pull_worker.py`` L435) and then
 end-trim; D's token count is not known to the worker there, so only a list longer than
 ``(h + k) * r`` -- more than D's allocation can hold -- is refused (and only with equal
-physical-per-logical ratios).  0.34 pairs both lists from P's last token instead
-(``_pair_blocks_by_last_token``, 0.34.0 ``base_worker.py`` L3683-3727, from
-``pull_worker.py`` L311-333) with ``remote_num_tokens`` T (it declines such a read without it,
-L188-205).  P lists exactly the blocks of its T computed tokens (``Scheduler._connector_finished``,
-0.34.0 ``scheduler.py`` L3511-3514; ``remote_num_tokens = num_computed_tokens``,
-``pull_scheduler.py`` L279), so 0.34 pairs right exactly when P lists cdiv(T, P's logical block)
-blocks and D holds (``h + k``) cdiv(T, D's logical block): anything else shifts every pair, which
-this patch refuses there.  vllm#50558 without a local hit is such a case that 0.33 read right
-and 0.34 reads one of D's blocks late (P's prompt ending on D's block boundary, D's one token
-longer).
+physical-per-logical ratios).  (That pairing also reads a *correct* list wrongly where D has a
+local hit and P's list ends short of D's last sub-block -- 20 tokens, P blocks of 8, D blocks of
+16, one hit: D's read block gets P's blocks 1 and 2, one block early, instead of block 2 in its
+first half -- which this patch, judging lists, leaves to those releases; 0.34 reads it right.)
+
+0.34 pairs both lists from P's last token instead (``_pair_blocks_by_last_token``, 0.34.0
+``base_worker.py`` L3683-3727, from ``pull_worker.py`` L311-333) with ``remote_num_tokens`` T
+(it declines such a read without it, L188-205).  P lists exactly the blocks of its T computed
+tokens (``Scheduler._connector_finished``, 0.34.0 ``scheduler.py`` L3511-3514;
+``remote_num_tokens = num_computed_tokens``, ``pull_scheduler.py`` L279), so 0.34 pairs right
+exactly when P lists cdiv(T, P's logical block) blocks and D holds (``h + k``) cdiv(T, D's
+logical block): anything else shifts every pair, which this patch refuses there.  vllm#50558
+without a local hit is such a case that 0.33 read right and 0.34 reads one of D's blocks late
+(P's prompt ending on D's block boundary, D's one token longer).
 
 The check needs ``h``.  0.29+ carry it to the worker (``ReqMeta.local_num_computed_blocks``,
 counted in ``update_state_after_alloc``, 0.34.0 ``pull_scheduler.py`` L160-169); for 0.19-0.28
