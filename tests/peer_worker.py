@@ -133,7 +133,9 @@ def request(worker: Any, req_id: str, engine: str, blocks: tuple[int, int],
     from pdpatch.patches.peer_restart.book import Incarnation
 
     meta = rw.recv_metadata([{"req_id": req_id, "engine": engine,
-                              "local_ids": [list(blocks)], "remote_ids": [list(blocks)]}])
+                              "local_ids": [list(blocks)], "remote_ids": [list(blocks)],
+                              # what P's params carry from 0.33 (its registrations)
+                              "params": {"remote_registration_generation": 1}}])
     attached.put(meta.reqs_to_recv[req_id], "peer_restart",
                  Incarnation(tokens, time.time() if arrival is None else arrival))
     return meta
@@ -173,7 +175,7 @@ def held(worker: Any) -> dict[str, Any]:
     for table in ("dst_xfer_side_handles", "kv_caches_base_addr", "dst_num_blocks",
                   "tp_mappings", "_engine_last_active", "_engine_clock_offset",
                   "_engine_by_address", "_tp_size", "_block_size",
-                  "_physical_blocks_per_logical"):
+                  "_physical_blocks_per_logical", "_remote_registration_generations"):
         found = getattr(worker, table, None)
         if isinstance(found, dict):
             out[table] = len([k for k, v in found.items() if k != own and
@@ -283,6 +285,30 @@ def scenario_stall() -> dict[str, Any]:
             "warnings": warnings, "held": held(d)}
 
 
+def scenario_handshake_stall() -> dict[str, Any]:
+    """P's side channel answers r1's handshake only after 3 s (a stopped or partitioned P; NIXL's
+    ``loadRemoteMD`` has no timeout of its own), longer than the peer deadline (1 s here):
+    whether r1 ends before the handshake does, and whether it is READ once it completes."""
+    _P[:] = [producer()]
+    d = decode_worker()
+    _start(d, "P1-0")
+    scripted = d._nixl_handshake
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(3.0)
+        return scripted(*args, **kwargs)
+
+    d._nixl_handshake = slow
+    with deadline(1), rw.pdpatch_warnings() as warnings:
+        t0 = time.monotonic()
+        r1 = serve(d, "r1", ENGINE, (1, 2), tokens_of("P1-0"), timeout=6.0)
+        r1["ended_after_s"] = round(time.monotonic() - t0, 2)
+        rw.run_until(d, lambda a: False, timeout=3.0)        # the handshake completes
+        r1["read_from_after"] = sorted({r.get("agent", "?") for r in agent_of(d).reads})
+        r2 = serve(d, "r2", ENGINE, (3, 4), tokens_of("P1-0"))
+    return {"r1": r1, "r2": r2, "warnings": warnings}
+
+
 def scenario_geometry() -> dict[str, Any]:
     """P comes back under the same engine id with another KV layout (token-major where the
     decode worker is head-major), which the release's own handshake validation refuses: no
@@ -309,6 +335,7 @@ SCENARIOS = {
     "restarts": scenario_restarts,
     "restarts_new_id": scenario_restarts_new_id,
     "stall": scenario_stall,
+    "handshake_stall": scenario_handshake_stall,
     "geometry": scenario_geometry,
 }
 

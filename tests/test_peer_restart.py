@@ -10,6 +10,8 @@ a subprocess on its source tree (``tests/versions_harness.py``).  Stock observat
   one; a request carrying the dead incarnation's params is failed unread either way.
 * ``restarts`` / ``restarts_new_id``: twenty incarnations; what the worker holds at the end.
 * ``stall``: a READ to a stopped P outlasts the peer deadline: failed, its handle released.
+* ``handshake_stall``: a handshake outlasts the deadline: the request fails, and is not READ
+  when the handshake completes.
 * ``geometry``: P comes back under the same id with another KV layout: the release's own
   handshake check refuses it, and no READ is posted with either incarnation's geometry.
 """
@@ -109,6 +111,8 @@ def check_restarts_new_id(stock: dict, patched: dict, version: Version) -> None:
         assert kept == 1, stock["held"]            # 0.31+ forget a replaced address's engine
     else:
         assert kept == 20, stock["held"]           # every dead engine kept
+    if "_remote_registration_generations" in stock["held"]:      # 0.33+: never freed
+        assert stock["held"]["_remote_registration_generations"] == 20, stock["held"]
     held = patched["held"]
     assert held["engines"] == [f"{pw.ENGINE}-19"] and held["nixl_knows"] == ["P19-0"], held
     assert all(v <= 1 for k, v in held.items() if isinstance(v, int)), held
@@ -121,6 +125,15 @@ def check_stall(stock: dict, patched: dict) -> None:
     assert patched["during"]["ended_after_s"] < 3.0, patched
     assert patched["released"], patched                       # its READ handle released
     assert stock["after"]["outcome"] == patched["after"]["outcome"] == "ok"
+
+
+def check_handshake_stall(stock: dict, patched: dict) -> None:
+    # stock waits as long as the handshake does (3 s here), then reads
+    assert stock["r1"]["outcome"] == "ok" and stock["r1"]["ended_after_s"] >= 2.9, stock
+    # patched: failed at the deadline (1 s), and never READ once the handshake completed
+    assert patched["r1"]["outcome"] == "failed" and patched["r1"]["ended_after_s"] < 2.5
+    assert patched["r1"]["read_from_after"] == [], patched
+    assert stock["r2"]["outcome"] == patched["r2"]["outcome"] == "ok"
 
 
 def check_geometry(stock: dict, patched: dict) -> None:
@@ -144,6 +157,7 @@ def check_all(report: dict[str, Any], version: Version) -> None:
     check_restarts(*both("restarts"), version)
     check_restarts_new_id(*both("restarts_new_id"), version)
     check_stall(*both("stall"))
+    check_handshake_stall(*both("handshake_stall"))
     check_geometry(*both("geometry"))
 
 

@@ -137,3 +137,7 @@ def forget_orphan(worker: Any, engine: str, names: set, version: Version) -> Non
             logger.debug("pdpatch: orphan agent %r of engine %s: %s [peer_restart]", name,
                          engine, exc)
     _purge(worker, engine, version)
+    # 0.33+ keep each engine's registration generation forever (pull_worker.py L47), also
+    # after their own teardown: of an engine no longer held nor pending, it goes too (an engine
+    # id that comes back starts from 0 again, and its handshake records it anew)
+    getattr(worker, "_remote_registration_generations", {}).pop(engine, None)
