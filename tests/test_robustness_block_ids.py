@@ -160,9 +160,9 @@ def assert_ratio(stock: dict, patched: dict, version: Version) -> None:
     token longer than P's, which ends on D's block boundary): 0.34 pairs from P's last token
     and reads D's blocks one block late, reported done -- pdpatch fails it alone there; 0.19-0.33
     pair by position and read it right, without a local hit (stock and pdpatch alike).  With
-    a local hit every release reads it wrongly; pdpatch catches it on 0.34 (exactly, from
-    ``remote_num_tokens``), not before (its bound there only refuses lists longer than D's
-    allocation holds)."""
+    a local hit every release reads it wrongly, and pdpatch fails it alone on every release
+    (0.34: exactly, from ``remote_num_tokens``; before: the positional pairing is right only
+    where the ids before the paired ones are those D's prefix cache holds)."""
     assert stock["crash"] is None and patched["crash"] is None, (stock, patched)
     for obs in (stock, patched):
         assert obs["pairs"]["warmup"] == [[0, 0]] and obs["pairs"]["after"] == [[22, 24]], obs
@@ -199,24 +199,23 @@ def assert_ratio(stock: dict, patched: dict, version: Version) -> None:
              for j in range(RATIO)]                           # P's first blocks, not its last
     assert stock["pairs"]["ratio_appended_hit"] == wrong != right_pairs("ratio_appended_hit")
     assert_done(stock, "ratio_appended_hit")
-    if by_last_token:
-        assert_failed_alone(patched, "ratio_appended_hit", reads, version)
-    else:
-        assert patched["pairs"]["ratio_appended_hit"] == wrong, patched["pairs"]
+    assert_failed_alone(patched, "ratio_appended_hit", reads, version)
 
     # A correct list with a local hit whose last P block ends inside D's last block: 0.34 reads
     # it right (pdpatch alike); 0.19-0.33 map D's sub-blocks from the start and end-trim P's
-    # list, one P block early, reported done -- a fault of those releases with a correct
-    # proxy that pdpatch leaves as it is (patched reads as stock).
+    # list, one P block early, reported done with the wrong KV -- pdpatch fails it alone there.
     right = right_pairs("ratio_hit_partial")
-    for obs in (stock, patched):
-        assert_done(obs, "ratio_hit_partial")
-        if by_last_token:
+    if by_last_token:
+        for obs in (stock, patched):
+            assert_done(obs, "ratio_hit_partial")
             assert obs["pairs"]["ratio_hit_partial"] == right, obs["pairs"]
-        else:
-            assert obs["pairs"]["ratio_hit_partial"] == [[28, 34], [29, 35]] != right
-    assert patched["descriptors"]["ratio_hit_partial"] == \
-        stock["descriptors"]["ratio_hit_partial"]
+        assert patched["descriptors"]["ratio_hit_partial"] == \
+            stock["descriptors"]["ratio_hit_partial"]
+    else:
+        assert stock["pairs"]["ratio_hit_partial"] == [[28, 34], [29, 35]] != right
+        assert_done(stock, "ratio_hit_partial")
+        assert_failed_alone(patched, "ratio_hit_partial", rw.RATIO_CASES["ratio_hit_partial"][1],
+                            version)
 
 
 def test_block_ids_bound_installed_block_size_ratio(fresh_pdpatch, caplog):

@@ -147,3 +147,18 @@ def test_the_wrapper_checks_what_its_release_reads():
     assert make_check(Version("0.29.0"))(lambda p: "ok", processor, (params,), {}) == "ok"
     with pytest.raises(VLLMValidationError, match="remote_num_tokens must be a non-negative"):
         make_check(robust_matrix.INSTALLED)(lambda p: "ok", processor, (params,), {})
+
+
+def test_a_readback_with_no_integer_token_count_kills_the_scheduler_and_is_a_400():
+    """A readback's params (``do_remote_decode`` with P's block ids and address, 0.21+) reach
+    the pull scheduler's ``min(remote_num_tokens or 0, num_prompt_tokens)`` in EngineCore,
+    queued or not: a string raises there, stock, and the engine core dies.  params_check refuses
+    exactly that (an integer, and params of no readback shape, stay the release's own)."""
+    bad = {**rw.READBACK_PARAMS, "remote_num_tokens": "100"}
+    half = rw.scheduler_half("kv_consumer", None)
+    with pytest.raises(TypeError):
+        half.get_num_new_matched_tokens(rw.engine_request("r-bad", bad), 0)
+    assert problems(bad, 2048, 32) == ["remote_num_tokens must be an integer, got '100'"]
+    assert problems(rw.READBACK_PARAMS, 2048, 32) == []
+    assert problems({"do_remote_decode": True, "remote_num_tokens": "100"}, 2048, 32) == []
+    assert problems(bad, 2048, 32, readback=False) == []       # 0.19-0.20: no readback

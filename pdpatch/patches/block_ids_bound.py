@@ -188,13 +188,30 @@ def refusal(worker: Any, meta: Any, version: Version) -> str | None:
         return None
     if vllm_sites.release_of(version) >= vllm_sites.PAIRS_BY_LAST_TOKEN_FROM:
         return _by_last_token(worker, remote, peer, n_listed, n_hits, n_read)
-    if same_ratio and peer.block_size_ratio > 1 \
-            and n_listed > allocated * peer.block_size_ratio:
-        return (f"it lists {n_listed} remote blocks of 1/{peer.block_size_ratio} this engine's "
-                f"block size; this decode engine holds {n_hits} blocks from its prefix cache "
-                f"and reads {n_read}, room for at most {allocated * peer.block_size_ratio} of "
-                "them; vLLM would read the last ids, the wrong ones")
+    if same_ratio and peer.block_size_ratio > 1:
+        return _by_position(peer.block_size_ratio, n_listed, n_hits, n_read)
     return None
+
+
+def _by_position(ratio: int, n_listed: int, n_hits: int, n_read: int) -> str | None:
+    """0.19-0.33, P's blocks 1/``ratio`` of this engine's: the release splits each block it
+    reads into ``ratio`` sub-blocks and pairs them, from the first, with the last
+    ``min(n_read * ratio, n_listed)`` listed ids (0.19.1 nixl_connector.py L2708 via
+    ``get_mapped_blocks``; 0.33.0 ``_map_block_ids_for_block_size_ratio`` after the prefix
+    trim).  That is right only where the ids before them are exactly the ``n_hits * ratio`` P
+    blocks its prefix cache already holds: a correct list with a local hit whose last P block
+    ends inside the last block read is paired one P block early too, reported done, with the
+    wrong KV (the ``ratio_hit_partial`` scenario; 0.34 pairs from P's last token instead)."""
+    paired = min(n_read * ratio, n_listed)
+    if n_listed - paired == n_hits * ratio:
+        return None
+    return (f"it lists {n_listed} remote blocks of 1/{ratio} this engine's block size; this "
+            f"decode engine holds {n_hits} of the prompt's blocks ({n_hits * ratio} of P's) from "
+            f"its prefix cache and reads {n_read}; vLLM pairs the sub-blocks it reads, from "
+            f"the first, with the last {paired} listed ids, which is right only where the "
+            f"{n_listed - paired} ids before them are the {n_hits * ratio} its prefix cache "
+            "holds; it would read the wrong blocks (equal P and D block sizes, or vLLM 0.34, "
+            "which pairs from P's last token, avoid it)")
 
 
 def make_check(version: Version) -> Wrapper:

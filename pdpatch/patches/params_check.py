@@ -17,7 +17,10 @@ Found by a bad-input sweep against a real vLLM 0.33 decode engine (replayed by
 * from 0.34, ``remote_num_tokens`` pairs blocks of different P/D sizes
   (``_pair_blocks_by_last_token``, 0.34.0 ``base_worker.py`` L3683-3727): a string or a float
   raises ``TypeError`` in the decode worker (``read_guard`` contains it), a count past
-  ``max_model_len`` is no count P computed.
+  ``max_model_len`` is no count P computed;
+* a readback's ``remote_num_tokens`` (``do_remote_decode`` with P's block ids and address,
+  0.21+) that is no integer: the pull scheduler's ``min`` raises in EngineCore (0.34.0
+  ``pull_scheduler.py`` L85-87).
 
 This patch validates the parameters of a decode-side request (``do_remote_prefill`` true) in
 the front end, where vLLM validates every other sampling parameter
@@ -58,10 +61,11 @@ def _is_int(x: Any) -> bool:
 
 
 def problems(params: Any, max_blocks: int, max_groups: int,
-             reads: frozenset[str] = EVERY_RELEASE) -> list[str]:
+             reads: frozenset[str] = EVERY_RELEASE, readback: bool = True) -> list[str]:
     """What is wrong with one request's ``kv_transfer_params`` (empty when nothing is);
     ``max_blocks`` is the model's ``max_model_len``, ``reads`` the optional fields the release
-    reads (:func:`pdpatch.vllm_sites.recv_params_read`)."""
+    reads (:func:`pdpatch.vllm_sites.recv_params_read`), ``readback`` whether it has the KV
+    readback (0.21+)."""
     if params is None:
         return []
     if not isinstance(params, Mapping):
@@ -70,6 +74,14 @@ def problems(params: Any, max_blocks: int, max_groups: int,
     for flag in ("do_remote_prefill", "do_remote_decode"):
         if flag in params and not isinstance(params[flag], bool):
             out.append(f"{flag} must be true or false, got {params[flag]!r}")
+    if readback and params.get("do_remote_prefill") is not True and _readback_shaped(params):
+        # The pull scheduler's readback branch computes `min(remote_num_tokens or 0,
+        # num_prompt_tokens)` in EngineCore for such params, queued or not (0.21.0
+        # scheduler.py L343-345; 0.34.0 pull_scheduler.py L85-87): a string raises there and
+        # the engine core dies.  Nothing else of them is read unless the readback is queued.
+        n = params.get("remote_num_tokens")
+        if n and not _is_int(n):
+            out.append(f"remote_num_tokens must be an integer, got {_short(n)}")
     if params.get("do_remote_prefill") is not True:
         return out
     for key in STR_FIELDS:
@@ -98,6 +110,13 @@ def problems(params: Any, max_blocks: int, max_groups: int,
         out.append(f"{g} must be a number, got {_short(params[g])}")
     out += _block_id_problems(params.get("remote_block_ids"), max_blocks, max_groups)
     return out
+
+
+def _readback_shaped(params: Mapping) -> bool:
+    """The params the pull scheduler takes for a KV readback (every release with one)."""
+    return bool(params.get("do_remote_decode")) and bool(params.get("remote_block_ids")) and \
+        all(k in params for k in ("remote_engine_id", "remote_request_id", "remote_host",
+                                  "remote_port"))
 
 
 def _block_id_problems(ids: Any, max_blocks: int, max_groups: int) -> list[str]:
@@ -143,6 +162,7 @@ def _kv_connector_extra(processor: Any) -> Mapping | None:
 
 def make_check(version: Version) -> Wrapper:
     reads = vllm_sites.recv_params_read(vllm_sites.release_of(version))
+    readback = vllm_sites.lookup(vllm_sites.READBACK_MATCH, version) is not None
 
     def check_kv_transfer_params(wrapped: Any, instance: Any, args: tuple,
                                  kwargs: dict) -> Any:
@@ -153,7 +173,7 @@ def make_check(version: Version) -> Wrapper:
             return result
         if not config.extra_config_allows(NAME, _kv_connector_extra(instance)):
             return result
-        found = problems(extra_args["kv_transfer_params"], *_limits(instance), reads)
+        found = problems(extra_args["kv_transfer_params"], *_limits(instance), reads, readback)
         if found:
             metrics.count(None, metrics.REFUSALS, NAME)         # the API server's own
             msg = "invalid kv_transfer_params: " + "; ".join(found) + " [pdpatch params_check]"
