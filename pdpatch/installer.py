@@ -4,10 +4,15 @@ Every way in (the ``.pth`` import hook, vLLM's general-plugin entry point, ``sit
 ends here.  Wrapping is deferred per target module with wrapt post-import hooks, so installing
 imports no vLLM submodule: a NIXL class is wrapped the moment vLLM itself imports it.
 
-The installer also owns every patch's run-time state (:mod:`pdpatch.state`): ``install()``
-creates each patch's declared ``state``; wrappers reach it with :func:`state_of`, and what a
-patch keeps on a vLLM object with :func:`object_state`; :func:`status`, the summary line and
-:func:`counters` read it, :func:`reset_state` replaces it (tests).
+A patch's wrappers are named in its declaration and loaded when vLLM imports the module they
+wrap (:class:`pdpatch.registry.Lazy`): ``install()`` itself reads declarations only, so a process
+loads the code of the patches whose vLLM modules it imports (an API server: the request check;
+a worker: the read path), not all of it inside ``import vllm``.
+
+The installer also owns every patch's run-time state (:mod:`pdpatch.state`): each patch's
+declared ``state``, made on first use; wrappers reach it with :func:`state_of`, and what a patch
+keeps on a vLLM object with :func:`object_state`; :func:`status`, the summary line and
+:func:`counters` read it, :func:`reset_state` forgets it (tests).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 import wrapt
 
 from pdpatch import attached, config, log, versions
-from pdpatch.registry import Patch, Target
+from pdpatch.registry import Lazy, Patch, Target
 from pdpatch.state import Counter, State
 
 logger = log.logger
@@ -92,7 +97,7 @@ def install() -> dict[str, PatchState]:
         _state.patches = {}
         for patch in patches:
             _state.patches[patch.name] = decide(patch, settings, version)
-        _state.states = {patch.name: patch.state() for patch in patches}
+        _state.states = {}
         _state.installed = True
         for ps in _state.patches.values():
             if ps.status == "active":
@@ -199,8 +204,11 @@ def _wrap(ps: PatchState, ts: TargetState, module: Any) -> None:
     if mine is not None:
         ts.status, ts.detail, ts.handle, ts.owner = "wrapped", "already wrapped", mine, owner
         return
+    wrapper = ts.target.wrapper
+    if isinstance(wrapper, Lazy):       # the patch's code, loaded now that vLLM's module is
+        wrapper = wrapper.resolve()
     handle = wrapt.wrap_object(
-        owner, attr, wrapt.FunctionWrapper, (ts.target.wrapper,),
+        owner, attr, wrapt.FunctionWrapper, (wrapper,),
         {"enabled": lambda: ps.live})
     handle._self_pdpatch_patch = ps.patch.name
     ts.status, ts.handle, ts.owner = "wrapped", handle, owner
@@ -270,8 +278,7 @@ def _declared(name: str) -> Patch:
 
 
 def state_of(name: str) -> Any:
-    """Patch ``name``'s per-process state (its module's ``State`` class): created by
-    :func:`install`, or here on first use where a wrapper runs without it (a test calling it)."""
+    """Patch ``name``'s per-process state (its declared ``State`` class), made on first use."""
     found = _state.states.get(name)
     if found is None:
         with _lock:
@@ -291,12 +298,11 @@ def object_state(name: str, obj: Any) -> Any:
 
 
 def reset_state() -> None:
-    """Every patch's per-process state made anew (tests: counters, decisions and once-only
-    flags forgotten).  What patches keep on vLLM objects goes with those objects."""
-    from pdpatch.patches import all_patches
-
+    """Every patch's per-process state forgotten, made anew on next use (tests: counters,
+    decisions and once-only flags).  What patches keep on vLLM objects goes with those
+    objects."""
     with _lock:
-        _state.states = {p.name: p.state() for p in all_patches()}
+        _state.states = {}
 
 
 def counters() -> list[Counter]:

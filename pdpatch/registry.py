@@ -18,6 +18,7 @@ keeps on one vLLM object (``pdpatch.installer.object_state(name, obj)``, held by
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -33,13 +34,39 @@ from pdpatch.vllm_sites import Site, lookup_all
 Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
 
 
+class Lazy(NamedTuple):
+    """Code of a patch named where the patch is declared, imported only when it is needed: a
+    wrapper when vLLM imports the module it wraps (the installer resolves it then), a state
+    class when the patch first keeps state.  A process loads the code of the patches whose
+    vLLM modules it imports, not of all of them inside ``import vllm``.  ``args``: the
+    attribute is a factory, called with them (``make_guard(version)``)."""
+
+    module: str
+    attr: str
+    args: tuple = ()
+
+    def resolve(self) -> Any:
+        value = getattr(importlib.import_module(self.module), self.attr)
+        return value(*self.args) if self.args else value
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """As what it names: a state made, a status read, a wrapper called."""
+        return self.resolve()(*args, **kwargs)
+
+
+def lazy_from(module: str) -> Callable[..., Lazy]:
+    """``lazy_from("pdpatch.patches.x.wrappers")("make_guard", version)``: references into a
+    patch's wrappers module, for its declaration."""
+    return lambda attr, *args: Lazy(module, attr, args)
+
+
 class Target(NamedTuple):
     """One attribute to wrap.  (A NamedTuple, not a frozen dataclass: every patch module
     builds these inside ``import vllm``, where a frozen dataclass costs ~0.4 ms to define.)"""
 
     module: str       # module that defines the class or function
     qualname: str     # "Class.method" or "function"
-    wrapper: Wrapper
+    wrapper: Wrapper  # or a Lazy one, resolved when vLLM imports ``module``
 
     @property
     def label(self) -> str:

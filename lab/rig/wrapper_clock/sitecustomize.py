@@ -91,7 +91,11 @@ def _clock(out_dir: str) -> None:
         real = installer._wrap
 
         def clocked_wrap(ps, ts, module):
-            ts.target = ts.target._replace(wrapper=timed(ts.target.wrapper, ts.target.label))
+            # A patch names its wrapper lazily (pdpatch.registry.Lazy), resolved now that vLLM
+            # imports the module, as the installer would: the clock times the wrapper itself.
+            wrapper = ts.target.wrapper
+            wrapper = wrapper.resolve() if hasattr(wrapper, "resolve") else wrapper
+            ts.target = ts.target._replace(wrapper=timed(wrapper, ts.target.label))
             return real(ps, ts, module)
 
         installer._wrap = clocked_wrap

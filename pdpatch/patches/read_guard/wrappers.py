@@ -1,0 +1,41 @@
+"""The code of patch ``read_guard``, loaded when vLLM imports its read path (the patch and
+why it exists: :mod:`pdpatch.patches.read_guard`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from packaging.version import Version
+
+from pdpatch import metrics, vllm_sites
+from pdpatch.log import logger
+from pdpatch.patches.common import allowed, arg
+from pdpatch.patches.read_guard import NAME
+from pdpatch.registry import Wrapper
+
+
+def make_guard(version: Version) -> Wrapper:
+    def guard_read(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if not allowed(NAME, instance):
+            return wrapped(*args, **kwargs)
+        try:
+            return wrapped(*args, **kwargs)
+        except Exception as exc:
+            req_id = arg(args, kwargs, 0, "req_id")
+            try:
+                vllm_sites.record_recv_failure(instance, req_id, version)
+            except Exception as why:
+                # HMA before 0.30 (FailureNotRecordable), or a worker without the release's
+                # bookkeeping (a stand-in): the original error propagates as in stock vLLM
+                logger.error("pdpatch: KV load of request %s failed (%s: %s) and cannot be "
+                             "failed alone: %s [read_guard]", req_id, type(exc).__name__, exc,
+                             why)
+                raise exc from None
+            n = metrics.count(instance, metrics.FAILURES_CONTAINED, NAME)
+            logger.error(
+                "pdpatch: KV load of request %s failed (%s: %s); failing this request instead "
+                "of the worker [read_guard, %d so far]", req_id, type(exc).__name__, exc, n,
+                exc_info=logger.isEnabledFor(10))
+            return None
+
+    return guard_read
