@@ -265,7 +265,7 @@ LAYOUT_FORCE = Setting("PDPATCH_LAYOUT_FORCE", "switch", "0",
                        patch="layout")
 LAYOUT_PERMUTE = Setting(
     "PDPATCH_LAYOUT_PERMUTE", "switch", "1",
-    "a token-major decode engine turns on vLLM's own `enable_permute_local_kv` (0.19-0.33), "
+    "a token-major decode engine turns on vLLM's own `enable_permute_local_kv` (0.19-0.34), "
     "so stock head-major prefill engines pair with it", patch="layout")
 BLOCK_KEYS_ON_MISMATCH = Setting(
     "PDPATCH_BLOCK_KEYS_ON_MISMATCH", "choice", "recompute",
@@ -284,7 +284,7 @@ KV_GAP_KIB = Setting(
     maximum=1048576, auto="auto", patch="kv_segments")
 KV_COALESCE = Setting(
     "PDPATCH_KV_COALESCE", "switch", "0",
-    "stage the READs of same-layout peers too (0.19-0.33): runs of adjacent blocks move in one "
+    "stage the READs of same-layout peers too (0.19-0.34): runs of adjacent blocks move in one "
     "descriptor instead of one per block and layer, then one local copy; off: vLLM's own READs",
     patch="kv_segments")
 
