@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from lab import generated
+from lab.report import bench
 from lab.report.records import ROOT
 from lab.report.tables import BLOCKS, Data
 
@@ -32,7 +33,17 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true",
                       help="exit 1 when a page's blocks differ from what would be written")
     args = ap.parse_args(argv)
-    data = Data.load()
+    try:
+        data = Data.load()
+    except bench.RecordError as e:     # a record or a row of the epochs table it refuses
+        print(f"{COMMAND}: {e}", file=sys.stderr)
+        return 1
+    moved = bench.stale(data.bench_runs)
+    if moved:
+        print(f"note: the code {', '.join(f'bench_{b}' for b in moved)} measure(s) differs in "
+              "this checkout from their latest run's in docs/bench/ (lab.bench.record.CODE): "
+              "their figures are that code's; re-run them, or list the change as not yet "
+              "measured in lab/report/bench_epochs.json", file=sys.stderr)
     if not (args.write or args.check):
         for name, make in BLOCKS.items():
             print(f"## {name}\n\n{make(data)}\n")

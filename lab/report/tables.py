@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lab.gpu.pd import GEOMETRIES, SCENARIOS
-from lab.report import cells, kv_bench, records
+from lab.report import bench, cells, kv_bench, records
 from lab.report.cells import PairCell, StartCell, ordered_prompts
 from lab.report.epochs import CHANGES, KEPT, STOCK_FROM, Change
 from lab.report.records import ROOT, Records, run_order
-from lab.report.stats import Interval, Spread, geo, spread, ttft
+from lab.report.stats import Interval, Spread, geo, num, spread, ttft
 
 TINY = json.loads((ROOT / "lab" / "rig" / "tiny_llama" / "config.json").read_text())
 NAMED = {"llama3-8b": ("Llama-3-8B's KV", "Llama-3-8B's"),
@@ -114,13 +114,16 @@ def prompt_name(p: str) -> str:
 @dataclass(frozen=True)
 class Data:
     """The raw files and their cells, read once per report: the engines' records
-    (``docs/gpu/``), the chunk-pace bench's JSON and the K/V transfer bench's output."""
+    (``docs/gpu/``), the chunk-pace bench's JSON, the K/V transfer bench's output and the CPU
+    benches' records (``docs/bench/``)."""
 
     records: Records
     pairs: tuple[PairCell, ...]
     starts: tuple[StartCell, ...]
     pace: tuple[tuple[str, dict], ...]
     kv_reads: tuple[kv_bench.Read, ...]
+    bench_runs: tuple[bench.BenchRun, ...] = ()
+    bench_cells: tuple[bench.BenchCell, ...] = ()
 
     @classmethod
     def load(cls, root: Path = ROOT) -> Data:
@@ -128,8 +131,10 @@ class Data:
         r = records.load(gpu)
         pace = tuple((p.name, json.loads(p.read_text()))
                      for p in sorted(gpu.glob("*-pace-*.json")))
+        runs = bench.load(root / "docs" / "bench")
         return cls(r, tuple(cells.pair_cells(r)), tuple(cells.start_cells(r)), pace,
-                   tuple(kv_bench.load(root / "docs" / "gpu_runs")))
+                   tuple(kv_bench.load(root / "docs" / "gpu_runs")), runs,
+                   bench.cells(runs, *bench.changes()))
 
     def geometries(self) -> list[str]:
         return list(dict.fromkeys(c.geometry for c in self.pairs))
@@ -424,11 +429,68 @@ def ttft_defaults(data: Data) -> str:
     return line + " ([GPU results](gpu_results.md#ttft))."
 
 
+def _bench_since(c: bench.Change) -> str:
+    return f"`{c.commit}` ({c.first_run.split('-', 1)[1] if c.first_run else 'not yet measured'})"
+
+
+def _bench_current(later: tuple[bench.Change, ...]) -> str:
+    if not later:
+        return "yes"
+    more = f" and {len(later) - 1} more" if len(later) > 1 else ""
+    return f"no: {_bench_since(later[0])}{more}"
+
+
+def cpu_benchmarks(data: Data) -> str:
+    """The CPU benches' figures (``docs/bench/*.json``): per bench, command, vLLM, machine and
+    code epoch, every run pooled; each figure n runs, median and range, a t-interval from three."""
+    lines = header("bench", "vLLM", "command", "code since", "runs (`docs/bench/`)",
+                   "machine; 1-min load before → after, per run", "figure",
+                   "median (range, n runs)", "geometric mean [95 % t], df", "current code")
+    for c in data.bench_cells:
+        env = " ".join(f"`{k}={v}`" for k, v in c.env if k not in bench.SET_BY_BENCH)
+        first = [f"`{c.bench}`", c.vllm, f"`{c.command}`" + (f" with {env}" if env else ""),
+                 _bench_since(c.epoch),
+                 ", ".join(r.short + (" (uncommitted changes)" if r.dirty else "")
+                           for r in c.runs),
+                 f"{c.machine}; " + ", ".join(f"{r.load_before:.1f} → {r.load_after:.1f}"
+                                               for r in c.runs)]
+        figs = bench.figures(c)
+        if not figs:
+            raise SystemExit(f"no figure of {c.bench} in {', '.join(r.name for r in c.runs)}")
+        for i, (key, label) in enumerate(figs):
+            i_ = c.interval(key)
+            if key in bench.COUNTS:
+                interval = "a count"
+            elif i_ or len(c.values(key)) < 3:
+                interval = geo(i_, num)
+            else:
+                interval = "not a positive quantity"
+            lines.append(row(*(first if i == 0 else [""] * len(first)), label,
+                             spread(c.spread(key)), interval,
+                             _bench_current(c.superseded) if i == 0 else ""))
+    return "\n".join(lines)
+
+
+def bench_epochs(data: Data) -> str:
+    """The CPU benches' reviewed epochs (``lab/report/bench_epochs.json``)."""
+    change, kept = bench.changes()
+    lines = header("bench", "first run", "commit", "what changed")
+    lines += [row(f"`{c.bench}`", c.first_run.split("-", 1)[1] if c.first_run
+                  else "not yet measured", f"`{c.commit}`", c.why) for c in change]
+    if kept:
+        lines += ["", "Kept inside their epoch (not a new cell):", ""]
+        lines += header("bench", "run", "commit", "why kept")
+        lines += [row(f"`{c.bench}`", c.first_run.split("-", 1)[1], f"`{c.commit}`", c.why)
+                  for c in kept]
+    return "\n".join(lines)
+
+
 BLOCKS: dict[str, Callable[[Data], str]] = {
     "models": models, "epochs": epochs, "transfer": transfer, "first-request": first_request,
     "ttft": ttft_table, "stock": stock, "answers": answers, "runs": runs,
     "chunk-pace": chunk_pace, "kv-bench": kv_bench_table, "coalescing": coalescing,
     "results": results,
     "ttft-defaults": ttft_defaults,
+    "cpu-benchmarks": cpu_benchmarks, "bench-epochs": bench_epochs,
 }
 """Every block the report writes, by the name its markers give."""
