@@ -27,6 +27,7 @@ from lab.rig.servers import Engine
 MAX_TOKENS = 6
 PROMPT_LEN = 40
 REQUEST_TIMEOUT_S = 120.0
+PREFILL_BACKOFF_S = 1.0
 
 
 def prompt(tag: str, length: int = PROMPT_LEN) -> list[int]:
@@ -145,8 +146,11 @@ class Traffic:
             try:
                 params = prefill(self.p, tag)
             except (OSError, RuntimeError) as exc:
+                # P is down or starting: a client backs off instead of spinning
+                at = time.time()
+                time.sleep(PREFILL_BACKOFF_S)
                 return [Answer(d.spec.name, tag, bool(i % 2), "error", None,
-                               f"prefill: {exc}", 0.0, time.time()) for d in self.decoders]
+                               f"prefill: {exc}", 0.0, at) for d in self.decoders]
             for d in self.decoders:
                 out.append(decode(d, tag, params, self.refs[tag], stream=bool(i % 2)))
             return out

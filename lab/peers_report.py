@@ -175,12 +175,14 @@ def soak_block(recs: list[dict[str, Any]]) -> str:
         f"(streaming and not), P (pdpatch, same `engine_id`) SIGKILLed and restarted every "
         f"{rec['every_s']:.0f} s: {len(rs)} restarts, P healthy again after {spread(rs)} s "
         f"({rec['vllm']}, {_day(rec)}).", "",
-        "| answers | ok | wrong 200 | failed, in flight at a kill | failed while P was down | "
-        "failed after P was back | D deaths | first good answer after P healthy (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| D's answers | ok | wrong 200 | failed, in flight at a kill | failed, sent while P was "
+        "down | failed after P was back | D deaths | first good answer after P healthy (s) | "
+        "prefills P refused while down (not sent to D) |",
+        "|---|---|---|---|---|---|---|---|---|",
         f"| {j['answers']} | {j['ok']} | {j['wrong']} | {j['failed_in_flight_at_kill']} | "
         f"{j['failed_while_p_down']} | {j['failed_after_recovery']} | "
-        f"{sum(rec['deaths'].values())} | {spread_of(rec_s) if rec_s.get('n') else '—'} |"])
+        f"{sum(rec['deaths'].values())} | {spread_of(rec_s) if rec_s.get('n') else '—'} | "
+        f"{j.get('prefills_refused_p_down', '—')} |"])
 
 
 BLOCKS = {"peers-table": table_block, "peers-census": census_block,

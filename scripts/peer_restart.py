@@ -226,12 +226,15 @@ def run_soak(variant: str, log_dir: Path, minutes: float, every_s: float,
 
 def judge_soak(answers: list[peers.Answer], restarts: list[dict[str, float]]
                ) -> dict[str, Any]:
-    """Failed answers against the restarts: an answer sent before a restart's kill and ended
+    """D's answers against the restarts (a prefill P refused, down or starting, is counted
+    apart and sent nowhere): an answer sent before a restart's kill and ended
     after it was in flight then; one sent while P was down or starting is a failure of the
     restart window; after P is healthy again, every failure counts against recovery.  Time to
     recover: from P healthy to D's first good answer sent after it."""
     failures_inflight = failures_down = failures_after = 0
     recover = []
+    refused = [a for a in answers if a.detail.startswith("prefill:")]
+    answers = [a for a in answers if not a.detail.startswith("prefill:")]
     for a in answers:
         if a.outcome == "ok":
             continue
@@ -249,7 +252,8 @@ def judge_soak(answers: list[peers.Answer], restarts: list[dict[str, float]]
                 if a.outcome == "ok" and a.started >= r["healthy"]]
         if good:
             recover.append(min(good))
-    return {"answers": len(answers), "ok": sum(a.outcome == "ok" for a in answers),
+    return {"prefills_refused_p_down": len(refused),
+            "answers": len(answers), "ok": sum(a.outcome == "ok" for a in answers),
             "wrong": sum(a.outcome == "wrong" for a in answers),
             "failed_in_flight_at_kill": failures_inflight,
             "failed_while_p_down": failures_down,
