@@ -73,6 +73,13 @@ class Target(NamedTuple):
         return f"{self.module}:{self.qualname}"
 
 
+def targets_at(version: Version, *wrapped: tuple[tuple[Site, ...], Wrapper]) -> list[Target]:
+    """One target per site of each ``(sites, wrapper)`` pair that ``version`` has (a concept
+    defined on several classes has several)."""
+    return [Target(s.module, s.qualname, wrapper) for sites, wrapper in wrapped
+            for s in lookup_all(sites, version)]
+
+
 @dataclass(frozen=True)
 class Patch:
     name: str                                      # toggle: PDPATCH_<NAME>

@@ -1,15 +1,17 @@
-"""Helpers every patch's wrappers share: the per-deployment toggle, argument lookup, and the
-targets of a patch's wrappers at the sites of one release."""
+"""Helpers every patch's wrappers share: the per-deployment toggle and argument lookup.  (The
+targets of a patch at the sites of one release, ``targets_at``, are declared with
+:func:`pdpatch.registry.targets_at`: a declaration imports no wrapper helper.)"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from packaging.version import Version
+from pdpatch import config
 
-from pdpatch import config, vllm_sites
-from pdpatch.registry import Target
+# Declarations import it from pdpatch.registry; a patch module still holding its declaration
+# and its code together (peer_restart, hma_failed_recv) imports it from here until it is split.
+from pdpatch.registry import targets_at as targets_at
 
 _MISSING = object()
 
@@ -40,10 +42,3 @@ def arg(args: tuple, kwargs: dict, index: int, name: str, default: Any = _MISSIN
         raise KeyError(name)
     return default
 
-
-def targets_at(version: Version, *wrapped: tuple[tuple[vllm_sites.Site, ...], Callable[..., Any]]
-               ) -> list[Target]:
-    """One target per site of each ``(sites, wrapper)`` pair that ``version`` has (a concept
-    defined on several classes has several)."""
-    return [Target(s.module, s.qualname, wrapper) for sites, wrapper in wrapped
-            for s in vllm_sites.lookup_all(sites, version)]
