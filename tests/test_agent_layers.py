@@ -34,7 +34,7 @@ def kinds(worker) -> list[str]:
 def test_the_four_proxies_are_layers_of_known_kinds() -> None:
     from pdpatch.kv.staging import StagingAgent
     from pdpatch.patches.kv_segments.substitution import _SubstitutingAgent
-    from pdpatch.patches.mla_notif import _NotifIdFix
+    from pdpatch.patches.mla_notif.wrappers import _NotifIdFix
     from pdpatch.patches.peer_restart.watch import PeerWatch
 
     assert [c.kind for c in (_NotifIdFix, _SubstitutingAgent, PeerWatch, StagingAgent)] == \
@@ -89,7 +89,7 @@ def test_unknown_kind_refused() -> None:
 
 
 def test_notif_fix_rewrites_only_its_message_and_comes_off() -> None:
-    from pdpatch.patches.mla_notif import _NotifIdFix
+    from pdpatch.patches.mla_notif.wrappers import _NotifIdFix
 
     real = Real()
     worker = SimpleNamespace(nixl_wrapper=real)

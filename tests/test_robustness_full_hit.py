@@ -106,7 +106,7 @@ def test_guard_skips_its_work_only_when_no_receive_failed():
     """``get_finished`` runs every engine step; the guard returns the release's own call at
     once only when its failed-receive collection (a set up to 0.21, a queue from 0.22) is
     empty: one failed receive, in either, takes the guard's full path (the scenarios above)."""
-    from pdpatch.patches.handshake_failure_guard import _none_failed
+    from pdpatch.patches.handshake_failure_guard.wrappers import _none_failed
 
     pending: queue.Queue[str] = queue.Queue()
     assert _none_failed(set()) and _none_failed(pending)

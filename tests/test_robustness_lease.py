@@ -88,7 +88,7 @@ def test_a_worker_remembers_each_requests_first_heartbeat_while_it_sends_them():
     is in the rounds; a request that leaves them has been read or aborted, and is forgotten."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo
 
-    from pdpatch.patches.lease_guard import Lease
+    from pdpatch.patches.lease_guard.wrappers import Lease
 
     def beat(*ids: str) -> HeartbeatInfo:
         return HeartbeatInfo(req_ids=set(ids), host=rw.HOST, port=rw.PORT, tp_size=1)
@@ -109,7 +109,7 @@ def test_d_carries_only_a_finite_number_as_ps_expiry(value, expiry):
     """The params are a client's JSON: D's scheduler carries P's expiry only where it is a
     finite number, and never raises on the way (an integer too large for a float included:
     the scheduler step it runs in would take the engine down)."""
-    from pdpatch.patches.lease_guard import PARAMS_KEY, expiry_in
+    from pdpatch.patches.lease_guard.wrappers import PARAMS_KEY, expiry_in
 
     assert expiry_in({PARAMS_KEY: value}) == expiry
 
