@@ -13,7 +13,7 @@ import pytest
 import robust_matrix
 import robust_worker as rw
 
-from pdpatch.patches.peer_check import problems
+from pdpatch.patches.peer_check.wrappers import problems
 
 
 @pytest.fixture(scope="module")
