@@ -294,7 +294,7 @@ def exchange(p: Side, d: Side, mutate: Callable[[dict], Any] | None = None,
     """P then D; ``mutate(params)`` edits what reaches D (a malicious or broken network);
     ``reset``: start from zero counters and fresh rate limits."""
     from pdpatch import installer
-    from pdpatch.patches import block_keys
+    from pdpatch.patches.block_keys import wrappers as block_keys
 
     saved_seed = os.environ.get("PYTHONHASHSEED")
     if reset:
@@ -336,7 +336,7 @@ def _prompt_changed(at: int) -> tuple[int, ...]:
 
 def _set(key: str, value: Any) -> Callable[[dict], None]:
     def mutate(params: dict) -> None:
-        from pdpatch.patches import block_keys
+        from pdpatch.patches.block_keys import wrappers as block_keys
 
         params[block_keys.PARAMS_KEY][key] = value
     return mutate
@@ -344,14 +344,14 @@ def _set(key: str, value: Any) -> Callable[[dict], None]:
 
 def _replace_params(value: Any) -> Callable[[dict], None]:
     def mutate(params: dict) -> None:
-        from pdpatch.patches import block_keys
+        from pdpatch.patches.block_keys import wrappers as block_keys
 
         params[block_keys.PARAMS_KEY] = value
     return mutate
 
 
 def _drop_params(params: dict) -> None:
-    from pdpatch.patches import block_keys
+    from pdpatch.patches.block_keys import wrappers as block_keys
 
     params.pop(block_keys.PARAMS_KEY, None)
 

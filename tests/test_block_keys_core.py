@@ -15,7 +15,7 @@ from pdpatch.hashing import KeyConfig, LoraSpec, MMItem
 from pdpatch.hashing import verdict as V
 from pdpatch.hashing.errors import HashingError, PeerParamsError
 from pdpatch.hashing.key_params import parse_params
-from pdpatch.patches import block_keys as bk
+from pdpatch.patches.block_keys import wrappers as bk
 
 PROMPT = list(range(1000, 1100))       # 6 full blocks of 16 + 4 tokens
 

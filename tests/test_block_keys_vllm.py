@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 
 import block_keys_scenarios as sc
 
-from pdpatch.patches import block_keys as bk
+from pdpatch.patches.block_keys import wrappers as bk
 
 V = sc.version_of()                 # the installed release
 

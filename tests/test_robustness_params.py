@@ -10,7 +10,7 @@ import robust_worker as rw
 from packaging.version import Version
 
 from pdpatch import vllm_sites
-from pdpatch.patches.params_check import EVERY_RELEASE, problems
+from pdpatch.patches.params_check.wrappers import EVERY_RELEASE, problems
 
 GOOD = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p-engine",
         "remote_request_id": "req-1", "remote_host": "10.0.0.2", "remote_port": 5600,
@@ -139,7 +139,7 @@ def test_the_wrapper_checks_what_its_release_reads():
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
 
-    from pdpatch.patches.params_check import make_check
+    from pdpatch.patches.params_check.wrappers import make_check
 
     processor = SimpleNamespace(model_config=None, vllm_config=None)
     params = SamplingParams(extra_args={"kv_transfer_params": {**GOOD,

@@ -78,7 +78,7 @@ from lab.paired import median_ci, verdict
 from lab.rig.proxy import PREFILL_KV_PARAMS as PREFILL
 from lab.rig.proxy import PDResult
 from lab.rig.proxy import pd_request as streamed_pd_request
-from pdpatch.patches import block_keys
+from pdpatch.patches.block_keys import wrappers as block_keys
 
 PROMPT_LENGTHS = (7, 16, 17, 100, 600, 1500)
 SPEED_GOAL = 1.02

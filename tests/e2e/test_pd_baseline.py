@@ -20,7 +20,7 @@ from lab.rig import proxy
 from lab.rig.demo import PromptCase, demo_prompts, run_case
 from lab.rig.model import tiny_config
 from lab.rig.servers import EngineGroup, EngineSpec
-from pdpatch.patches import block_keys
+from pdpatch.patches.block_keys import wrappers as block_keys
 
 MAX_TOKENS = 24
 CPU_BLOCK_SIZE = 128  # what the CPU platform forces; checked against the engine below

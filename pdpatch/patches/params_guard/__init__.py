@@ -35,61 +35,18 @@ usably: they stay pinned there until P's own timeout, and the warning says so.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
-from typing import Any
-
 from packaging.version import Version
 
-from pdpatch import metrics, vllm_sites
-from pdpatch.log import logger
-from pdpatch.patches.common import allowed, arg, targets_at
-from pdpatch.registry import Patch, Target, Wrapper
+from pdpatch import vllm_sites
+from pdpatch.registry import Patch, Target, lazy_from, targets_at
 
 NAME = "params_guard"
-
-
-def problems(params: Mapping, seeded: tuple[str, ...] | None) -> list[str]:
-    """Why the release would raise on ``params``: the unhashable ids, and with ``seeded`` (the
-    keys the scheduler fills in itself) the keys its receive path indexes that are missing."""
-    out = []
-    if seeded is not None:
-        missing = [k for k in vllm_sites.RECV_PARAMS_INDEXED
-                   if k not in params and k not in seeded]
-        out += [f"missing {', '.join(missing)}"] if missing else []
-    out += [f"{k} {params[k]!r} is not hashable" for k in vllm_sites.HASHED_PARAMS
-            if k in params and not isinstance(params[k], Hashable)]
-    return out
-
-
-def make_guard(version: Version, receive: bool) -> Wrapper:
-    """The pre-hook; ``receive``: on the hook that queues the receive (keys checked too)."""
-
-    def guard_params(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        request = arg(args, kwargs, 0, "request", None)
-        params = getattr(request, "kv_transfer_params", None)
-        if isinstance(params, dict) and params.get("do_remote_prefill") and \
-                allowed(NAME, instance):
-            seeded = vllm_sites.seeded_recv_params(
-                getattr(instance, "connector_scheduler", None), version) if receive else None
-            found = problems(params, seeded)
-            if found:
-                params["do_remote_prefill"] = False
-                metrics.count(instance, metrics.REFUSALS, NAME)
-                metrics.count(instance, metrics.KV_REQUESTS, *metrics.REFUSED_PARAMS)
-                logger.warning(
-                    "pdpatch: request %s: kv_transfer_params unusable by vLLM %s's NIXL "
-                    "connector (%s): no KV is loaded for it and no prefill engine is told "
-                    "to free blocks for it (blocks a prefill engine holds for it stay pinned "
-                    "until that engine's own timeout) [params_guard]",
-                    getattr(request, "request_id", "?"), version, "; ".join(found))
-        return wrapped(*args, **kwargs)
-
-    return guard_params
+_code = lazy_from(f"{__name__}.wrappers")
 
 
 def _targets(version: Version) -> list[Target]:
-    finished = make_guard(version, receive=True)
-    return targets_at(version, (vllm_sites.ON_NEW_REQUEST, make_guard(version, receive=False)),
+    finished = _code("make_guard", version, True)
+    return targets_at(version, (vllm_sites.ON_NEW_REQUEST, _code("make_guard", version, False)),
                       (vllm_sites.REQUEST_FINISHED, finished),
                       (vllm_sites.REQUEST_FINISHED_ALL_GROUPS, finished))
 
