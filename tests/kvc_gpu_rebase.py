@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from pdpatch.patches import num_blocks as nb
+from pdpatch.patches.num_blocks import wrappers as nb
 
 
 def main() -> dict:

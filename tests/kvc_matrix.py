@@ -118,7 +118,7 @@ def _main(version: str, kvcached_order: str | None) -> dict[str, str]:
             traceback.print_exc()
 
     from pdpatch import block_counts, installer, vllm_sites
-    from pdpatch.patches import num_blocks
+    from pdpatch.patches.num_blocks import wrappers as num_blocks
 
     token_major, head_major = vllm_sites.layout_names(v)
     variants = h.variants_for(v)
@@ -342,7 +342,7 @@ def _layout_failure(v, h, token_major: str, head_major: str) -> str:
     from vllm.v1.attention.backends import utils
 
     from pdpatch import installer
-    from pdpatch.patches import layout
+    from pdpatch.patches.layout import wrappers as layout
 
     forced = h.vllm_config(layout=None, extra={"pdpatch": {"layout_force": True}})
     installer.reset_state()

@@ -108,7 +108,7 @@ def test_push_connector_answers_token_major_too(patched, kvcached_running):
 
 
 def test_head_major_only_backend_fails_naming_the_backend(patched, kvcached_running):
-    from pdpatch.patches.layout import LayoutForcedError
+    from pdpatch.patches.layout.wrappers import LayoutForcedError
 
     with pytest.raises(LayoutForcedError,
                        match=r"LBHNC is in force, but this engine needs LBNHC \(kvcached "
@@ -117,7 +117,7 @@ def test_head_major_only_backend_fails_naming_the_backend(patched, kvcached_runn
 
 
 def test_multiconnector_sibling_fails_naming_the_sibling(patched, kvcached_running):
-    from pdpatch.patches.layout import LayoutForcedError
+    from pdpatch.patches.layout.wrappers import LayoutForcedError
 
     c = cfg(kv_connector="MultiConnector", kv_role="kv_both", extra={"connectors": [
         {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
@@ -130,7 +130,7 @@ def test_multiconnector_sibling_fails_naming_the_sibling(patched, kvcached_runni
 
 
 def test_env_override_fails_naming_the_variable(patched, kvcached_running, monkeypatch):
-    from pdpatch.patches.layout import LayoutForcedError
+    from pdpatch.patches.layout.wrappers import LayoutForcedError
 
     monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "HND")
     with pytest.raises(LayoutForcedError, match="VLLM_KV_CACHE_LAYOUT=HND is set"):
@@ -138,7 +138,7 @@ def test_env_override_fails_naming_the_variable(patched, kvcached_running, monke
 
 
 def test_mla_is_left_alone(patched, kvcached_running, monkeypatch):
-    from pdpatch.patches.layout import decide
+    from pdpatch.patches.layout.wrappers import decide
 
     c = cfg()
     monkeypatch.setattr(type(c.model_config), "use_mla", property(lambda self: True))

@@ -9,7 +9,7 @@ import robust_matrix
 import torch
 
 from pdpatch import installer
-from pdpatch.patches import transport_check
+from pdpatch.patches.transport_check import wrappers as transport_check
 
 
 class _Worker:

@@ -1,23 +1,6 @@
-"""Patch ``metrics``: pdpatch's counters on vLLM's own ``/metrics`` (``pdpatch:*``).
-
-The counts ride vLLM's NIXL statistics channel (:mod:`pdpatch.metrics` says how); the wrappers:
-
-* the connector facade's ``get_kv_connector_stats`` (worker half only): the records counted for
-  its worker join the stats it returns -- a fresh ``NixlKVConnectorStats`` when stock has none;
-* ``Scheduler.make_stats``: the records counted for the scheduler, its connector and the
-  connector's scheduler half join the step's connector stats (only with a NIXL connector and
-  vLLM's stats on, where ``/metrics`` gets connector stats);
-* ``Scheduler._update_waiting_for_remote_kv``: one ``kv_requests`` count per request whose KV
-  load ended: ``pulled``, or ``recomputed``/``failure`` when the release marked it failed;
-* ``NixlKVConnectorStats.aggregate``: stock extends every key of the other stats into its own
-  (a ``KeyError`` on a key it lacks) and skips stats it calls empty -- records alone are
-  "empty" -- so the records are set aside during the stock call and merged after it;
-* ``NixlPromMetrics.__init__`` / ``observe`` (API server): build the ``pdpatch:*`` counters
-  with vLLM's counter class and labels; after stock's observe, add the records.
-
-Stock code sees only its own keys: ``reduce`` (the CLI log line), ``is_empty`` and
-``observe`` read named keys and ignore the extra one.
-"""
+"""The code of patch ``metrics``, loaded when vLLM imports its NIXL statistics, the connector's
+scheduler half or its Prometheus logger (the patch and why it exists:
+:mod:`pdpatch.patches.metrics`)."""
 
 from __future__ import annotations
 
@@ -28,9 +11,8 @@ from packaging.version import Version
 from pdpatch import metrics, vllm_sites
 from pdpatch.log import logger
 from pdpatch.patches.common import allowed, arg
-from pdpatch.registry import Patch, Target, Wrapper
-
-NAME = metrics.NAME
+from pdpatch.patches.metrics import NAME
+from pdpatch.registry import Wrapper
 
 
 def _attach(stats: Any, build: Any, *owners: Any) -> Any:
@@ -136,33 +118,3 @@ def export_records(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
     if exporter is not None and isinstance(data, dict) and data.get(metrics.RECORDS_KEY):
         exporter.export(data[metrics.RECORDS_KEY], arg(args, kwargs, 1, "engine_idx", 0))
     return result
-
-
-def _targets(version: Version) -> list[Target]:
-    stats = vllm_sites.lookup(vllm_sites.NIXL_STATS_HOME, version)
-    prom = vllm_sites.lookup(vllm_sites.NIXL_PROM_HOME, version)
-    sched = vllm_sites.lookup(vllm_sites.SCHEDULER_HOME, version)
-    facade = vllm_sites.lookup(vllm_sites.CONNECTOR_STATS, version)
-    if None in (stats, prom, sched, facade):
-        return []
-    return [
-        Target(facade.module, facade.qualname, worker_stats),
-        Target(stats.module, f"{stats.qualname}.aggregate", merge_records),
-        Target(sched.module, f"{sched.qualname}.make_stats", make_scheduler_stats(version)),
-        Target(sched.module, f"{sched.qualname}._update_waiting_for_remote_kv",
-               make_load_outcome(version)),
-        Target(prom.module, f"{prom.qualname}.__init__", build_exporter),
-        Target(prom.module, f"{prom.qualname}.observe", export_records),
-    ]
-
-
-PATCH = Patch(
-    name=NAME,
-    summary="pdpatch's counters on vLLM's /metrics (pdpatch:*), through vLLM's NIXL stats",
-    versions=vllm_sites.SUPPORTED,
-    targets=_targets,
-    relies_on=(vllm_sites.STATS_READERS, vllm_sites.STATS_FOLD, vllm_sites.PROM_BASE,
-               vllm_sites.LOAD_ENDED_CALLER),
-    state=metrics.MetricsState,
-    object_state=metrics.Pending,
-)
