@@ -1,16 +1,18 @@
 """Patch declarations: what a patch is, which vLLM releases it is for, what it wraps.
 
-A patch module (``pdpatch/patches/<name>.py``, or a package) builds one :class:`Patch`, which
-``pdpatch.patches.all_patches()`` lists.  Targets name the class that *defines* the attribute
-(not a subclass or an alias such as ``NixlConnector = NixlPullConnector``), so one wrap covers
-every subclass; the installer refuses a target whose class merely inherits the attribute.
+A patch package's ``__init__`` (``pdpatch/patches/<name>/``) declares one :class:`Patch`, which
+``pdpatch.patches.all_patches()`` lists; its code (``<name>/wrappers.py``) is named there with
+:class:`Lazy`, so that ``install()`` reads declarations only.  Targets name the class that
+*defines* the attribute (not a subclass or an alias such as ``NixlConnector =
+NixlPullConnector``), so one wrap covers every subclass; the installer refuses a target whose
+class merely inherits the attribute.
 
 A patch also declares the vLLM code its correctness rests on beyond its targets (``relies_on``:
 ``vllm_sites`` concepts, looked up per release): on a release newer than the ones it was verified
 on, the patch applies by itself only where all of it is unchanged (:mod:`pdpatch.verified`).
 
 A patch's run-time state is declared here too, never kept in module globals: ``state``, a
-:class:`pdpatch.state.State` subclass the installer creates once per process (counters,
+:class:`pdpatch.state.State` subclass the installer makes once per process on first use (counters,
 decisions, once-only flags; ``pdpatch.installer.state_of(name)``), and ``object_state``, what it
 keeps on one vLLM object (``pdpatch.installer.object_state(name, obj)``, held by
 :mod:`pdpatch.attached`).
@@ -93,7 +95,8 @@ class Patch:
     # A short note for the summary line, given whether the patch is active here ("" = none):
     # e.g. which of two cooperating patchers is in charge.
     summary_note: Callable[[bool], str] | None = None
-    # Per-process state (a `pdpatch.state.State` subclass), created by `install()`.
+    # Per-process state (a `pdpatch.state.State` subclass, or a Lazy naming one in the patch's
+    # code), made on first use (`pdpatch.installer.state_of`).
     state: Callable[[], State] = State
     # What the patch keeps on one vLLM object (a NIXL worker, a scheduler half), made on first
     # use; None: nothing.

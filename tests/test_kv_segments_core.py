@@ -24,6 +24,7 @@ from pdpatch.kv import (
 )
 from pdpatch.kv.geometry import geometry_from_handshake
 from pdpatch.patches import kv_segments as ks
+from pdpatch.patches.kv_segments import handshake, planning, settings
 
 NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 
@@ -70,7 +71,7 @@ def test_slices_refuse_non_divisible_sizes() -> None:
                                               ("LBNHC", False), ("BLHNC", True), (None, None),
                                               ("", None)])
 def test_head_order_from_layout_names(layout, want) -> None:
-    assert ks.head_major_of(layout) is want
+    assert planning.head_major_of(layout) is want
 
 
 # ------------------------------------------------------------------ 5-D heads dimension
@@ -109,27 +110,27 @@ def test_advertised_field_is_read_from_the_raw_bytes_and_vllm_sees_a_stock_objec
     _, stock, payload = _classes()
     wire = {"v": 1, "dev": 0, "layers": [[1, 8, 4, [["KV", 0, 8]], 2, 1]]}
     raw = msgspec.msgpack.decode(msgspec.msgpack.encode(_meta(stock)))
-    raw[ks.FIELD] = wire                      # what a pdpatch P serves
+    raw[settings.FIELD] = wire                      # what a pdpatch P serves
     encoded = msgspec.msgpack.encode(raw)
     plain = msgspec.msgpack.Decoder(stock).decode(encoded)
     assert type(plain) is stock and plain == _meta(stock)      # vLLM's own object, unchanged
     worker = type("W", (), {"compat_hash": "h", "backend_name": "FLASH_ATTN"})()
-    dec = msgspec.msgpack.Decoder(ks.payload_class(payload))
-    with ks.handshake_scope(worker):
+    dec = msgspec.msgpack.Decoder(handshake.payload_class(payload))
+    with handshake.handshake_scope(worker):
         dec.decode(msgspec.msgpack.encode(payload("h", encoded)))
-        assert ks.advertised_geometry(plain) == wire
-        assert ks.advertised_geometry(dataclasses.replace(plain, agent_metadata=b"b")) is None
-    assert ks.advertised_geometry(plain) is None            # outside a handshake: nothing
+        assert handshake.advertised_geometry(plain) == wire
+        assert handshake.advertised_geometry(dataclasses.replace(plain, agent_metadata=b"b")) is None
+    assert handshake.advertised_geometry(plain) is None            # outside a handshake: nothing
 
 
 def test_payload_post_init_swaps_only_an_alternate_hash() -> None:
     _, _, payload = _classes()
-    mine = ks.payload_class(payload)
+    mine = handshake.payload_class(payload)
     installer.reset_state()
     installer.state_of(ks.NAME).alternates["local-hash"] = {"fi-hash": "FLASHINFER"}
     worker = type("W", (), {"compat_hash": "local-hash", "backend_name": "FLASH_ATTN"})()
     dec = msgspec.msgpack.Decoder(mine)
-    with ks.handshake_scope(worker) as ctx:
+    with handshake.handshake_scope(worker) as ctx:
         got = dec.decode(msgspec.msgpack.encode(payload("fi-hash", b"x")))
         assert got.compatibility_hash == "local-hash"
         assert ctx.accepted == {"fi-hash": "FLASHINFER"}
@@ -142,7 +143,7 @@ def test_payload_post_init_swaps_only_an_alternate_hash() -> None:
 
 def test_scoped_payload_class_nests_across_threads_and_restores() -> None:
     mod, _, stock_payload = _classes()
-    scoped = ks.ScopedPayloadClass()
+    scoped = handshake.ScopedPayloadClass()
     inside = threading.Event()
     release = threading.Event()
 
@@ -167,7 +168,7 @@ def test_scoped_payload_class_nests_across_threads_and_restores() -> None:
 
 def test_scoped_payload_class_leaves_a_foreign_replacement_alone() -> None:
     mod, _, stock_payload = _classes()
-    scoped = ks.ScopedPayloadClass()
+    scoped = handshake.ScopedPayloadClass()
     foreign = type("Foreign", (stock_payload,), {})
     try:
         with scoped.active(mod):
@@ -188,13 +189,13 @@ def test_hash_wrapper_returns_vllms_hash_and_records_alternates() -> None:
 
     installer.reset_state()
     cfg = rw.vllm_config("llama", 2, "kv_consumer", 1)
-    got = ks.hash_wrapper(real, None, (cfg, "FLASH_ATTN"), {"transfer_mode": "pull"})
+    got = handshake.hash_wrapper(real, None, (cfg, "FLASH_ATTN"), {"transfer_mode": "pull"})
     assert got == real(cfg, "FLASH_ATTN", transfer_mode="pull")
-    alts = ks.alternates_for(got)
+    alts = handshake.alternates_for(got)
     assert alts == {real(cfg, n, transfer_mode="pull"): n for n in ("FLASHINFER", "TRITON_ATTN")}
     # a backend outside the set gets none; a push-mode hash is never an alternate of pull
-    cpu = ks.hash_wrapper(real, None, (cfg, "CPU_ATTN"), {})
-    assert ks.alternates_for(cpu) == {}
+    cpu = handshake.hash_wrapper(real, None, (cfg, "CPU_ATTN"), {})
+    assert handshake.alternates_for(cpu) == {}
     assert real(cfg, "FLASHINFER", transfer_mode="push") not in alts
 
 
@@ -203,11 +204,11 @@ def test_operator_can_extend_the_interchangeable_set() -> None:
 
     cfg = rw.vllm_config("llama", 2, "kv_consumer", 1,
                          extra={"pdpatch": {"kv_segments_backends": ["FLEX_ATTENTION"]}})
-    assert "FLEX_ATTENTION" in ks.interchangeable(cfg)
+    assert "FLEX_ATTENTION" in settings.interchangeable(cfg)
     bad = rw.vllm_config("llama", 2, "kv_consumer", 1,
                          extra={"pdpatch": {"kv_segments_backends": "FLEX_ATTENTION"}})
     with pytest.raises(config.ConfigError, match="kv_segments_backends"):
-        ks.interchangeable(bad)
+        settings.interchangeable(bad)
 
 
 # --------------------------------------------------------- shadow metadata, cross-check
@@ -223,16 +224,16 @@ def test_shadow_describes_the_peer_in_local_terms() -> None:
     _, stock, _ = _classes()
     meta = _meta(stock)
     remote = _split_remote()
-    fused = ks.shadow(meta, remote, KIND_FUSED)
+    fused = planning.shadow(meta, remote, KIND_FUSED)
     assert fused.kv_caches_base_addr == [1000, 200000] and fused.block_lens == [8192, 8192]
-    split = ks.shadow(meta, remote, KIND_SPLIT)
+    split = planning.shadow(meta, remote, KIND_SPLIT)
     assert split.kv_caches_base_addr == [1000, 100000, 200000, 300000]
     assert split.block_lens == [4096] * 4
     assert dataclasses.replace(split, kv_caches_base_addr=[1, 2], block_lens=[8, 8]) == meta
 
 
 def test_cross_check_refuses_any_difference_but_addresses() -> None:
-    conv = ks.Conversion(meta=None, shadow=None, plan=type("P", (), {"local": None,
+    conv = planning.Conversion(meta=None, shadow=None, plan=type("P", (), {"local": None,
                                                                      "remote": None})(),
                          descs=np.array([(10, 64, 0), (20, 64, 0)], dtype=np.uint64), factor=1)
     conv.check_against([(999, 64, 0), (888, 64, 0)], 1)            # addresses may differ
@@ -262,15 +263,15 @@ def test_patch_targets_per_release() -> None:
 def test_settings_readers_and_the_names_the_staging_agent_reports() -> None:
     """The patch reads its options as ``pdpatch.config`` declares them (values, ranges and
     errors: test_config.py); the staging agent names them in its messages."""
-    assert (ks.staging_mib({}), ks.gap_kib({})) == (ks.STAGING_DEFAULT_MIB, None)
-    assert ks.staging_mib({ks.STAGING_ENV: " 512 "}) == 512
-    assert ks.gap_kib({ks.GAP_ENV: "2048"}) == 2048
+    assert (settings.staging_mib({}), settings.gap_kib({})) == (settings.STAGING_DEFAULT_MIB, None)
+    assert settings.staging_mib({settings.STAGING_ENV: " 512 "}) == 512
+    assert settings.gap_kib({settings.GAP_ENV: "2048"}) == 2048
     from pdpatch.patches.kv_segments.staged_reads import install_staging
 
     worker = type("W", (), {"nixl_wrapper": object()})()
     install_staging(worker, {})
     agent = worker.nixl_wrapper
-    assert (agent._gap_setting, agent._capacity_setting) == (ks.GAP_ENV, ks.STAGING_ENV)
+    assert (agent._gap_setting, agent._capacity_setting) == (settings.GAP_ENV, settings.STAGING_ENV)
 
 
 @pytest.mark.parametrize(("role", "reads"), [("kv_producer", False), ("kv_consumer", True),

@@ -173,7 +173,8 @@ def first_contact(scenario: str, layers: int, blocks: int, patched: bool,
     from pdpatch import installer
     from pdpatch.kv.staging.agent import StagingAgent
     from pdpatch.kv.staging.reads import ReadPlanner
-    from pdpatch.patches.kv_segments import FIELD, substitution
+    from pdpatch.patches.kv_segments import substitution
+    from pdpatch.patches.kv_segments.settings import FIELD
 
     p_backend, d_backend = SCENARIOS[scenario][patched]
     env = dict(COALESCE) if scenario == "coalesce" and patched else {}
@@ -250,7 +251,7 @@ def connect(d: Any, meta: Any, advertised: Any, timings: dict[str, float],
     import robust_worker as rw
     from packaging.version import Version
 
-    from pdpatch.patches.kv_segments import handshake_scope
+    from pdpatch.patches.kv_segments.handshake import handshake_scope
 
     tuple_keys = rw.version_of() >= Version("0.26")
 

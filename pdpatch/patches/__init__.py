@@ -9,7 +9,8 @@ from pdpatch.registry import Patch
 
 
 def all_patches() -> list[Patch]:
-    """Imported lazily: patch modules are tiny, but the bootstrap should not pay for them."""
+    """Imported when first asked, not by the bootstrap: each is a declaration (its code is
+    imported when vLLM imports a module it wraps: :class:`pdpatch.registry.Lazy`)."""
     from pdpatch.patches import (
         block_ids_bound,
         block_keys,

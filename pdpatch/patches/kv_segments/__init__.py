@@ -45,54 +45,22 @@ from __future__ import annotations
 from packaging.version import Version
 
 from pdpatch import vllm_sites
-from pdpatch.patches.kv_segments.advertise import (
-    local_geometry,
-    make_register_wrapper,
-    restore_wrapper,
-)
-from pdpatch.patches.kv_segments.handshake import (
-    Handshake,
-    ScopedPayloadClass,
-    advertised_geometry,
-    alternates_for,
-    handshake_scope,
-    hash_wrapper,
-    make_handshake_wrapper,
-    payload_class,
-    scoped_payload,
-)
-from pdpatch.patches.kv_segments.planning import (
-    Conversion,
-    head_major_of,
-    local_view,
-    plan_peer,
-    remote_geometry,
-    shadow,
-)
-from pdpatch.patches.kv_segments.settings import (
-    FIELD,
-    GAP_ENV,
-    INTERCHANGEABLE,
-    NAME,
-    STAGING_DEFAULT_MIB,
-    STAGING_ENV,
-    gap_kib,
-    interchangeable,
-    staging_mib,
-)
-from pdpatch.patches.kv_segments.state import KvSegmentsState, WorkerState
-from pdpatch.patches.kv_segments.substitution import (
-    build_fa_remote_wrapper,
-    make_add_remote_wrapper,
-)
-from pdpatch.registry import Patch, Target, Wrapper
+from pdpatch.registry import Lazy, Patch, Target, lazy_from
+
+NAME = "kv_segments"
+# The pipeline's modules, each imported when vLLM imports a module it wraps (or its state is
+# first kept): none of them at install.
+_advertise = lazy_from(f"{__name__}.advertise")
+_handshake = lazy_from(f"{__name__}.handshake")
+_substitution = lazy_from(f"{__name__}.substitution")
+_state = lazy_from(f"{__name__}.state")
 
 
 def _targets(version: Version) -> list[Target]:
     """What this patch wraps in vLLM ``version`` (nothing without a handshake to wrap)."""
     out: list[Target] = []
 
-    def add(sites: tuple, wrapper: Wrapper) -> None:
+    def add(sites: tuple, wrapper: Lazy) -> None:
         site = vllm_sites.lookup(sites, version)
         if site is not None:
             out.append(Target(site.module, site.qualname, wrapper))
@@ -100,14 +68,14 @@ def _targets(version: Version) -> list[Target]:
     handshake = vllm_sites.lookup(vllm_sites.NIXL_HANDSHAKE, version)
     if handshake is None:
         return []
-    add(vllm_sites.COMPAT_HASH, hash_wrapper)
+    add(vllm_sites.COMPAT_HASH, _handshake("hash_wrapper"))
     out.append(Target(handshake.module, handshake.qualname,
-                      make_handshake_wrapper(handshake.module)))
-    add(vllm_sites.REGISTER_KV_CACHES, make_register_wrapper(version))
-    add(vllm_sites.RESTORE_KV_CACHES, restore_wrapper)
-    add(vllm_sites.ADD_REMOTE_AGENT, make_add_remote_wrapper(version))
+                      _handshake("make_handshake_wrapper", handshake.module)))
+    add(vllm_sites.REGISTER_KV_CACHES, _advertise("make_register_wrapper", version))
+    add(vllm_sites.RESTORE_KV_CACHES, _advertise("restore_wrapper"))
+    add(vllm_sites.ADD_REMOTE_AGENT, _substitution("make_add_remote_wrapper", version))
     if version in vllm_sites.KV_SPLIT_DESCRIPTORS:
-        add(vllm_sites.BUILD_FA_REMOTE, build_fa_remote_wrapper)
+        add(vllm_sites.BUILD_FA_REMOTE, _substitution("build_fa_remote_wrapper"))
     return out
 
 
@@ -125,12 +93,6 @@ PATCH = Patch(
                vllm_sites.READ_BLOCKS, vllm_sites.POP_DONE_TRANSFERS, vllm_sites.TP_MAPPING,
                vllm_sites.RECEIVE_PERMUTE, vllm_sites.RECEIVE_PERMUTE_BLOCK_RATIO,
                vllm_sites.RECEIVE_PERMUTE_MEMORY_ORDER, vllm_sites.PAIR_REGIONS),
-    state=KvSegmentsState,
-    object_state=WorkerState,
+    state=_state("KvSegmentsState"),
+    object_state=_state("WorkerState"),
 )
-
-__all__ = ["FIELD", "GAP_ENV", "INTERCHANGEABLE", "NAME", "PATCH", "STAGING_DEFAULT_MIB",
-           "STAGING_ENV", "Conversion", "Handshake", "KvSegmentsState", "ScopedPayloadClass",
-           "WorkerState", "advertised_geometry", "alternates_for", "gap_kib", "handshake_scope",
-           "head_major_of", "interchangeable", "local_geometry", "local_view", "payload_class",
-           "plan_peer", "remote_geometry", "scoped_payload", "shadow", "staging_mib"]

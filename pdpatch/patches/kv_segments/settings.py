@@ -7,8 +7,8 @@ from typing import Any
 
 from pdpatch import config
 from pdpatch.patches import common
+from pdpatch.patches.kv_segments import NAME
 
-NAME = "kv_segments"
 FIELD = "pdpatch_kv_geometry"
 BACKENDS_KEY = "kv_segments_backends"
 STAGING_ENV = config.KV_STAGING_MIB.var   # passed to the staging agent, named in its messages
