@@ -169,7 +169,7 @@ def test_a_run_without_reference_or_tolerances_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         gpu_pd.main(["--stage", str(tmp_path), "--out", str(tmp_path / "o"), "fa-triton"])
     assert ("name a reference scenario (ref, ref-triton, ref-load, ref-tp12, ref-tp21, "
-            "ref-triton-tp12, ref-triton-tp21, ref-load-tp12, ref-load-tp21)"
+            "ref-triton-tp12, ref-triton-tp21, ref-load-tp12, ref-load-tp21, ref-aged)"
             in capsys.readouterr().err)
 
 
@@ -351,7 +351,7 @@ def test_a_run_stopped_by_timeout_writes_the_scenarios_it_finished(tmp_path, mon
 
     ran: list[str] = []
 
-    def fake_run(name, sc, prompts, paths, two_gpus, started=None):
+    def fake_run(name, sc, prompts, paths, two_gpus, started=None, repeat=0):
         ran.append(name)
         if len(ran) == 2:
             os.kill(os.getpid(), signal.SIGTERM)      # as `timeout` would, mid-scenario
@@ -429,7 +429,7 @@ def test_together_starts_the_pairs_first_and_stops_those_a_stopped_run_left(tmp_
 
     ran: list[tuple[str, object]] = []
 
-    def fake_run(name, sc, prompts, paths, two_gpus, started=None):
+    def fake_run(name, sc, prompts, paths, two_gpus, started=None, repeat=0):
         assert sc.load == 0                               # --no-load
         ran.append((name, started and started[0].name))
         if len(ran) == 2:
@@ -469,3 +469,55 @@ def test_step_clock_reaches_stock_engines_and_the_wrapper_clock_only_pdpatch_one
     assert patched == {"PDLAB_WRAPPER_CLOCK": "/c/w/speed-on-D",
                        "PDLAB_STEP_CLOCK": "/c/s/speed-on-D"}
     assert engines.lab_clocks({"PDLAB_WRAPPER_CLOCK": "/c/w"}, "ref-D", pdpatch=False) == []
+
+
+def test_cross_runs_the_scenarios_again_reversed_into_their_own_record(tmp_path, monkeypatch):
+    """``--cross``: after the scenarios as given, the same again in the reverse order, each
+    judged by its own record's reference; both records say their start order; ``--repeat``
+    reaches every scenario."""
+    ran: list[tuple[str, int]] = []
+
+    def fake_run(name, sc, prompts, paths, two_gpus, started=None, repeat=0):
+        ran.append((name, repeat))
+        return _intact_result(name, sc, prompts)
+
+    monkeypatch.setattr(gpu_pd, "run_scenario", fake_run)
+    out = _run_rig(monkeypatch, tmp_path, "--prompt-lengths", "20,40", "--repeat", "5",
+                   "--cross", "ref", "coalesce")
+    assert ran == [("ref", 5), ("coalesce", 5), ("coalesce", 5), ("ref", 5)]
+    first = json.loads((out / "gpu_pd.json").read_text())
+    crossed = json.loads((out / "gpu_pd-crossed.json").read_text())
+    assert (first["order"], first["crossed"]) == (["ref", "coalesce"], False)
+    assert (crossed["order"], crossed["crossed"]) == (["coalesce", "ref"], True)
+    assert [r["scenario"] for r in crossed["results"]] == ["coalesce", "ref"]
+    assert crossed["results"][0]["requests"]["len40"]["intact"]
+    assert "FLASH_ATTN" in crossed["tolerances"] and (out / "gpu_pd-crossed.md").is_file()
+
+
+def test_speed_starts_alternate_the_order_and_write_a_file_each(tmp_path, monkeypatch):
+    from lab.rig.proxy import Completion, PDResult
+
+    starts: list[list[str]] = []
+
+    def fake_start_pair(name, sc, paths, two_gpus=False):
+        if name == "speed-off" and (not starts or len(starts[-1]) == 2):
+            starts.append([])
+        if name == "speed-on" and (not starts or len(starts[-1]) == 2):
+            starts.append([])
+        starts[-1].append(name)
+        return _Side(f"{name}-P", []), _Side(f"{name}-D", []), 1.0
+
+    def fake_request(p, d, prompt, max_tokens, timeout_s):
+        done = Completion([1, 2, 3], [0.0] * 3, 0.1, 0.05, [0.05, 0.06, 0.07])
+        return PDResult(done, done, 0.05 if "on" in p.name else 0.04, None)
+
+    monkeypatch.setattr(gpu_pd, "start_pair", fake_start_pair)
+    monkeypatch.setattr(gpu_pd, "streamed_pd_request", fake_request)
+    out = _run_rig(monkeypatch, tmp_path, "--speed", "2", "--speed-warmup", "1",
+                   "--speed-starts", "3", "--speed-lengths", "20,40")
+    assert starts == [["speed-off", "speed-on"], ["speed-on", "speed-off"],
+                      ["speed-off", "speed-on"]]
+    got = [json.loads((out / f"gpu_speed-{k}.json").read_text()) for k in (1, 2, 3)]
+    assert [g["started_first"] for g in got] == ["off", "on", "off"]
+    assert all(g["warmup"] == 1 and len(g["rounds_detail"]) == 4 for g in got)
+    assert not (out / "gpu_speed.json").exists()

@@ -67,6 +67,9 @@ class Scenario:
     p_tp: int = 1                       # P's --tensor-parallel-size (2: needs --two-gpus)
     d_tp: int = 1                       # D's --tensor-parallel-size (2: needs --two-gpus)
     note: str = ""
+    aged: bool = False                  # D aged by earlier traffic before the repeated samples
+    p_kv_gib: float | None = None       # P's KV cache, GiB per GPU (None: the run's)
+    d_kv_gib: float | None = None       # D's KV cache, GiB per GPU (None: the run's)
 
 
 KVCACHED_ENV = {
@@ -103,6 +106,7 @@ class Paths:
     max_model_len: int = MAX_MODEL_LEN
     mla: bool = False              # an MLA model: backends as MLA_BACKENDS maps them
     kv_cache_bytes: int = KV_CACHE_BYTES   # per engine not on kvcached (--kv-cache-gib)
+    p_kv_cache_bytes: int | None = None    # P's where it differs (--p-kv-cache-gib)
 
 
 def install_kvcached(stage: Path, dest: Path) -> Path:
@@ -150,6 +154,7 @@ class Engine:
         self.url = f"http://127.0.0.1:{self.port}"
         self.backend = MLA_BACKENDS.get(backend, backend) if paths.mla else backend
         producer = role == "kv_producer"
+        self.kv_cache_bytes = kv_bytes(sc, paths, producer)
         env = dict(os.environ)
         path = [str(paths.site)]
         kvcached = not producer and sc.d_kvcached
@@ -184,7 +189,7 @@ class Engine:
                "--served-model-name", "tiny", "--skip-tokenizer-init", "--enforce-eager", "-O0",
                "--max-model-len", str(paths.max_model_len),
                "--gpu-memory-utilization", GPU_MEMORY_UTILIZATION,
-               *([] if kvcached else ["--kv-cache-memory-bytes", str(paths.kv_cache_bytes)]),
+               *([] if kvcached else ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]),
                "--tensor-parallel-size", str(sc.p_tp if producer else sc.d_tp),
                "--seed", "0",
                "--attention-backend", self.backend,
@@ -248,6 +253,18 @@ class Engine:
         out["pulled"], out["bytes"] = moved.transfers, int(moved.bytes)
         out["xfer_s"], out["descriptors"] = moved.xfer_time_s, moved.descriptors
         return out
+
+
+def kv_bytes(sc: Scenario, paths: Paths, producer: bool) -> int:
+    """One side's ``--kv-cache-memory-bytes``: the scenario's own size for that side where it
+    sets one (an aged D's P holds every measured request without reusing a block), else the
+    run's (``--kv-cache-gib``; P's ``--p-kv-cache-gib`` where given)."""
+    gib = sc.p_kv_gib if producer else sc.d_kv_gib
+    if gib is not None:
+        return int(gib * (1 << 30))
+    if producer and paths.p_kv_cache_bytes is not None:
+        return paths.p_kv_cache_bytes
+    return paths.kv_cache_bytes
 
 
 def placement(sc: Scenario, two_gpus: bool) -> tuple[str | None, str | None]:

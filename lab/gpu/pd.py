@@ -31,6 +31,16 @@ engines run FLASH_ATTN_MLA / TRITON_MLA for a scenario's FLASH_ATTN / TRITON_ATT
 ``--prompt-lengths 600,1500,4000,8000`` the prompts; the table shows D's NIXL time per prompt
 (``vllm:nixl_xfer_time_seconds``).
 
+``--geometry llama3-8b-full`` / ``qwen2.5-7b-full`` / ``deepseek-v2-lite-full``: the real
+model's architecture at full width (``lab/gpu/weights.py``), its seeded weights drawn on the GPU
+at the start of the run, so a prefill costs what the real model's does.  ``--repeat N``: N more
+rounds of the prompts per pair after the first pass, each request salted and judged
+(``samples``); ``ref-aged`` / ``coalesce-aged`` age D (``lab/gpu/aged.py``) before those rounds;
+``--cross`` runs the scenarios again in the reverse order (``gpu_pd-crossed.json``);
+``--speed-starts K`` makes K pair starts of ``--speed``, the pdpatch pair first and second by
+turns, each round kept (``rounds_detail``); ``--dry-run`` starts nothing and checks the call
+against the device's limits (``lab/gpu/dryrun.py``; the owed calls: ``lab/gpu/plan.py``).
+
 ``--two-gpus`` (the nvidia-h200-x2 machine) puts P on GPU 0 and D on GPU 1; the ``*-tp12`` and
 ``*-tp21`` scenarios run one side at tensor-parallel size 2 on both GPUs (sharing one with the
 other side), judged by the tolerances of the reference with the same TP sizes (``ref-tp12``,
@@ -59,7 +69,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from lab.gpu import oracle, unpack
+from lab.gpu import aged, oracle, unpack, weights
 from lab.gpu.engines import (
     KV_CACHE_BYTES,
     MAX_MODEL_LEN,
@@ -84,6 +94,7 @@ PROMPT_LENGTHS = (7, 16, 17, 100, 600, 1500)
 SPEED_GOAL = 1.02
 SPEED_LENGTHS = (100, 600, 1500)
 SPEED_TOKENS = 64
+SPEED_WARMUP = 3
 GEOMETRIES: dict[str, dict] = {
     "tiny": {},
     # Llama-3-8B's KV cache (32 layers, 8 KV heads of 128): 128 KiB per token in bf16, so a
@@ -122,6 +133,15 @@ GEOMETRIES: dict[str, dict] = {
 """``--geometry``: config overrides of the rig's tiny Llama (2 layers, 4 KV heads of 64, hidden
 256, vocab 512): real models' KV geometry, the rest kept tiny so the weights stay small and the
 oracle still tells intact KV from corrupted."""
+GEOMETRIES.update({name: dict(cfg) for name, cfg in weights.FULL.items()})
+# ``llama3-8b-full``, ``qwen2.5-7b-full``, ``deepseek-v2-lite-full``: the whole config of a real
+# model's architecture at full width (lab/gpu/weights.py), its seeded weights drawn on the
+# device's GPU at the start of the run, so a prefill costs what the real model's does.
+
+
+def is_full_width(geometry: str) -> bool:
+    """Whether ``geometry`` is a full-width model (:data:`lab.gpu.weights.FULL`)."""
+    return geometry in weights.FULL
 
 
 def is_mla(geometry: str) -> bool:
@@ -237,6 +257,16 @@ SCENARIOS: dict[str, Scenario] = {
                                 note="reference: stock TRITON_ATTN, P TP 2 -> D TP 1"),
     "fa-triton-tp21": Scenario(True, "FLASH_ATTN", "TRITON_ATTN", hashseed=None, controls=True,
                                p_tp=2, note="P TP 2 -> D TP 1, mixed backends"),
+    # An aged D (lab/gpu/aged.py): the first pass on a fresh D, then D aged by local requests
+    # of mixed lengths finished in mixed order, then the repeated samples (--repeat) on the
+    # aged D.  P's cache holds every measured request without reusing a block, so what moves
+    # the READ is D's blocks alone.
+    "ref-aged": Scenario(False, "FLASH_ATTN", "FLASH_ATTN", controls=True, aged=True,
+                         p_kv_gib=32, note="reference: stock, D aged before the samples"),
+    "coalesce-aged": Scenario(True, "FLASH_ATTN", "FLASH_ATTN", p_stock=True, controls=True,
+                              aged=True, p_kv_gib=32, d_env={"PDPATCH_KV_COALESCE": "1"},
+                              note="D aged before the samples, its READs coalesced "
+                                   "(PDPATCH_KV_COALESCE=1), P stock"),
 }
 LOAD_IN_FLIGHT = 32
 """With the two longest prompts, ~34k tokens of KV in flight on D: 16 of kvcached's 2 MiB pages
@@ -394,6 +424,44 @@ def churn(samples: list[int]) -> dict:
 
 
 
+SAMPLE_KEYS = ("error", "pulled", "bytes", "xfer_s", "descriptors", "remote_blocks", "ms",
+               "p_lp0")
+"""What each repeated sample records of its P/D request (its answer is judged, then dropped)."""
+
+
+def repeat_samples(p: Engine, d: Engine, prompts: dict[str, list[int]], rounds: int,
+                   phase: str) -> list[dict]:
+    """``--repeat``: ``rounds`` more P/D requests of every prompt, round by round, each under
+    its own ``cache_salt`` on both sides (no prefix cache hit: every request moves its whole
+    KV), for ``n`` samples per pair and prompt; each sample's answer is judged as the first
+    pass's are, against D's own prefill of that prompt.  ``phase``: ``fresh`` or ``aged``."""
+    out = []
+    for rnd in range(rounds):
+        for pname, prompt in prompts.items():
+            got = pd_request(p, d, prompt, salt=f"{phase}-{rnd}")
+            sample = {"prompt": pname, "phase": phase, "round": rnd,
+                      **{k: got.get(k) for k in SAMPLE_KEYS}}
+            if "error" not in got:
+                sample["pd"] = {"ids": got.get("ids"), "lp": got.get("lp")}
+            out.append(sample)
+    return out
+
+
+def age_d(d: Engine, paths: Paths) -> dict:
+    """Age D (:func:`lab.gpu.aged.age`) by about :data:`lab.gpu.aged.CYCLES` times its KV
+    cache, the size D logged (else the size its ``--kv-cache-memory-bytes`` makes)."""
+    cfg = json.loads((paths.model / "config.json").read_text())
+    logged = aged.logged_cache_tokens(d.log.read_text(errors="replace"))
+    tokens = logged or aged.cache_tokens(d.kv_cache_bytes, cfg)
+
+    def complete(prompt: list[int], n: int, salt: str) -> dict:
+        return d.complete(prompt, n, salt=salt, timeout_s=600)
+
+    got = aged.age(complete, tokens, paths.max_model_len)
+    got["cache_tokens_from"] = "D's log" if logged else "--kv-cache-memory-bytes"
+    return got
+
+
 def _xfer_s(r: PDResult) -> float | None:
     """D's NIXL transfer time for one streamed P/D request; None where it pulled nothing."""
     return r.transfer.xfer_time_s if r.transfer and r.transfer.transfers else None
@@ -419,7 +487,17 @@ def _speed_rounds(pairs: dict[str, tuple[Engine, Engine, float]], sides: list[st
             yield rnd, n, outs
 
 
-def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False,
+def round_detail(rnd: int, length: int, order: list[str], outs: dict[str, PDResult]) -> dict:
+    """One paired round of ``--speed`` as ``rounds_detail`` keeps it."""
+    return {"round": rnd, "length": length, "first": order[0],
+            "ttft_s": {k: round(r.ttft_s, 6) for k, r in outs.items()},
+            "xfer_s": {k: _xfer_s(r) for k, r in outs.items()},
+            "descriptors": {k: r.transfer.descriptors if r.transfer else None
+                            for k, r in outs.items()},
+            "identical": outs["on"].decode.token_ids == outs["off"].decode.token_ids}
+
+
+def speed(paths: Paths, reps: int, warmup: int = SPEED_WARMUP, control: bool = False,
           on_first: bool = False, lengths: tuple[int, ...] = SPEED_LENGTHS,
           on_env: dict[str, str] | None = None) -> dict:
     """P/D TTFT and decode throughput, pdpatch on vs off: two FLASH_ATTN pairs on one GPU, the
@@ -439,6 +517,7 @@ def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False,
     tput: dict[str, list[float]] = {k: [] for k in sides}
     xfer: dict[str, list[float]] = {k: [] for k in sides}
     ratio_ttft, ratio_tput, ratio_xfer, errors, same = [], [], [], [], 0
+    detail: list[dict] = []
     stopped = ""
     try:
         rounds = _speed_rounds(pairs, list(sides), lengths, warmup + reps, rng, errors)
@@ -459,6 +538,7 @@ def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False,
                 if _xfer_s(r) is not None:
                     xfer[k].append(_xfer_s(r))
             on, off = outs["on"], outs["off"]
+            detail.append(round_detail(rnd - warmup, n, list(outs), outs))
             ratio_ttft.append(on.ttft_s / off.ttft_s)
             if on.decode.decode_tok_per_s and off.decode.decode_tok_per_s:
                 ratio_tput.append(off.decode.decode_tok_per_s / on.decode.decode_tok_per_s)
@@ -477,6 +557,7 @@ def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False,
 
     return {"control": control, "started_first": start_order[0],
             "rounds": len(ratio_ttft), "lengths": lengths, "on_env": on_env or {},
+            "warmup": warmup,
             "max_tokens": SPEED_TOKENS,
             "start_s": {k: round(v[2], 1) for k, v in pairs.items()},
             "ttft_s": {k: med([x for xs in by.values() for x in xs])
@@ -492,14 +573,18 @@ def speed(paths: Paths, reps: int, warmup: int = 3, control: bool = False,
             "paired": {"ttft_on_off": ratio_ttft, "tput_off_on": ratio_tput,
                        "xfer_on_off": ratio_xfer},
             "outputs_identical": f"{same}/{len(ratio_ttft)}", "errors": errors[:10],
+            # every paired round by itself: its prompt length, which pair was sent first, each
+            # pair's TTFT and NIXL time (the report's n, median and range per length)
+            "rounds_detail": detail,
             "worst": round(worst, 4), "verdict": said, **({"stopped": stopped} if stopped else {})}
 
 
 def run_scenario(name: str, sc: Scenario, prompts: dict[str, list[int]], paths: Paths,
                  two_gpus: bool = False,
-                 started: tuple[Engine, Engine, float] | None = None) -> dict:
+                 started: tuple[Engine, Engine, float] | None = None, repeat: int = 0) -> dict:
     """One scenario on its pair (``started``: a pair :func:`start_pairs` started already),
-    stopped when it is done."""
+    stopped when it is done.  ``repeat``: that many more rounds of the prompts after the first
+    pass and the controls (``samples``); an aged scenario's D is aged first (``aging``)."""
     p, d, start_s = started or start_pair(name, sc, paths, two_gpus)
     res: dict = {"scenario": name, "pdpatch": sc.pdpatch, "P": tp_backend(p.backend, sc.p_tp),
                  "D": tp_backend(d.backend, sc.d_tp), "backends": [p.backend, d.backend],
@@ -535,6 +620,11 @@ def run_scenario(name: str, sc: Scenario, prompts: dict[str, list[int]], paths: 
                    if k != block_keys.PARAMS_KEY}
             swapped = d.pulled(prompts[long_a], kvp, salt="control-other-prompt")
             res["controls"]["other-prompt"] = {"prompt": long_a, **_slim(swapped)}
+        if repeat:
+            if sc.aged:
+                res["aging"] = age_d(d, paths)
+            res["samples"] = repeat_samples(p, d, prompts, repeat,
+                                            "aged" if sc.aged else "fresh")
         if sc.salt_mismatch:
             prompt = prompts[list(prompts)[-2]]
             got = pd_request(p, d, prompt, salt="tenant", d_salt="another-tenant")
@@ -563,7 +653,7 @@ def _slim(r: dict) -> dict:
 
 
 REFERENCES = ("ref", "ref-triton", "ref-load", "ref-tp12", "ref-tp21", "ref-triton-tp12",
-              "ref-triton-tp21", "ref-load-tp12", "ref-load-tp21")
+              "ref-triton-tp21", "ref-load-tp12", "ref-load-tp21", "ref-aged")
 """Stock same-backend scenarios: each calibrates the tolerances of its backend at its TP sizes
 (all of one key in a run pooled), ``ref-load`` the load phase's too."""
 
@@ -699,10 +789,25 @@ def judge(results: list[dict], cals: Tolerances) -> None:
         if "load" in res:
             lcal, res["calibration"]["load"] = pair_calibration(res, cals, "load")
             judge_load(res["load"], res["requests"], lcal, res["calibration"]["load"])
+        judge_samples(res, cal, said)
         for pname, entry in res["requests"].items():
             if "pd" in entry:
                 entry.update(answer_verdict(entry.pop("pd"), entry.pop("base"), entry.get("p_lp0"),
                                      cal, pname, said))
+
+
+def judge_samples(res: dict, cal: oracle.Calibration | None, said: str) -> None:
+    """The repeated samples' verdicts (in place), each against D's own prefill of its prompt
+    from the first pass, by the scenario's sequential calibration; a sample that failed, or
+    whose prompt has no baseline, keeps no answer and is not judged."""
+    for sample in res.get("samples") or []:
+        got = sample.pop("pd", None)
+        entry = res["requests"].get(sample["prompt"]) or {}
+        if got is None or "base" not in entry:
+            sample["intact"] = None
+            continue
+        sample.update(answer_verdict(got, entry["base"], sample.get("p_lp0"), cal,
+                                     sample["prompt"], said))
 
 
 def mark_same_as_stock(results: list[dict]) -> None:
@@ -720,6 +825,12 @@ def mark_same_as_stock(results: list[dict]) -> None:
                                              if "pd" in e})
     for res in results:
         ref = stock.get(tuple(pair_keys(res)))
+        if ref is not None:     # repeated samples: the reference's own too (the same kernels)
+            for sample in res.get("samples") or []:
+                want = ref[1].get(sample["prompt"])
+                if "pd" in sample and want is not None:
+                    sample["same_as_stock"] = (sample["pd"].get("ids") == want.get("ids")
+                                               and sample["pd"].get("lp") == want.get("lp"))
         if ref is None or ref[0] == res["scenario"]:
             continue
         same = 0
@@ -859,6 +970,13 @@ def markdown(results: list[dict], gpu: str) -> str:
                 note += f", {ld['unjudged']} not judged"
             if ld.get("kvcached_used"):
                 note += f", kvcached memory {ld['kvcached_used']}"
+        if r.get("samples"):
+            note += f"; repeated: {samples_summary(r['samples'])}"
+        if "aging" in r:
+            a = r["aging"]
+            note += (f"; D aged by {a['requests']} local requests ({a['cycles']}x its "
+                     f"{a['cache_tokens']:,}-token cache, {a['failed']} failed, finish-order "
+                     f"inversions {a['inversions']}) in {a['seconds']}s")
         if "kill_p" in r:
             k = r["kill_p"]
             fails = [f"{v['seconds']}s {'error' if v['error'] else 'decoded ' + str(v['decoded'])}"
@@ -872,6 +990,23 @@ def markdown(results: list[dict], gpu: str) -> str:
                     f"{f' ({unjudged} not judged)' if unjudged else ''} | "
                     f"{pulled} | {xfer or '-'} | {dl:.1e} | {caught} | {note} |")
     return "\n".join(rows) + "\n"
+
+
+def samples_summary(samples: list[dict]) -> str:
+    """Per phase and prompt: D's NIXL time per request, median of the samples (n), and their
+    median descriptors."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for x in samples:
+        groups.setdefault((x["phase"], x["prompt"]), []).append(x)
+    parts = []
+    for (phase, pname), xs in groups.items():
+        times = [x["xfer_s"] * 1e3 for x in xs if x.get("xfer_s")]
+        descs = [x["descriptors"] for x in xs if x.get("descriptors")]
+        if times:
+            parts.append(f"{phase} {pname.removeprefix('len')}: {statistics.median(times):.2f} "
+                         f"ms (n={len(times)}"
+                         + (f", {statistics.median(descs):.0f} d" if descs else "") + ")")
+    return ", ".join(parts) or "none pulled"
 
 
 class Stopped(Exception):
@@ -910,24 +1045,26 @@ def earlier_tolerances(path: Path, digests: dict[str, str]) -> Tolerances:
 
 
 def write_results(args: argparse.Namespace, gpu: str, results: list[dict], stopped: str,
-                  prompts: dict[str, list[int]]) -> None:
-    """Judge ``results`` and write ``gpu_pd.json`` / ``gpu_pd.md`` (``stopped``: why the run
-    ended before its last scenario, or "")."""
+                  prompts: dict[str, list[int]], name: str = "gpu_pd",
+                  extra: dict | None = None) -> None:
+    """Judge ``results`` and write ``NAME.json`` / ``NAME.md`` (``stopped``: why the run ended
+    before its last scenario, or ""; ``extra``: more top-level fields, e.g. the full-width
+    model's ``weights`` manifest and the ``order`` the pairs were started in)."""
     digests = prompt_digests(prompts)
     earlier = earlier_tolerances(args.tolerances, digests) if args.tolerances else None
     cals = calibrations(results, earlier)
     judge(results, cals)
     record = {"gpu": gpu, "tolerances": tolerances_json(cals), "prompts": digests,
-              "results": results}
+              **(extra or {}), "results": results}
     if stopped:
         record["stopped"] = stopped
-    (args.out / "gpu_pd.json").write_text(json.dumps(record, indent=1, default=str))
+    (args.out / f"{name}.json").write_text(json.dumps(record, indent=1, default=str))
     table = markdown(results, gpu) + (f"\n{stopped}\n" if stopped else "")
-    (args.out / "gpu_pd.md").write_text(table)
+    (args.out / f"{name}.md").write_text(table)
     print(table, flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stage", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
@@ -948,6 +1085,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speed-on-first", action="store_true",
                     help="with --speed: start the pdpatch pair first (the default starts it "
                          "second); two runs with opposite orders cancel a start-order bias")
+    ap.add_argument("--speed-starts", type=int, default=1, metavar="K",
+                    help="with --speed: K pair starts, the pdpatch pair started first and "
+                         "second by turns (the first as --speed-on-first says); writes "
+                         "$OUT/gpu_speed-1.json ... -K.json where K > 1")
+    ap.add_argument("--speed-warmup", type=int, default=SPEED_WARMUP, metavar="ROUNDS",
+                    help="with --speed: unmeasured rounds first (default %(default)s)")
     ap.add_argument("--speed-lengths", type=prompt_lengths, default=SPEED_LENGTHS,
                     metavar="N,N,...", help="with --speed: its prompt lengths (default: "
                     f"{','.join(map(str, SPEED_LENGTHS))})")
@@ -958,25 +1101,46 @@ def main(argv: list[str] | None = None) -> int:
                     help="start every scenario's pair at once (kvcached ones excepted), then "
                          "measure each alone while the others wait idle: saves ~2 min per TP-2 "
                          "pair; the pairs must fit the GPUs together (see --kv-cache-gib)")
+    ap.add_argument("--repeat", type=int, default=0, metavar="ROUNDS",
+                    help="after each scenario's first pass and controls, ROUNDS more rounds of "
+                         "its prompts, each request salted (no prefix hit) and judged: n = "
+                         "ROUNDS samples per pair and prompt (an aged scenario: after aging D)")
+    ap.add_argument("--cross", action="store_true",
+                    help="then the scenarios again in the reverse order, each on a pair started "
+                         "anew: every pair is measured once before and once after the others "
+                         "(crossed starts); writes $OUT/gpu_pd-crossed.json")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="start nothing: print what the call would carry, start and send, in "
+                         "order, with its device time and memory against the device's limits "
+                         "(lab/gpu/dryrun.py); exit 1 where a limit is broken")
     ap.add_argument("--no-load", action="store_true",
                     help="skip the scenarios' load phase (e.g. a pair whose READs go over TCP "
                          "loopback, where 96 long requests take minutes)")
     ap.add_argument("--kv-cache-gib", type=float, default=KV_CACHE_BYTES / (1 << 30),
                     help="KV cache of each engine not on kvcached, GiB per GPU (default "
                          f"{KV_CACHE_BYTES >> 30})")
+    ap.add_argument("--p-kv-cache-gib", type=float,
+                    help="P's KV cache where it differs from D's (--kv-cache-gib), GiB per GPU")
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="tiny",
                     help="the model's KV geometry: llama3-8b (32 layers, 8 KV heads of 128), "
                          "qwen2.5-7b (28 layers, 4 KV heads of 128), llama3-70b (80 layers, "
                          "8 KV heads of 128; for TP 2), llama3-70b-tp2 (80 layers, 4 KV heads "
                          "of 128: one GPU's share of 70B at TP 2), deepseek-v2-lite (MLA: 27 "
-                         "layers of a 512+64 latent; MLA backends); default: the tiny Llama")
+                         "layers of a 512+64 latent; MLA backends); *-full: that model's "
+                         "architecture at full width, seeded weights drawn on the GPU "
+                         "(lab/gpu/weights.py); default: the tiny Llama")
     ap.add_argument("--prompt-lengths", type=prompt_lengths, default=PROMPT_LENGTHS,
                     metavar="N,N,...", help="prompt lengths in tokens (default: "
                     f"{','.join(map(str, PROMPT_LENGTHS))})")
     # checked below, not by ``choices``: Python 3.11's argparse refuses an empty list with them
     ap.add_argument("scenarios", nargs="*", metavar="SCENARIO",
                     help=f"any of {', '.join(sorted(SCENARIOS))}")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """What ``main`` refuses before anything runs (``ap.error``); the ``--speed-on-env``
+    settings."""
     unknown = [n for n in args.scenarios if n not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario(s) {', '.join(unknown)}; choose from "
@@ -986,6 +1150,12 @@ def main(argv: list[str] | None = None) -> int:
     on_env = dict(kv.partition("=")[::2] for kv in args.speed_on_env)
     if any(not k.startswith("PDPATCH_") for k in on_env):
         ap.error("--speed-on-env takes PDPATCH_NAME=VALUE settings")
+    if args.repeat < 0 or args.speed_starts < 1:
+        ap.error("--repeat takes 0 or more rounds, --speed-starts 1 or more starts")
+    unaged = [n for n in args.scenarios if SCENARIOS[n].aged and not args.repeat]
+    if unaged:
+        ap.error(f"{', '.join(unaged)}: an aged scenario measures its samples after aging D: "
+                 "give --repeat ROUNDS")
     for name in args.scenarios:
         try:
             placement(SCENARIOS[name], args.two_gpus)
@@ -995,6 +1165,47 @@ def main(argv: list[str] | None = None) -> int:
             not set(REFERENCES) & set(args.scenarios):
         ap.error(f"name a reference scenario ({', '.join(REFERENCES)}) or take an "
                  "earlier run's tolerances with --tolerances")
+    return on_env
+
+
+def make_model(args: argparse.Namespace) -> tuple[Path, int, dict | None]:
+    """The served model's folder, the engines' ``--max-model-len``, and for a full-width model
+    its weights' manifest (drawn on this machine's GPU, :mod:`lab.gpu.weights`)."""
+    from lab.rig.model import model_dir
+
+    overrides, max_len = model_config(args.geometry, args.prompt_lengths,
+                                      args.speed_lengths if args.speed else ())
+    dest = args.work / f"model-{args.geometry}-{max_len}"
+    if not is_full_width(args.geometry):
+        return model_dir(dest, **overrides), max_len, None
+    manifest = weights.write(dest, overrides, device="cuda")
+    print(f"full-width {args.geometry}: {manifest['parameters'] / 1e9:.2f} B parameters, "
+          f"{manifest['bytes'] / 2**30:.1f} GiB, drawn and written in {manifest['seconds']}s "
+          f"(fingerprint {manifest['fingerprint']})", flush=True)
+    return dest, max_len, manifest
+
+
+def scenario_orders(names: list[str], cross: bool) -> list[list[str]]:
+    """The scenario lists a call runs, in order: the names as given, and with ``--cross`` the
+    same again reversed, each pair started anew."""
+    return [list(names), list(reversed(names))] if cross else [list(names)]
+
+
+def speed_orders(first_on: bool, starts: int) -> list[bool]:
+    """``--speed-starts``: whether each start puts the pdpatch pair first, by turns."""
+    return [first_on if i % 2 == 0 else not first_on for i in range(starts)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    on_env = check_args(ap, args)
+    if args.dry_run:
+        from lab.gpu import dryrun
+
+        plan = dryrun.plan_call(args)
+        print(plan.text(), flush=True)
+        return 0 if plan.ok else 1
     kvcached = [n for n in args.scenarios if SCENARIOS[n].d_kvcached]
     if kvcached and not (args.stage / "kvcached").is_dir():
         ap.error(f"{', '.join(kvcached)}: a kvcached D needs the stage's kvcached/ folder "
@@ -1009,45 +1220,56 @@ def main(argv: list[str] | None = None) -> int:
     print(f"block-key encoder: {build_encoder()}", flush=True)
     import torch
 
-    from lab.rig.model import model_dir
-
-    overrides, max_len = model_config(args.geometry, args.prompt_lengths,
-                                      args.speed_lengths if args.speed else ())
-    model = model_dir(args.work / f"model-{args.geometry}-{max_len}", **overrides)
+    model, max_len, manifest = make_model(args)
     kvc = install_kvcached(args.stage, args.work / "kvcached") if kvcached else None
     paths = Paths(args.site, model, logs, kvc, max_len, mla=is_mla(args.geometry),
-                  kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)))
+                  kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
+                  p_kv_cache_bytes=None if args.p_kv_cache_gib is None
+                  else int(args.p_kv_cache_gib * (1 << 30)))
     gpu = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
            f"{' (P on GPU 0, D on GPU 1, TP 2 on both)' if args.two_gpus else ''}, "
            f"torch {torch.__version__}, vLLM {unpack.site_release(args.site)}, "
            f"model geometry {args.geometry}, prefix caching on")
+    extra = {"weights": manifest} if manifest else {}
     rng = random.Random(7)
     prompts = {f"len{n}": [rng.randrange(3, 512) for _ in range(n)]
                for n in args.prompt_lengths}
     chosen = {n: dataclasses.replace(SCENARIOS[n], load=0) if args.no_load else SCENARIOS[n]
               for n in args.scenarios}
-    results: list[dict] = []
+    orders = scenario_orders(args.scenarios, args.cross) if args.scenarios else []
+    done: list[tuple[str, list[dict]]] = []      # (file name, results) per order
     running = "setup"
     pairs: dict[str, tuple[Engine, Engine, float]] = {}
     try:
         signal.signal(signal.SIGTERM, _stop)
-        if args.together:
-            running = "starting the pairs together"
-            t0 = time.time()
-            pairs = start_pairs(chosen, paths, args.two_gpus)
-            print(f"{len(pairs)} pairs started together in {time.time() - t0:.0f}s", flush=True)
-        for running in args.scenarios:
-            print(f"=== {running}", flush=True)
-            results.append(run_scenario(running, chosen[running], prompts, paths,
-                                        args.two_gpus, pairs.pop(running, None)))
+        for i, order in enumerate(orders):
+            done.append(("gpu_pd" if i == 0 else "gpu_pd-crossed", []))
+            if args.together:
+                running = "starting the pairs together"
+                t0 = time.time()
+                pairs = start_pairs({n: chosen[n] for n in order}, paths, args.two_gpus)
+                print(f"{len(pairs)} pairs started together in {time.time() - t0:.0f}s",
+                      flush=True)
+            for running in order:
+                print(f"=== {running}{' (crossed order)' if i else ''}", flush=True)
+                done[-1][1].append(run_scenario(running, chosen[running], prompts, paths,
+                                                args.two_gpus, pairs.pop(running, None),
+                                                repeat=args.repeat))
         if args.speed:
-            print("=== speed", flush=True)
-            running = "speed"
-            timed = {"gpu": gpu, **speed(paths, args.speed, control=args.speed_control,
-                                           on_first=args.speed_on_first,
-                                           lengths=args.speed_lengths, on_env=on_env)}
-            (args.out / "gpu_speed.json").write_text(json.dumps(timed, indent=1))
-            print(json.dumps(timed, indent=1), flush=True)
+            for k, on_first in enumerate(speed_orders(args.speed_on_first, args.speed_starts)):
+                which = "first" if on_first else "second"
+                print(f"=== speed (start {k + 1}, pdpatch pair {which})", flush=True)
+                running = "speed"
+                timed = {"gpu": gpu, **extra,
+                         **speed(paths, args.speed, args.speed_warmup,
+                                 control=args.speed_control,
+                                 on_first=on_first, lengths=args.speed_lengths,
+                                 on_env=on_env)}
+                fname = "gpu_speed.json" if args.speed_starts == 1 else f"gpu_speed-{k + 1}.json"
+                (args.out / fname).write_text(json.dumps(timed, indent=1))
+                print(json.dumps({k_: v for k_, v in timed.items()
+                                  if k_ not in ("paired", "rounds_detail")}, indent=1),
+                      flush=True)
         running = ""
     except Stopped as exc:
         print(f"stopped ({exc}) during {running}: writing what the run has", flush=True)
@@ -1056,9 +1278,14 @@ def main(argv: list[str] | None = None) -> int:
         for p, d, _ in pairs.values():
             p.stop()
             d.stop()
-        if results:
-            write_results(args, gpu, results, f"stopped during {running}" if running else "",
-                          prompts)
+        for i, (name, results) in enumerate(done):
+            if results:
+                last = i == len(done) - 1
+                write_results(args, gpu, results,
+                              f"stopped during {running}"
+                              if running and last and running != "speed" else "", prompts,
+                              name, {**extra, "order": [r["scenario"] for r in results],
+                                     "crossed": i > 0})
         with tarfile.open(args.out / "logs.tar.xz", "w:xz") as tf:
             tf.add(logs, arcname="logs")
     return 0
