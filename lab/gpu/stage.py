@@ -45,7 +45,12 @@ VLLM = "0.25.1"
 # for no symbol that 2.11's libraries lack (0.27's FlashAttention 3 still does: two C++
 # symbols), so 0.30 and 0.33 are staged for the device's torch 2.11; 0.33's engines serve
 # there (GPU runs bs-bw), with the packages :data:`WHEEL_PINS` adds.
-RELEASES = ("0.25.1", "0.26.0", "0.30.0", "0.33.0")
+# 0.34.0 pins torch 2.14 too; its two kept kernels import exactly the 88 and 63 torch symbols
+# 0.33.0's do (none new, compared with binutils' nm: docs/gpu_plan.md), so they load where
+# 0.33.0's did; its wheel list is 0.33.0's (its METADATA raises only the floors of packages the
+# device has or the stage does not carry: huggingface_hub>=2.0 against the device's 1.33, which
+# the first 0.34.0 call's import sweep checks).
+RELEASES = ("0.25.1", "0.26.0", "0.30.0", "0.33.0", "0.34.0")
 # What a release needs instead of a :data:`WHEELS` entry, by that entry's name (its METADATA's
 # pins; another distribution of the same module), or besides them (a name not in WHEELS):
 # 0.30 and 0.33 import compressed_tensors (which imports loguru) loading any model, 0.33 also
@@ -59,6 +64,7 @@ WHEEL_PINS = {
                "openai-harmony": "oss-harmony==0.0.11", "orjson": "orjson==3.13.0",
                "compressed-tensors": "compressed-tensors==0.17.0", "loguru": "loguru==0.7.3"},
 }
+WHEEL_PINS["0.34.0"] = dict(WHEEL_PINS["0.33.0"])
 KEPT_KERNELS = {
     "vllm/_C_stable_libtorch.abi3.so": "vllm_C.so.xz",
     "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": "fa3.so.xz",
@@ -86,6 +92,10 @@ PLATFORM_ARGS = ["--only-binary=:all:", "--python-version", "3.12", "--implement
 KVCACHED = "0.1.6"
 KVCACHED_WHEELS = ["posix-ipc==1.3.2"]
 NIXL_DROP_DIRS = ("nixl_ep_cu13",)
+UNUSED_VLLM_DIRS = ("vllm/third_party/fmha_sm100/", "vllm/third_party/tml_fa4/")
+"""Python and JIT sources of Blackwell-only attention kernels (SM100 FMHA, FlashAttention 4),
+which only models the engines never serve import (MiniMax-M3, Inkling; 0.33+): 4.9 MB that put
+0.33.0's stage and the working tree over 64 MiB together."""
 UCX_MODULE_DROP = ("_ib", "perftest", "rdmacm", "mlx5", "efa", "gda")
 
 
@@ -105,6 +115,8 @@ def wanted_vllm_member(name: str, release: str = VLLM) -> bool:
     if name.endswith((".so", ".h", ".hpp", ".cuh", ".cu", ".cpp", ".c", ".jpg", ".png")):
         return False
     if name == "vllm/vllm-rs":       # the Rust front end's binary, not used here
+        return False
+    if name.startswith(UNUSED_VLLM_DIRS):
         return False
     return name.startswith(("vllm/", f"vllm-{release}.dist-info/"))
 
@@ -147,6 +159,8 @@ def prune_nixl(site: Path) -> None:
     for f in by_name.values():
         if f not in keep:
             f.unlink()
+        else:   # debug sections only (symbols stay): ~4 of 37.6 MB
+            subprocess.run(["strip", "--strip-debug", str(f)], check=True)
     shutil.rmtree(site / "include", ignore_errors=True)
     shutil.rmtree(site / "nixl_cu13.scripts", ignore_errors=True)
 
