@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lab.gpu.pd import GEOMETRIES, SCENARIOS
-from lab.report import bench, cells, kv_bench, records
+from lab.report import bench, cells, full_width, kv_bench, records, repeated
 from lab.report.cells import PairCell, StartCell, ordered_prompts
 from lab.report.epochs import CHANGES, KEPT, STOCK_FROM, Change
 from lab.report.records import ROOT, Records, run_order
@@ -27,13 +27,17 @@ NAMED = {"llama3-8b": ("Llama-3-8B's KV", "Llama-3-8B's"),
          "llama3-70b": ("Llama-3-70B's KV", "Llama-3-70B's"),
          "llama3-70b-tp2": ("Llama-3-70B's KV, one TP-2 rank's share",
                             "one TP-2 rank's share of Llama-3-70B's"),
-         "deepseek-v2-lite": ("DeepSeek-V2-Lite's KV", "DeepSeek-V2-Lite's")}
+         "deepseek-v2-lite": ("DeepSeek-V2-Lite's KV", "DeepSeek-V2-Lite's"),
+         **full_width.NAMED}
 """Per ``--geometry``: the tables' short name, and whose layers and KV cache the model had."""
 
 
 def model(geometry: str) -> str:
     """The model as it was: the rig's tiny seeded Llama, or a seeded model of the rig's hidden
-    size given a real model's layers and KV cache (``lab.gpu.pd.GEOMETRIES``)."""
+    size given a real model's layers and KV cache (``lab.gpu.pd.GEOMETRIES``); a full-width
+    model as :mod:`lab.report.full_width` names it."""
+    if geometry in full_width.NAMED:
+        return full_width.model(geometry)
     cfg = {**TINY, **GEOMETRIES[geometry]}
     if "kv_lora_rank" in cfg:
         kv = f"{cfg['num_hidden_layers']} layers of a {cfg['kv_lora_rank']} + " \
@@ -492,5 +496,6 @@ BLOCKS: dict[str, Callable[[Data], str]] = {
     "results": results,
     "ttft-defaults": ttft_defaults,
     "cpu-benchmarks": cpu_benchmarks, "bench-epochs": bench_epochs,
+    **repeated.BLOCKS,
 }
 """Every block the report writes, by the name its markers give."""
