@@ -21,14 +21,15 @@ import multiprocessing
 import multiprocessing.util
 import os
 import threading
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import wrapt
 
-from pdpatch import attached, config, log, versions
+from pdpatch import config, log, versions
 from pdpatch.registry import Lazy, Patch, Target
-from pdpatch.state import Counter, State
+
+if TYPE_CHECKING:
+    from pdpatch.state import Counter, State
 
 logger = log.logger
 
@@ -37,23 +38,32 @@ class StrictModeError(RuntimeError):
     """Raised only under ``PDPATCH_STRICT=1``: an enabled patch could not apply."""
 
 
-@dataclass
 class TargetState:
-    target: Target
-    status: str = "armed"          # armed | wrapped | failed | cancelled | unwrapped | disabled
-    detail: str = ""
-    handle: Any = None
-    owner: Any = None              # the class or module object holding the attribute
+    """One target of an active patch, and how wrapping it went.  (The installer's records are
+    plain classes, not dataclasses: this module is imported inside every ``import vllm``, where
+    each dataclass costs ~0.2 ms to define.)"""
+
+    def __init__(self, target: Target, status: str = "armed", detail: str = "",
+                 handle: Any = None, owner: Any = None) -> None:
+        self.target = target
+        self.status = status   # armed | wrapped | failed | cancelled | unwrapped | disabled
+        self.detail = detail
+        self.handle = handle
+        self.owner = owner     # the class or module object holding the attribute
 
 
-@dataclass
 class PatchState:
-    patch: Patch
-    status: str                    # active | skipped
-    reason: str
-    targets: list[TargetState] = field(default_factory=list)
-    version_gated: bool = False    # skipped only because a newer vLLM changed its code
-    changed: tuple[str, ...] = ()  # then: the sites that changed
+    """Whether a patch applies in this process, why, and its targets."""
+
+    def __init__(self, patch: Patch, status: str, reason: str,
+                 targets: list[TargetState] | None = None, version_gated: bool = False,
+                 changed: tuple[str, ...] = ()) -> None:
+        self.patch = patch
+        self.status = status                  # active | skipped
+        self.reason = reason
+        self.targets = [] if targets is None else targets
+        self.version_gated = version_gated    # skipped only because a newer vLLM changed its code
+        self.changed = changed                # then: the sites that changed
 
     @property
     def live(self) -> bool:
@@ -61,15 +71,16 @@ class PatchState:
         return self.status == "active"
 
 
-@dataclass
 class _Process:
-    installed: bool = False
-    pid: int = 0
-    settings: config.Settings | None = None
-    vllm: str = "absent"
-    patches: dict[str, PatchState] = field(default_factory=dict)
-    states: dict[str, State] = field(default_factory=dict)    # patch name -> its run-time state
-    error: str = ""
+    """This process's installation: one instance, :data:`_state`."""
+
+    def __init__(self) -> None:
+        self.installed = False
+        self.pid = 0
+        self.settings: config.Settings | None = None
+        self.vllm = "absent"
+        self.patches: dict[str, PatchState] = {}
+        self.states: dict[str, State] = {}    # patch name -> its run-time state
 
 
 _lock = threading.RLock()
@@ -291,6 +302,8 @@ def state_of(name: str) -> Any:
 def object_state(name: str, obj: Any) -> Any:
     """What patch ``name`` keeps on the vLLM object ``obj`` (its declared ``object_state``),
     made on first use; held by :mod:`pdpatch.attached`."""
+    from pdpatch import attached  # with the first wrapper that keeps something, not at install
+
     factory = _declared(name).object_state
     if factory is None:
         raise LookupError(f"patch {name!r} declares no object_state")

@@ -12,6 +12,7 @@ startup summary line calls it in every vLLM process.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 DIST = "vllm-pdpatch"                 # our distribution name (pyproject.toml [project] name)
@@ -21,18 +22,19 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 
 def _dist_infos(site_dir: Path) -> dict[str, list[Path]]:
     """Our and the foreign distribution's ``<name>-<version>.dist-info`` directories in
-    ``site_dir``, by distribution name (one directory listing)."""
+    ``site_dir``, by distribution name (one directory listing, of names: a ``Path`` for each of
+    a site directory's hundreds of entries cost ~1 ms of every vLLM process's start)."""
     wanted = {name.replace("-", "_"): name for name in (DIST, FOREIGN_DIST)}
     found: dict[str, list[Path]] = {DIST: [], FOREIGN_DIST: []}
     try:
-        entries = sorted(site_dir.iterdir())
+        entries = sorted(os.listdir(site_dir))
     except OSError:
         return found
-    for p in entries:
-        if p.name.endswith(".dist-info"):
-            name = wanted.get(p.name.removesuffix(".dist-info").rsplit("-", 1)[0].lower())
+    for entry in entries:
+        if entry.endswith(".dist-info"):
+            name = wanted.get(entry.removesuffix(".dist-info").rsplit("-", 1)[0].lower())
             if name:
-                found[name].append(p)
+                found[name].append(site_dir / entry)
     return found
 
 

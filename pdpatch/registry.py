@@ -23,14 +23,16 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from packaging.version import Version
 
 from pdpatch import config
-from pdpatch.state import State
 from pdpatch.versions import VersionRange
 from pdpatch.vllm_sites import Site, lookup_all
+
+if TYPE_CHECKING:
+    from pdpatch.state import State
 
 # wrapt's wrapper signature: (wrapped, instance, args, kwargs) -> result
 Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
@@ -82,6 +84,10 @@ def targets_at(version: Version, *wrapped: tuple[tuple[Site, ...], Wrapper]) -> 
             for s in lookup_all(sites, version)]
 
 
+# A patch that keeps no state gets the empty base, named lazily like a patch's own class.
+_NO_STATE = Lazy("pdpatch.state", "State")
+
+
 @dataclass(frozen=True)
 class Patch:
     name: str                                      # toggle: PDPATCH_<NAME>
@@ -97,7 +103,7 @@ class Patch:
     summary_note: Callable[[bool], str] | None = None
     # Per-process state (a `pdpatch.state.State` subclass, or a Lazy naming one in the patch's
     # code), made on first use (`pdpatch.installer.state_of`).
-    state: Callable[[], State] = State
+    state: Callable[[], State] = _NO_STATE
     # What the patch keeps on one vLLM object (a NIXL worker, a scheduler half), made on first
     # use; None: nothing.
     object_state: Callable[[], Any] | None = None
