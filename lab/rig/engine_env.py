@@ -258,7 +258,8 @@ def engine_env(
     old_pp = env.get("PYTHONPATH")
     clock = str(WRAPPER_CLOCK) \
         if env.get("PDLAB_WRAPPER_CLOCK") or env.get("PDLAB_STEP_CLOCK") else None
-    census = str(PEER_CENSUS) if env.get("PDLAB_PEER_CENSUS") else None
+    census = str(PEER_CENSUS) \
+        if env.get("PDLAB_PEER_CENSUS") or (extra or {}).get("PDLAB_PEER_CENSUS") else None
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), old_pp, clock, census,
                                                       str(CPU_RUNNER),
                                                       str(AMX_PERMISSION), str(QUIET_NIXL)]))

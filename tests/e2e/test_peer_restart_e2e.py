@@ -11,7 +11,8 @@ answer to the prompt (``lab.peers``).
    answers are recorded and asserted as observed (every P/D request fails: the issue).
 2. P is SIGSTOPped for 20 s with requests of D and Dstock in flight (longer than its lease),
    then SIGCONT: D's requests end within the peer deadline plus a margin (answered or failed,
-   never wrong), and both serve the next requests.
+   never wrong), and D serves the next request (Dstock's answers are printed: after test 1 it
+   still reads through the dead agent).
 
 The table over both identity variants, the 20-restart count, the longer stall and the soak:
 ``scripts/peer_restart.py`` (docs/peers.md).
@@ -107,8 +108,9 @@ def test_stall_past_lease_ends_within_deadline(rig: EngineGroup) -> None:
     for a in answers:
         if a.engine == "D":
             assert a.outcome != "wrong" and a.wall_s < END_BOUND_S, a
-    after = [peers.pd(p, eng, tags[2], refs[tags[2]], stream=False) for eng in (d, dstock)]
-    assert [a.outcome for a in after] == ["ok", "ok"], after
+    # D serves on (Dstock still holds the agent test 1's restart killed: not asked)
+    after = peers.pd(p, d, tags[2], refs[tags[2]], stream=False)
+    assert after.outcome == "ok", after
 
 
 @pytest.fixture(scope="module", autouse=True)
