@@ -119,7 +119,8 @@ def test_advertised_field_is_read_from_the_raw_bytes_and_vllm_sees_a_stock_objec
     with handshake.handshake_scope(worker):
         dec.decode(msgspec.msgpack.encode(payload("h", encoded)))
         assert handshake.advertised_geometry(plain) == wire
-        assert handshake.advertised_geometry(dataclasses.replace(plain, agent_metadata=b"b")) is None
+        other = dataclasses.replace(plain, agent_metadata=b"b")
+        assert handshake.advertised_geometry(other) is None
     assert handshake.advertised_geometry(plain) is None            # outside a handshake: nothing
 
 
