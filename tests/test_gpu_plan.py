@@ -123,6 +123,14 @@ def test_the_run_tool_arguments_of_a_call(committed_tree):
     assert "--out $OUT " in got["command"] and "python3 -m scripts.gpu_pd" in got["command"]
 
 
+def test_every_calls_command_is_valid_shell(committed_tree):
+    """A command the device's shell cannot parse costs a machine start and its device time."""
+    for call in plan.CALLS:
+        got = subprocess.run(["bash", "-n", "-c", plan.command(call)], capture_output=True,
+                             text=True)
+        assert got.returncode == 0, (call.id, got.stderr)
+
+
 def test_docs_gpu_plan_lists_the_plans_calls(committed_tree):
     assert plan.main(["--check"]) == 0
 

@@ -279,7 +279,7 @@ def command(call: Call, plans: list[dryrun.CallPlan] | None = None) -> str:
     if call.carry:      # the rest of the stage came with the call before, on this machine
         parts.append(f"test -f {call.stage}/site.tar.xz -a -f {call.stage}/vllm_C.so.xz -a "
                      f"-f {call.stage}/fa3.so.xz || {{ echo 'the machine went back between "
-                     "the two calls: make both again'; exit 3; }}")
+                     "the two calls: make both again'; exit 3; }")
     for i, stop in enumerate(stop_after(plans)):
         argv = invocation_args(call, i)
         if len(call.invocations) > 1:
