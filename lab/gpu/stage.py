@@ -261,7 +261,13 @@ def main() -> int:
     sizes = build(stage, cache, args.vllm)
     if args.kvcached:
         sizes.update(build_kvcached(stage))
-    print("gpu_stage:", check_size(sizes, tracked_bytes()))
+    repo = tracked_bytes()
+    try:
+        print("gpu_stage:", check_size(sizes, repo))
+    except ValueError:  # too large for one call: FlashAttention 3 travels first (lab/gpu/plan.py)
+        first = {k: v for k, v in sizes.items() if k == "fa3.so.xz"}
+        rest = {k: v for k, v in sizes.items() if k != "fa3.so.xz"}
+        print("gpu_stage: in two calls:", check_size(first, repo), "|", check_size(rest, repo))
     return 0
 
 
