@@ -19,9 +19,6 @@ from pathlib import Path
 import pytest
 
 PATCHES = Path(__file__).resolve().parents[1] / "pdpatch" / "patches"
-# Patches whose package still imports its code at install: each leaves this set when its
-# __init__ holds only its declaration (and imports targets_at from pdpatch.registry).
-STILL_EAGER = {"peer_restart", "hma_failed_recv"}
 # What a declaration may import (summary_note: pdpatch.kvcached where kvcached is loaded).
 DECLARATION_IMPORTS = {"__future__", "sys", "packaging.version", "pdpatch.registry",
                        "pdpatch.vllm_sites", "pdpatch.kvcached"}
@@ -47,9 +44,8 @@ print(json.dumps({{"after_vllm": after_vllm, "after_pull_worker": after_pull_wor
 
 
 def declared() -> list[str]:
-    """The patches whose package holds only their declaration."""
-    return sorted(p.parent.name for p in PATCHES.glob("*/__init__.py")
-                  if p.parent.name not in STILL_EAGER)
+    """Every patch: a package that holds only its declaration."""
+    return sorted(p.parent.name for p in PATCHES.glob("*/__init__.py"))
 
 
 def code_of(name: str, modules: list[str]) -> list[str]:
@@ -68,11 +64,10 @@ def child() -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_every_patch_but_those_in_flight_is_a_declaration_package():
-    flat = sorted(p.stem for p in PATCHES.glob("*.py")
-                  if p.stem not in ("__init__", "common") and p.stem not in STILL_EAGER)
+def test_every_patch_is_a_declaration_package():
+    flat = sorted(p.stem for p in PATCHES.glob("*.py") if p.stem not in ("__init__", "common"))
     assert flat == []
-    assert len(declared()) >= 18
+    assert len(declared()) >= 20
 
 
 @pytest.mark.parametrize("name", declared())
@@ -96,8 +91,6 @@ def test_import_vllm_loads_no_patch_code(child: dict):
     assert {f"pdpatch.patches.{n}" for n in declared()} <= set(loaded)   # declarations: yes
 
 
-@pytest.mark.xfail(bool(STILL_EAGER), strict=True,
-                   reason=f"{sorted(STILL_EAGER)} still import their code at install")
 def test_import_vllm_loads_no_code_the_patches_share(child: dict):
     assert [m for m in child["after_vllm"] if m in SHARED_CODE] == []
 

@@ -9,10 +9,6 @@ from typing import Any
 
 from pdpatch import config
 
-# Declarations import it from pdpatch.registry; a patch module still holding its declaration
-# and its code together (peer_restart, hma_failed_recv) imports it from here until it is split.
-from pdpatch.registry import targets_at as targets_at
-
 _MISSING = object()
 
 

@@ -26,12 +26,14 @@ from __future__ import annotations
 from packaging.version import Version
 
 from pdpatch import vllm_sites
-from pdpatch.patches.common import targets_at
-from pdpatch.patches.peer_restart import prefill, receive
-from pdpatch.patches.peer_restart.book import PeerBook
-from pdpatch.registry import Patch, Target
+from pdpatch.registry import Patch, Target, lazy_from, targets_at
 
-NAME = receive.NAME
+NAME = "peer_restart"
+# Its modules, each imported when vLLM imports a module it wraps (or a worker's book is first
+# kept): none of them at install.
+_prefill = lazy_from(f"{__name__}.prefill")
+_receive = lazy_from(f"{__name__}.receive")
+_book = lazy_from(f"{__name__}.book")
 
 
 def _targets(version: Version) -> list[Target]:
@@ -39,14 +41,14 @@ def _targets(version: Version) -> list[Target]:
         return []
     step = vllm_sites.GET_TRANSFER_RESULTS if vllm_sites.lookup(
         vllm_sites.GET_TRANSFER_RESULTS, version) else vllm_sites.GET_FINISHED
-    return targets_at(version, (vllm_sites.SET_HANDSHAKE_METADATA, prefill.note_own_tokens),
-                      (vllm_sites.REQUEST_FINISHED, prefill.add_tokens),
-                      (vllm_sites.REQUEST_FINISHED_ALL_GROUPS, prefill.add_tokens),
-                      (vllm_sites.SCHEDULER_BUILD_META, prefill.carry_incarnation),
-                      (vllm_sites.ADD_REMOTE_AGENT, receive.note_agent),
-                      (vllm_sites.START_LOAD_KV, receive.make_load_hook(version)),
-                      (vllm_sites.READ_BLOCKS_FOR_REQ, receive.make_read_guard(version)),
-                      (step, receive.make_step_hook(version)))
+    return targets_at(version, (vllm_sites.SET_HANDSHAKE_METADATA, _prefill("note_own_tokens")),
+                      (vllm_sites.REQUEST_FINISHED, _prefill("add_tokens")),
+                      (vllm_sites.REQUEST_FINISHED_ALL_GROUPS, _prefill("add_tokens")),
+                      (vllm_sites.SCHEDULER_BUILD_META, _prefill("carry_incarnation")),
+                      (vllm_sites.ADD_REMOTE_AGENT, _receive("note_agent")),
+                      (vllm_sites.START_LOAD_KV, _receive("make_load_hook", version)),
+                      (vllm_sites.READ_BLOCKS_FOR_REQ, _receive("make_read_guard", version)),
+                      (step, _receive("make_step_hook", version)))
 
 
 PATCH = Patch(
@@ -60,5 +62,5 @@ PATCH = Patch(
                vllm_sites.HANDLE_FAILED_TRANSFER, vllm_sites.CLEANUP_REMOTE_ENGINE,
                vllm_sites.ADDRESS_REPLACEMENT, vllm_sites.POP_DONE_TRANSFERS,
                vllm_sites.ADD_RECV_METADATA),
-    object_state=PeerBook,
+    object_state=_book("PeerBook"),
 )

@@ -9,6 +9,7 @@ from typing import Any
 from pdpatch import attached
 from pdpatch.log import logger
 from pdpatch.patches.common import allowed, arg
+from pdpatch.patches.peer_restart import NAME
 from pdpatch.patches.peer_restart.book import (
     PARAMS_KEY,
     Incarnation,
@@ -17,8 +18,6 @@ from pdpatch.patches.peer_restart.book import (
     tokens_in,
 )
 from pdpatch.vllm_sites import remote_rank_key
-
-NAME = "peer_restart"
 
 
 def note_own_tokens(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

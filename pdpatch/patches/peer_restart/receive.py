@@ -32,12 +32,11 @@ from packaging.version import Version
 from pdpatch import agent_layers, attached, config, metrics, vllm_sites
 from pdpatch.log import logger
 from pdpatch.patches.common import allowed, arg
+from pdpatch.patches.peer_restart import NAME
 from pdpatch.patches.peer_restart import forget as F
 from pdpatch.patches.peer_restart.book import Incarnation, PeerBook, Pending
 from pdpatch.patches.peer_restart.watch import PeerWatch
 from pdpatch.versions import release_of
-
-NAME = "peer_restart"
 
 
 def book_of(worker: Any, version: Version) -> PeerBook | None:
