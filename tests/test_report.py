@@ -116,6 +116,15 @@ def test_a_run_without_a_stock_pair_is_judged_against_the_named_run(data: Data) 
     assert (j.intact, j.judged, j.caught, j.controls_judged) == (5, 6, 2, 2)
 
 
+def test_a_pair_whose_engines_never_served_is_listed_not_pooled(data: Data) -> None:
+    """Run dn: vLLM 0.34.0's engines failed to start on the device (no CUTLASS DSL)."""
+    broken = [s for s in data.records.scenarios if s.run.letter == "dn"]
+    assert broken and all(s.error.startswith("engines not healthy") for s in broken)
+    assert not any("dn" in c.runs() for c in data.pairs)
+    assert "engines not healthy after 51s" in tables.answers(data)
+    assert "0.34.0" not in tables.coalescing(data)
+
+
 def test_records_read_every_run_of_the_engines() -> None:
     r = records.load()
     letters = {s.run.letter for s in (*r.scenarios, *r.starts)}
