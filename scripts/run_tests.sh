@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The test command: lint; the do-no-harm gate (vLLM 0.33.0's own NIXL connector tests with pdpatch
-# disabled and enabled, compared test by test); then every test of ours: unit, real-NIXL and
-# version-matrix tests on two pytest-xdist workers, one per core (each old release's tests on
-# one worker, see tests/xdist_groups.py; four workers were no faster: 4 releases' tests took
-# 646 s against 614 s), then the end-to-end engine tests alone (they start several vLLM
-# servers and must not share the two cores with other tests).  Extra arguments replace the last two
-# steps with one pytest run taking them (e.g. -m "not e2e").  pytest's "no tests ran" (exit 5)
-# fails.
+# The test command: lint; the do-no-harm gate (the installed vLLM's own NIXL connector tests,
+# vLLM 0.34.0's in the test venv, with pdpatch disabled and enabled, compared test by test); then
+# every test of ours: unit, real-NIXL and version-matrix tests on two pytest-xdist workers, one
+# per core (each old release's tests on one worker, see tests/xdist_groups.py; four workers were
+# no faster: 4 releases' tests took 646 s against 614 s), then the end-to-end engine tests alone
+# (they start several vLLM servers and must not share the two cores with other tests).  Extra
+# arguments replace the last two steps with one pytest run taking them (e.g. -m "not e2e").
+# pytest's "no tests ran" (exit 5) fails.
 set -uo pipefail
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then   # the comment above, nothing run
   echo "usage: bash scripts/run_tests.sh [PYTEST-ARGS...]"
@@ -29,7 +29,7 @@ step() {  # run pytest with "$@"; fold its status into rc (exit 5, nothing colle
   [ "$s" -eq 0 ] || rc=1
 }
 
-# 760 of vLLM 0.33.0's 763 pass stock here: far fewer means the suite did not run
+# 848 of vLLM 0.34.0's 852 pass stock here: far fewer means the suite did not run
 if ! "$py" -m scripts.upstream_suites --min-stock-passed 700; then
   echo "run_tests: the do-no-harm gate failed (vLLM's own connector tests, see above)" >&2
   rc=1
