@@ -64,8 +64,9 @@ def test_release(version):
 @pytest.mark.parametrize("order", ["kvcached-first", "pdpatch-first"])
 def test_with_kvcacheds_real_nixl_patch(order):
     """kvcached 0.1.6's own nixl_compat.py (pure Python) applied before or after pdpatch:
-    alone it cannot register over-allocated views on 0.33; with pdpatch, exactly the plan is
-    registered and advertised, and pdpatch's reconciliation is the one in effect."""
+    alone it cannot register over-allocated views on the installed release; with pdpatch,
+    exactly the plan is registered and advertised, and pdpatch's reconciliation is the one in
+    effect."""
     if not m.kvcached_available():
         pytest.skip(f"kvcached 0.1.6 source not at {m.KVCACHED_SRC}")
     results = _run(m.INSTALLED, order)

@@ -1,5 +1,5 @@
 """The release matrix itself: every listed vLLM release is fetched and tested, one per minor
-from 0.19 to the installed 0.33, and on each of them every patch that applies wraps every
+from 0.19 to the installed release, and on each of them every patch that applies wraps every
 target it declares (a target that did not resolve would leave its patch silently inert)."""
 
 from __future__ import annotations

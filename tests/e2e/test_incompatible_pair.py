@@ -1,6 +1,6 @@
 """A deliberately incompatible P/D pair fails fast and cleanly, never hangs.
 
-D serves the tiny Llama with 3 layers, P with 2 (pdpatch enabled on both).  vLLM 0.33.0's
+D serves the tiny Llama with 3 layers, P with 2 (pdpatch enabled on both).  vLLM 0.34.0's
 NixlConnector refuses the handshake: the compatibility hash covers the model path, dtype, KV
 heads, head size and layer count ("NIXL compatibility hash mismatch").  What stock vLLM then
 does, and what these tests pin down: the handshake failure marks the request's KV load as

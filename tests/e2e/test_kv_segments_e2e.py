@@ -1,10 +1,11 @@
 """``kv_segments`` in the real P/D rig (the venv's vLLM servers, real NIXL over UCX on loopback).
 
-What the CPU engines allow: vLLM 0.33's CPU platform always selects ``CPU_ATTN`` (any other
-``--attention-backend`` is logged as "Cannot use ... backend on CPU" and replaced), and from
-0.26 every backend packs K|V per token, so P and D cannot be given different K/V segment
-layouts or different backend names here.  Those pairs are proven on real vLLM workers
-(``tests/test_kv_segments_workers.py``: 0.19/0.20/0.22 conversions, 0.25 and 0.33 mixed names).
+What the CPU engines allow: the installed release's CPU platform always selects ``CPU_ATTN``
+for this (non-MLA) model (any other ``--attention-backend`` is logged as "Cannot use ...
+backend on CPU" and replaced), and from 0.26 every backend packs K|V per token, so P and D
+cannot be given different K/V segment layouts or different backend names here.  Those pairs
+are proven on real vLLM workers (``tests/test_kv_segments_workers.py``: 0.19/0.20/0.22
+conversions, 0.25, 0.28, 0.33 and the installed release mixed names).
 
 What this rig proves is the wire side of the patch in production conditions: P runs pdpatch and
 adds ``pdpatch_kv_geometry`` to the handshake metadata it serves; D is **stock vLLM** (pdpatch

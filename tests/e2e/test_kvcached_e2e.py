@@ -1,12 +1,13 @@
 """A decode engine whose KV tensors are over-allocated views (the CPU stand-in for kvcached)
 receives KV from a stock prefill engine over real NIXL and decodes exactly the baseline.
 
-D runs vLLM 0.33's own allocator, wrapped by ``kvc_overalloc/sitecustomize.py`` (test-only,
-switched on by ``KVC_E2E_OVERALLOCATE``) so every layer's view holds 2.5x the planned blocks
-over one larger buffer -- what kvcached's virtual reservation looks like to vLLM.  Stock 0.33
-cannot register such views (``test_num_blocks_worker.py`` shows the "cannot be partitioned"
-failure on the real worker); with pdpatch on D, the views are sliced to the plan, registered
-exactly, and the pair works.  P is stock (no pdpatch), as is the single-engine baseline.
+D runs the installed release's own allocator, wrapped by ``kvc_overalloc/sitecustomize.py``
+(test-only, switched on by ``KVC_E2E_OVERALLOCATE``) so every layer's view holds 2.5x the
+planned blocks over one larger buffer -- what kvcached's virtual reservation looks like to
+vLLM.  Stock vLLM (the installed release) cannot register such views
+(``test_num_blocks_worker.py`` shows the "cannot be partitioned" failure on the real worker);
+with pdpatch on D, the views are sliced to the plan, registered exactly, and the pair works.
+P is stock (no pdpatch), as is the single-engine baseline.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issues 7 and 25 end to end: real vLLM 0.33 engines (lab/rig), bad inputs and a dying
+"""Issues 7 and 25 end to end: real engines of the installed vLLM (lab/rig), bad inputs and a dying
 prefill engine.  Engines: P (kv_producer, pdpatch), D (kv_consumer, pdpatch) and Dstock
 (kv_consumer, pdpatch disabled: what stock vLLM does).
 
@@ -71,12 +71,12 @@ def prefill(p: Engine, case: str, length: int = C.PROMPT_LEN) -> tuple[list[int]
 
 #: Prefills run this many cases ahead of D, on P, while D works on the current case.
 PREFILL_AHEAD = 3
-#: vLLM 0.33 leases a request's blocks on P for ``kv_lease_duration`` (30 s), and D's heartbeats
-#: extend the lease only once D has the request: past it, stock D reads blocks P may have
-#: reused (a stalled test client made D serve wrong tokens once, CI on a9602b9) and D with
-#: ``lease_guard`` declines the READ (:func:`test_expired_lease_declined`).  A case whose
-#: prefill is older than this is prefilled again right before it is sent: each case tests its
-#: own parameters, never an expired lease.
+#: The installed vLLM leases a request's blocks on P for ``kv_lease_duration`` (30 s), and D's
+#: heartbeats extend the lease only once D has the request: past it, stock D reads blocks P
+#: may have reused (a stalled test client made D serve wrong tokens once, CI on a9602b9) and
+#: D with ``lease_guard`` declines the READ (:func:`test_expired_lease_declined`).  A case
+#: whose prefill is older than this is prefilled again right before it is sent: each case
+#: tests its own parameters, never an expired lease.
 FRESH_S = 15.0
 
 
@@ -175,14 +175,14 @@ def test_local_prompt_unreachable_prefill(rig: EngineGroup, mode: str) -> None:
     that is gone (an engine id D never met, on a closed port).  Two requests:
 
     * ``cached_prompt_unreachable_p``: D has served the prompt itself, so its prefix cache holds
-      every full block; vLLM 0.33 reuses at most ``len - 1`` tokens, so D still pulls the last
-      (partial) block, and the handshake fails;
+      every full block; the installed vLLM reuses at most ``len - 1`` tokens, so D still pulls
+      the last (partial) block, and the handshake fails;
     * ``notify_only_unreachable_p`` (non-streaming only: vLLM refuses ``prompt_logprobs`` with
       ``stream``): the same request asking ``prompt_logprobs``, which makes vLLM skip the
-      prefix cache and load nothing remote (``skip_reading_prefix_cache``: 0.33
+      prefix cache and load nothing remote (0.34.0: ``Request.skip_reading_external_kv``, so
       ``Scheduler.schedule`` answers 0 external tokens): D computes the prompt itself and its
       worker only notifies P -- the path a full local hit takes (``local_block_ids`` empty,
-      0.33 ``pull_scheduler.update_state_after_alloc``), and the one a model without a prefill
+      0.34.0 ``pull_scheduler.update_state_after_alloc``), and the one a model without a prefill
       backoff reaches end to end.
 
     Each is answered correctly or failed, and D serves on."""
@@ -204,7 +204,7 @@ def test_local_prompt_unreachable_prefill(rig: EngineGroup, mode: str) -> None:
     params = dict(good, remote_engine_id=gone, remote_port=C.closed_port())
     sent = C.send(d, params, prompt, mode, body={"prompt_logprobs": 1})
     # The answer needs no KV from P, so it may come before the handshake has failed (vLLM's 5 s
-    # receive timeout); D's worker handles that failure at its next step (stock 0.33:
+    # receive timeout); D's worker handles that failure at its next step (stock 0.34.0:
     # ``set(meta.local_block_ids[0])`` on an empty tuple, IndexError), which the judge's
     # baseline request drives.  So the judge waits for the failure to be logged.
     failed = C.logged(d, f"'remote_engine_id': '{gone}'", NOTIFY_FAILURE_WAIT_S)
