@@ -377,9 +377,23 @@ def _row(r: Mapping[str, object]) -> str:
             f"{'pass' if r['ok'] else 'FAIL'} | {r['run']} |")
 
 
+NOT_RECORDED = "not recorded"
+"""The cell of a column a kept row's run did not record (the column came later)."""
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
 def record(rows: Sequence[Mapping[str, object]], path: Path = DIFFERENCES) -> None:
     """Put ``rows`` into the results table of ``path`` (one row per release, newest run
-    wins), keeping every other part of the file."""
+    wins), keeping every other part of the file.
+
+    A kept row is rewritten under :data:`RESULTS_HEADER`, cell by column name, so a table
+    recorded before a column was added stays one table: the new column's cell in the old rows
+    says :data:`NOT_RECORDED`.  A kept row whose cells do not match its table's header, or a
+    table column the header no longer has, is an error rather than a table that cannot be
+    read."""
     from packaging.version import Version
 
     text = path.read_text()
@@ -387,11 +401,26 @@ def record(rows: Sequence[Mapping[str, object]], path: Path = DIFFERENCES) -> No
     end = text.find("\n## ", start + len(RESULTS_HEADING))
     end = len(text) if end < 0 else end + 1
     section = text[start:end]
+    columns = _cells(RESULTS_HEADER.splitlines()[0])
+    old_columns = columns
     table: dict[str, str] = {}
     for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("|") and cells and cells[0][:1].isdigit():
-            table[cells[0]] = line
+        if not line.startswith("|"):
+            continue
+        cells = _cells(line)
+        if cells[0] == columns[0]:
+            old_columns = cells
+            dropped = set(old_columns) - set(columns)
+            if dropped:
+                raise ValueError(f"{path}: the results table has columns the header no "
+                                 f"longer has: {sorted(dropped)}")
+        elif cells[0][:1].isdigit():
+            if len(cells) != len(old_columns):
+                raise ValueError(f"{path}: {len(cells)} cells under a header of "
+                                 f"{len(old_columns)}: {line}")
+            by_name = dict(zip(old_columns, cells, strict=True))
+            table[cells[0]] = "| " + " | ".join(by_name.get(c, NOT_RECORDED)
+                                                for c in columns) + " |"
     for r in rows:
         table[str(r["release"])] = _row(r)
     intro = section.split("\n|", 1)[0].rstrip("\n")
