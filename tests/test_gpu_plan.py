@@ -38,11 +38,15 @@ def committed_tree(monkeypatch):
     return size
 
 
-def _args(*argv: str):
+def _args_for(release: str, *argv: str):
     ap = gpu_pd.parser()
-    args = ap.parse_args(["--stage", ".gpu_stage/vllm-0.25.1", "--out", "/tmp/x", *argv])
+    args = ap.parse_args(["--stage", f".gpu_stage/vllm-{release}", "--out", "/tmp/x", *argv])
     gpu_pd.check_args(ap, args)
     return args
+
+
+def _args(*argv: str):
+    return _args_for("0.25.1", *argv)
 
 
 def test_every_owed_call_and_session_fits_the_devices_limits(committed_tree):
@@ -269,19 +273,83 @@ def test_the_stage_leaves_out_blackwell_only_kernels_and_stages_0_34():
     assert stage.wheels_for("0.34.0") == stage.wheels_for("0.33.0")
 
 
-def test_a_stage_too_large_for_one_call_travels_in_two(committed_tree):
-    """0.34.0's stage with the working tree is over 64 MiB: its first call carries only
-    FlashAttention 3 and runs nothing, the next carries the rest and checks the first's file
-    is still there before it starts anything."""
-    first, second, third = (c for c in plan.CALLS if c.release == "0.34.0")
-    assert first.id.endswith("a") and second.id.endswith("b")
-    assert first.session == second.session == third.session
-    assert third.carry == second.carry
+def test_a_stage_too_large_for_one_call_travels_in_calls_back_to_back(committed_tree):
+    """0.34.0's stage with the CUTLASS DSL and the working tree is about twice 64 MiB: the calls
+    before the measuring one carry only files and run nothing, each of the stage's archives
+    travels once, every call leaves headroom for the working tree, and the measuring calls
+    check that every archive is still there before they start anything (exit 3)."""
+    from lab.gpu import stage
+
+    calls = [c for c in plan.CALLS if c.release == "0.34.0"]
+    assert [c.id for c in calls] == ["C3a", "C3c", "C3b", "C4"]
     ids = [c.id for c in plan.CALLS]
-    assert ids.index(second.id) == ids.index(first.id) + 1
-    assert set(first.carry) | set(second.carry) == {"fa3.so.xz", "site.tar.xz", "vllm_C.so.xz"}
-    assert not set(first.carry) & set(second.carry)
-    assert plan.command(first) == f"ls -l {first.stage}"
-    assert "exit 3" in plan.command(second)
-    assert plan.tool_arguments(second)["carry"] == [f"{second.stage}/site.tar.xz",
-                                                   f"{second.stage}/vllm_C.so.xz"]
+    assert ids[ids.index("C3a"):ids.index("C4") + 1] == ["C3a", "C3c", "C3b", "C4"]
+    assert len({c.session for c in calls}) == 1 and calls[0].session == "C"
+    assert [c.invocations == () for c in calls] == [True, True, False, False]
+    assert calls[3].carry == calls[2].carry
+    assert plan.carry_groups("0.34.0") == [("fa3.so.xz", "cutlass.tar.xz"),
+                                           ("cutlass_ir.so.xz",),
+                                           ("site.tar.xz", "vllm_C.so.xz")]
+    assert plan.tool_arguments(calls[2])["carry"] == [f"{calls[2].stage}/site.tar.xz",
+                                                     f"{calls[2].stage}/vllm_C.so.xz"]
+    for release in ("0.33.0", "0.34.0"):
+        split = [c for c in plan.CALLS if c.release == release]
+        carried = [f for g in plan.carry_groups(release) for f in g]
+        assert sorted(carried) == sorted(stage.archives(release))
+        assert len(carried) == len(set(carried))
+        for c in split:
+            cmd = plan.command(c)
+            if not c.invocations:
+                assert cmd == f"ls -l {c.stage}"
+                continue
+            check = cmd[:cmd.index("scripts.gpu_pd")]
+            assert "exit 3" in check, c.id
+            assert all(f"-f {c.stage}/{f}" in check for f in stage.archives(release)), c.id
+        for c in split:
+            for p in plan.dry_runs(c):
+                assert sum(p.carried.values()) <= dryrun.TRAVEL_LIMIT - plan.HEADROOM, c.id
+                assert set(p.carried) == {*c.carry, "working tree"}
+
+
+def test_a_commands_own_dry_run_counts_what_its_call_carries_of_a_split_stage(committed_tree):
+    """``gpu_pd --dry-run`` on 0.34.0's stage, which no one call carries: what C3b carries, the
+    rest named as travelling first, every part within the limit less the headroom."""
+    got = dryrun.plan_call(_args_for("0.34.0", *plan.NEWEST, "ref", "coalesce"))
+    assert got.ok, got.errors
+    c3b = next(c for c in plan.CALLS if c.id == "C3b")
+    assert set(got.carried) == {*c3b.carry, "working tree"}
+    assert "travels first, in C3a, C3c" in got.carried_note
+    whole = dryrun.plan_call(_args_for("0.25.1", *plan.NEWEST, "ref"))
+    assert set(whole.carried) == {"site.tar.xz", "vllm_C.so.xz", "fa3.so.xz", "working tree"}
+
+
+def test_a_split_call_over_the_limit_less_headroom_is_refused(committed_tree, monkeypatch):
+    """A call of a split stage is sized to the file: once the working tree has grown into the
+    last 1.5 MiB, the dry run asks for one more split rather than risk the call."""
+    c3c = next(c for c in plan.CALLS if c.id == "C3c")
+    (carried,) = plan.dry_runs(c3c)
+    room = dryrun.TRAVEL_LIMIT - sum(carried.carried.values())
+    assert room >= plan.HEADROOM
+    grown = committed_tree + room - plan.HEADROOM // 2
+    monkeypatch.setattr(dryrun, "travelling_tree_bytes", lambda repo=REPO: grown)
+    (over,) = plan.dry_runs(c3c)
+    assert sum(over.carried.values()) <= dryrun.TRAVEL_LIMIT
+    assert any("split the stage once more" in e for e in over.errors)
+
+
+def test_0_34_stages_the_cutlass_dsl_its_kernel_warmup_imports():
+    """Run dn: 0.34.0's kernel warmup imports MiniMax-M3's CuTe DSL kernels on every CUDA
+    platform, so its stage carries vLLM's pins of the DSL (cu13 flavor) and quack, and
+    cuda-bindings; earlier releases' stages are as they were."""
+    from lab.gpu import stage, unpack
+
+    pins = dict(w.split("==") for w in stage.CUTLASS_DSL["0.34.0"])
+    assert pins["nvidia-cutlass-dsl"] == pins["nvidia-cutlass-dsl-libs-cu13"] == "4.8.0"
+    assert pins["quack-kernels"] == "0.6.5" and "cuda-bindings" in pins
+    assert "nvidia-cutlass-dsl-libs-cu12" not in pins
+    assert stage.archives("0.34.0") == ["site.tar.xz", "vllm_C.so.xz", "fa3.so.xz",
+                                        "cutlass.tar.xz", "cutlass_ir.so.xz"]
+    assert stage.archives("0.33.0") == ["site.tar.xz", "vllm_C.so.xz", "fa3.so.xz"]
+    assert unpack.OPTIONAL["cutlass_ir.so.xz"] == stage.CUTLASS_IR
+    assert stage.CUTLASS_IR.startswith(unpack.CUTLASS_DSL + "/cutlass/")
+    assert set(dryrun.RECORDED_STAGE["0.34.0"]) == set(stage.archives("0.34.0"))

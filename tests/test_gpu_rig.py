@@ -206,23 +206,40 @@ def _site(path: Path, release: str = "0.25.1") -> Path:
     return path
 
 
-def _stage(path: Path, release: str) -> Path:
-    """A stage as ``lab/gpu/stage.py`` writes one: the site's archive (vLLM's package and its
-    dist-info) and the two compressed kernels, here of a few bytes."""
+def _tar_xz(files: dict[str, bytes]) -> bytes:
     import io
     import lzma
     import tarfile
 
-    path.mkdir(parents=True)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:
-        for name, data in (("vllm/__init__.py", f"# {release}\n".encode()),
-                           ("vllm/vllm_flash_attn/__init__.py", b""),
-                           (f"vllm-{release}.dist-info/METADATA", b"Name: vllm\n")):
+        for name, data in files.items():
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
-    (path / "site.tar.xz").write_bytes(lzma.compress(buf.getvalue()))
+    return lzma.compress(buf.getvalue())
+
+
+def _stage(path: Path, release: str, cutlass: bool = False) -> Path:
+    """A stage as ``lab/gpu/stage.py`` writes one: the site's archive (vLLM's package and its
+    dist-info) and the two compressed kernels, here of a few bytes; with ``cutlass`` (0.34.0's)
+    also the CUTLASS DSL's tree and its MLIR library, which the site's archive names."""
+    import lzma
+
+    path.mkdir(parents=True)
+    site = {"vllm/__init__.py": f"# {release}\n".encode(),
+            "vllm/vllm_flash_attn/__init__.py": b"",
+            f"vllm-{release}.dist-info/METADATA": b"Name: vllm\n"}
+    if cutlass:
+        site[unpack.NEEDS] = "\n".join(
+            ["site.tar.xz", *unpack.KERNELS, *unpack.OPTIONAL]).encode()
+        dsl = f"{unpack.CUTLASS_DSL}/cutlass"
+        (path / "cutlass.tar.xz").write_bytes(_tar_xz({
+            f"{dsl}/__init__.py": b"from cutlass._mlir import _mlir_libs\n",
+            f"{dsl}/_mlir/__init__.py": b"", f"{dsl}/_mlir/_mlir_libs/__init__.py": b"",
+            "cuda/bindings/__init__.py": b""}))
+        (path / "cutlass_ir.so.xz").write_bytes(lzma.compress(f"IR of {release}".encode()))
+    (path / "site.tar.xz").write_bytes(_tar_xz(site))
     for name in unpack.KERNELS:
         (path / name).write_bytes(lzma.compress(f"{name} of {release}".encode()))
     return path
@@ -242,6 +259,46 @@ def test_a_site_holds_the_stage_carried_or_is_unpacked_again(tmp_path):
     assert (site / "vllm" / "__init__.py").read_text() == "# 0.33.0\n"
     assert not (site / "vllm" / "left_behind.py").exists()
     assert (site / unpack.KERNELS["fa3.so.xz"]).read_bytes() == b"fa3.so.xz of 0.33.0"
+
+
+def test_a_stage_with_the_cutlass_dsl_unpacks_it_where_python_finds_it(tmp_path):
+    """0.34.0's kernel warmup imports ``cutlass`` on every CUDA platform (run dn): its stage
+    carries the DSL in two more archives, which the site's digest covers and without which it
+    is not unpacked (a split stage whose machine went back between its calls); with the site's
+    path (the DSL's packages folder too: its wheels' ``.pth`` is not read from a PYTHONPATH
+    folder) Python imports it."""
+    site = tmp_path / "site"
+    stage = _stage(tmp_path / "s", "0.34.0", cutlass=True)
+    assert unpack.archives(stage) == ["site.tar.xz", *unpack.KERNELS, *unpack.OPTIONAL]
+    assert unpack.ensure(stage, site) is not None
+    ir = site / unpack.OPTIONAL["cutlass_ir.so.xz"]
+    assert ir.read_bytes() == b"IR of 0.34.0" and os.access(ir, os.X_OK)
+    assert unpack.python_path(site) == [site, site / unpack.CUTLASS_DSL]
+    assert unpack.python_path(_site(tmp_path / "old")) == [tmp_path / "old"]
+    got = subprocess.run([sys.executable, "-c", "import cutlass, cuda.bindings; "
+                          "print(cutlass.__file__)"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             map(str, unpack.python_path(site)))})
+    assert got.returncode == 0 and unpack.CUTLASS_DSL in got.stdout, got.stderr
+
+    assert unpack.ensure(stage, site) is None
+    (stage / "cutlass_ir.so.xz").write_bytes((stage / "fa3.so.xz").read_bytes())
+    assert unpack.ensure(stage, site) is not None       # the digest covers the DSL's archives
+    (stage / "cutlass_ir.so.xz").unlink()
+    with pytest.raises(FileNotFoundError, match=r"lacks cutlass_ir\.so\.xz"):
+        unpack.ensure(stage, site)
+    assert not site.exists()
+
+
+def test_engines_put_the_cutlass_dsl_on_their_path_where_the_site_has_it(launched, tmp_path):
+    site = tmp_path / "site"
+    unpack.ensure(_stage(tmp_path / "s", "0.34.0", cutlass=True), site)
+    for pair, sc in (("ref", "ref"), ("coalesce", "coalesce")):
+        engines.start_pair(pair, gpu_pd.SCENARIOS[sc], engines.Paths(site, tmp_path, tmp_path))
+    assert len(launched) == 4
+    for _, _, env in launched:
+        path = env["PYTHONPATH"].split(os.pathsep)
+        assert path.index(str(site)) + 1 == path.index(str(site / unpack.CUTLASS_DSL))
 
 
 def test_engines_get_tp_a_fixed_kv_cache_and_mla_backends(launched, tmp_path):

@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lab.gpu.unpack import site_release
+from lab.gpu.unpack import python_path, site_release
 from lab.rig.engine_env import WRAPPER_CLOCK
 from lab.rig.proxy import TransferStats
 from lab.rig.servers import free_port, prometheus_counters
@@ -156,7 +156,7 @@ class Engine:
         producer = role == "kv_producer"
         self.kv_cache_bytes = kv_bytes(sc, paths, producer)
         env = dict(os.environ)
-        path = [str(paths.site)]
+        path = [str(p) for p in python_path(paths.site)]   # the site, the CUTLASS DSL's
         kvcached = not producer and sc.d_kvcached
         if kvcached:
             assert paths.kvcached is not None, "install_kvcached() before a kvcached D"

@@ -20,11 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import string
 from dataclasses import dataclass
 from pathlib import Path
 
 from lab import generated
-from lab.gpu import dryrun
+from lab.gpu import dryrun, stage
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "gpu_plan.md"
@@ -34,6 +35,9 @@ CALL_OVERHEAD_S = 45   # sending <= 64 MiB and fetching the files back, and the 
                        # wait inside the 30 s a machine stays warm
 SESSION_LIMIT_S = 1800
 SESSION_USABLE = 0.95
+HEADROOM = 3 << 19
+"""What a call that carries part of a split stage leaves free of the 64 MiB (1.5 MiB): the
+working tree grows with every commit, and such a call is sized to the file."""
 
 
 @dataclass(frozen=True)
@@ -51,12 +55,13 @@ class Call:
     kvcached: bool = False
     carry: tuple[str, ...] = ()
     """The stage's files this call carries, where not the whole folder: a stage over 64 MiB
-    with the working tree travels in two calls back to back, the second finding the first's
-    files where it left them (ignored outputs stay on a warm machine)."""
+    with the working tree travels in several calls back to back, those before the measuring
+    call carrying files and running nothing, the measuring call finding their files where
+    they left them (ignored outputs stay on a warm machine)."""
 
     @property
     def session(self) -> str:
-        return self.id.rstrip("0123456789ab")
+        return self.id.rstrip(string.digits + string.ascii_lowercase)
 
     @property
     def stage(self) -> str:
@@ -129,19 +134,29 @@ CALLS: tuple[Call, ...] = (
          "as C1", kvcached=True),
     Call("C3a", "nvidia-h200", "0.34.0", (),
          "nothing measured: carries 0.34.0's FlashAttention 3 (18.7 MiB: its fat binary comes "
-         "compressed, xz gains nothing), which does not fit beside the rest of the stage and the "
-         "working tree; C3b must follow within the 30 s the machine stays warm",
-         "make C3a and C3b again", carry=("fa3.so.xz",)),
+         "compressed, xz gains nothing) and the CUTLASS DSL but its MLIR library (20.6 MiB: "
+         "cuda-bindings, quack, the DSL's CUDA 13 runtime), which do not fit beside the rest of "
+         "the stage and the working tree; C3c and C3b must follow, each within the 30 s the "
+         "machine stays warm", "make C3a, C3c and C3b again",
+         carry=("fa3.so.xz", "cutlass.tar.xz")),
+    Call("C3c", "nvidia-h200", "0.34.0", (),
+         "nothing measured: carries the CUTLASS DSL's MLIR library (47.9 MiB in xz, 193 MB "
+         "unpacked), which 0.34.0's engines import at their kernel warmup whatever the model "
+         "(run dn: without it they did not start); C3b must follow within the 30 s",
+         "make C3a, C3c and C3b again", carry=("cutlass_ir.so.xz",)),
     Call("C3b", "nvidia-h200", "0.34.0", ((*NEWEST, "ref", "coalesce"),),
          "vLLM 0.34.0 on the device's torch 2.11 (its kernels import no torch symbol that "
-         "0.33.0's do not): engines serve, answers intact, controls caught, stock vs "
-         "coalesced, 5 samples per pair and prompt",
-         "exit 3: the machine went back after C3a, make both again; an import error names a "
-         "missing package: carry its wheel (stage.WHEEL_PINS['0.34.0']), rebuild the stage, "
-         "dry-run, and make C3a + C3b again", carry=("site.tar.xz", "vllm_C.so.xz")),
+         "0.33.0's do not) with the CUTLASS DSL its kernel warmup imports: engines serve, "
+         "answers intact, controls caught, stock vs coalesced, 5 samples per pair and prompt",
+         "exit 3: the machine went back after C3a or C3c, make all three again; an import "
+         "error names a missing package: carry its wheel (stage.WHEEL_PINS['0.34.0'], the "
+         "DSL's in stage.CUTLASS_DSL['0.34.0']), rebuild the stage, dry-run, and make C3a, "
+         "C3c and C3b again; an error inside cutlass or cuda.bindings (the driver, a version): "
+         "the engine's log in logs.tar.xz, and the DSL's pins in stage.CUTLASS_DSL",
+         carry=("site.tar.xz", "vllm_C.so.xz")),
     Call("C4", "nvidia-h200", "0.34.0", ((*NEWEST, "coalesce", "ref"),),
          "the same with the coalescing pair started first (C3b + C4: crossed starts)",
-         "exit 3: the machine went back, make C3a again first; otherwise as C3b",
+         "exit 3: the machine went back, make C3a and C3c again first; otherwise as C3b",
          carry=("site.tar.xz", "vllm_C.so.xz")),
     # --- D: a kvcached D on 0.26.0, both orders; full-width MLA's transfer cell ---
     Call("D1", "nvidia-h200", "0.26.0", ((*KVC, "ref", "kvc"),),
@@ -215,6 +230,15 @@ SESSIONS = {
 """What each session answers, in the order they should be made."""
 
 
+def carry_groups(release: str, calls: tuple[Call, ...] = CALLS) -> list[tuple[str, ...]]:
+    """The parts a split stage of ``release`` travels in, in the plan's order (each once)."""
+    out: list[tuple[str, ...]] = []
+    for c in calls:
+        if c.release == release and c.carry and c.carry not in out:
+            out.append(c.carry)
+    return out
+
+
 def session_of(calls: tuple[Call, ...] = CALLS) -> dict[str, list[Call]]:
     out: dict[str, list[Call]] = {}
     for c in calls:
@@ -251,13 +275,14 @@ def split_carry(call: Call, got: dryrun.CallPlan) -> dryrun.CallPlan:
     got.errors += [f"{call.stage}/{f}: no size, built or recorded" for f in call.carry
                    if f not in built]
     got.carried = {**sizes, "working tree": dryrun.travelling_tree_bytes()}
-    got.carried_note = (f"the rest of {call.stage} comes with the next call"
+    got.carried_note = (f"the rest of {call.stage} travels in the calls next to this one"
                         if not call.invocations else
-                        f"the rest of {call.stage} was carried by the call before")
+                        f"the rest of {call.stage} was carried by the calls before")
     got.errors = [e for e in got.errors if "would carry" not in e]
-    if sum(got.carried.values()) > dryrun.TRAVEL_LIMIT:
+    if sum(got.carried.values()) > dryrun.TRAVEL_LIMIT - HEADROOM:
         got.errors.append(f"the call would carry {sum(got.carried.values()) / 2**20:.1f} MiB, "
-                          f"over {dryrun.TRAVEL_LIMIT >> 20} MiB")
+                          f"over {dryrun.TRAVEL_LIMIT >> 20} MiB less {HEADROOM / 2**20:g} "
+                          "of headroom for the working tree: split the stage once more")
     if not got.steps:
         got.steps.append(dryrun.Step("nothing but the transfer (ls)", 2))
         got.files = []
@@ -276,10 +301,10 @@ def command(call: Call, plans: list[dryrun.CallPlan] | None = None) -> str:
     if not call.invocations:
         return f"ls -l {call.stage}"
     parts = ["export PYTHONUNBUFFERED=1"]
-    if call.carry:      # the rest of the stage came with the call before, on this machine
-        parts.append(f"test -f {call.stage}/site.tar.xz -a -f {call.stage}/vllm_C.so.xz -a "
-                     f"-f {call.stage}/fa3.so.xz || {{ echo 'the machine went back between "
-                     "the two calls: make both again'; exit 3; }")
+    if call.carry:      # the rest of the stage came with the calls before, on this machine
+        files = " -a ".join(f"-f {call.stage}/{f}" for f in stage.archives(call.release))
+        parts.append(f"test {files} || {{ echo 'the machine went back between the calls that "
+                     "carry the stage: make them again'; exit 3; }")
     for i, stop in enumerate(stop_after(plans)):
         argv = invocation_args(call, i)
         if len(call.invocations) > 1:

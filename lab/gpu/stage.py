@@ -12,6 +12,14 @@ import nothing 2.11 lacks (:mod:`lab.gpu.abi_check`) and its engines serve there
 * ``site.tar.xz`` -- the rest of the vLLM wheel's Python tree (no other compiled kernels, no C++
   headers), NIXL with its UCX plugin only, and the wheels vLLM imports at serve time that the
   device lacks (:data:`WHEELS`, as pip resolves vLLM next to the device's packages);
+* ``cutlass.tar.xz`` and ``cutlass_ir.so.xz`` (0.34.0, :data:`CUTLASS_DSL`) -- NVIDIA's CUTLASS
+  DSL with its CUDA 13 flavor, the ``cuda-bindings`` it imports and quack: 0.34.0's kernel
+  warmup imports MiniMax-M3's CuTe DSL kernels on every CUDA platform, whatever the model (GPU
+  run dn: "No module named 'cutlass'").  Its MLIR library (193 MB) is an archive of its own,
+  the rest of the DSL the other; they unpack into the site beside vLLM, the DSL's packages in
+  ``nvidia_cutlass_dsl/dsl_packages``, which the engines put on their path
+  (:func:`lab.gpu.unpack.python_path`: the wheels' ``.pth`` is not read from a PYTHONPATH
+  folder);
 * ``kvcached/`` -- kvcached's sdist and the ``posix_ipc`` wheel it imports, uncompressed: the
   device builds kvcached against its own torch and CUDA (``scripts/gpu_pd.py --kvcached``; about
   20 s there), so no CUDA toolkit is needed here.
@@ -32,7 +40,7 @@ import tarfile
 from pathlib import Path
 
 from lab import release_files
-from lab.gpu import fatbin_prune
+from lab.gpu import fatbin_prune, unpack
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -65,6 +73,27 @@ WHEEL_PINS = {
                "compressed-tensors": "compressed-tensors==0.17.0", "loguru": "loguru==0.7.3"},
 }
 WHEEL_PINS["0.34.0"] = dict(WHEEL_PINS["0.33.0"])
+CUTLASS_DSL = {
+    "0.34.0": ["nvidia-cutlass-dsl==4.8.0", "nvidia-cutlass-dsl-libs-base==4.8.0",
+               "nvidia-cutlass-dsl-libs-core==4.8.0", "nvidia-cutlass-dsl-libs-cu13==4.8.0",
+               "cuda-bindings==13.5.0", "cuda-pathfinder==1.9.1", "quack-kernels==0.6.5"],
+}
+"""What a release's engines import from NVIDIA's CUTLASS DSL, installed apart from the site's
+wheels: 0.34.0's ``kernel_warmup`` imports ``minimax_m3_msa_warmup`` on every CUDA platform
+(kernel_warmup.py:366-372), which imports vllm.models.minimax_m3 (its NVIDIA modules at import
+time: ``cutlass``, ``cuda.bindings.driver``, ``quack.compile_utils``, all three outside any
+``try``; the fmha_sm100 kernels only inside the functions a MiniMax-M3 model calls).  vLLM pins
+``nvidia-cutlass-dsl[cu13]==4.8.0`` and ``quack-kernels==0.6.5``; the DSL's wheels ask for
+``cuda-bindings>=12.8`` (the newest, 13.5.0, with the ``cuda-pathfinder`` it imports: whether
+the device's torch 2.11 brings its own is not known, and this one comes first on the engines'
+path), typing-extensions and protobuf (the device's; neither is imported with ``cutlass``).
+Without the cu13 flavor ``import cutlass`` raises "No CTK flavor installed"; cu12's library,
+which ``nvidia-cutlass-dsl`` 4.8.0 also asks for, is left out (the device's driver is CUDA 13,
+and the DSL picks the newest flavor the driver takes)."""
+CUTLASS_IR = unpack.OPTIONAL["cutlass_ir.so.xz"]
+"""The DSL's MLIR library: 193 MB, about 49 MiB in xz, so an archive (and a call) of its own."""
+CUTLASS_DROP = ("nvidia_cutlass_dsl/cu13/lib/stubs", "bin")
+"""Link-time stubs for cross-compiling (aarch64, QNX) and pip's console scripts."""
 KEPT_KERNELS = {
     "vllm/_C_stable_libtorch.abi3.so": "vllm_C.so.xz",
     "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": "fa3.so.xz",
@@ -119,6 +148,13 @@ def wanted_vllm_member(name: str, release: str = VLLM) -> bool:
     if name.startswith(UNUSED_VLLM_DIRS):
         return False
     return name.startswith(("vllm/", f"vllm-{release}.dist-info/"))
+
+
+def archives(release: str) -> list[str]:
+    """The files a built stage of ``release`` holds, each needed on the device (kvcached's
+    folder aside)."""
+    extra = list(unpack.OPTIONAL) if release in CUTLASS_DSL else []
+    return ["site.tar.xz", *KEPT_KERNELS.values(), *extra]
 
 
 def pip(*args: str) -> None:
@@ -207,11 +243,38 @@ def build(stage: Path, cache: Path, release: str = VLLM) -> dict[str, int]:
             print(f"gpu_stage: {member} fat binary pruned to sm_90: {stats}", flush=True)
         (stage / out).write_bytes(xz(data))
         lib.unlink()
+    (work / unpack.NEEDS).write_text("\n".join(archives(release)) + "\n")
+    (stage / "site.tar.xz").write_bytes(xz(tar(work)))
+    if release in CUTLASS_DSL:
+        build_cutlass_dsl(stage, cache, release)
+    return {f.name: f.stat().st_size for f in sorted(stage.glob("*.xz"))}
+
+
+def tar(folder: Path) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:
-        tf.add(work, arcname=".", filter=lambda ti: None if "__pycache__" in ti.name else ti)
-    (stage / "site.tar.xz").write_bytes(xz(buf.getvalue()))
-    return {f.name: f.stat().st_size for f in sorted(stage.glob("*.xz"))}
+        tf.add(folder, arcname=".", filter=lambda ti: None if "__pycache__" in ti.name else ti)
+    return buf.getvalue()
+
+
+def build_cutlass_dsl(stage: Path, cache: Path, release: str) -> None:
+    """``cutlass.tar.xz`` and ``cutlass_ir.so.xz``: :data:`CUTLASS_DSL`'s wheels installed into
+    a folder of their own (unpacked into the site on the device), the MLIR library apart."""
+    wheels = cache / "cutlass-wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    pip("download", "--no-deps", *PLATFORM_ARGS, "-d", str(wheels), *CUTLASS_DSL[release])
+    work = cache / "cutlass"
+    shutil.rmtree(work, ignore_errors=True)
+    pip("install", "--no-deps", "--no-index", "--no-compile", *PLATFORM_ARGS,
+        "--target", str(work), *[str(w) for w in sorted(wheels.glob("*.whl"))])
+    for d in CUTLASS_DROP:
+        shutil.rmtree(work / d, ignore_errors=True)
+    lib = work / CUTLASS_IR
+    print(f"gpu_stage: xz of the CUTLASS DSL's MLIR library ({lib.stat().st_size >> 20} MiB; "
+          "about two minutes)", flush=True)
+    (stage / "cutlass_ir.so.xz").write_bytes(xz(lib.read_bytes()))
+    lib.unlink()
+    (stage / "cutlass.tar.xz").write_bytes(xz(tar(work)))
 
 
 def build_kvcached(stage: Path) -> dict[str, int]:
@@ -238,7 +301,7 @@ def check_size(stage_sizes: dict[str, int], repo_bytes: int, limit: int = LIMIT)
     """One line saying what a run carries; ValueError when it exceeds what one run takes."""
     total = sum(stage_sizes.values()) + repo_bytes
     parts = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in stage_sizes.items())
-    line = (f"a device run carries {total / 2**20:.1f} MiB of {limit / 2**20:.0f}: {parts}, "
+    line = (f"a device run carries {total / 2**20:.1f} MiB of {limit / 2**20:g}: {parts}, "
             f"repository {repo_bytes / 2**20:.1f}")
     if total > limit:
         raise ValueError(line + " -- over the limit; prune more or split the run")
@@ -264,10 +327,14 @@ def main() -> int:
     repo = tracked_bytes()
     try:
         print("gpu_stage:", check_size(sizes, repo))
-    except ValueError:  # too large for one call: FlashAttention 3 travels first (lab/gpu/plan.py)
-        first = {k: v for k, v in sizes.items() if k == "fa3.so.xz"}
-        rest = {k: v for k, v in sizes.items() if k != "fa3.so.xz"}
-        print("gpu_stage: in two calls:", check_size(first, repo), "|", check_size(rest, repo))
+    except ValueError:  # too large for one call: it travels as the plan's calls carry it
+        from lab.gpu import plan
+
+        groups = plan.carry_groups(args.vllm)
+        if not groups or {f for g in groups for f in g} != set(sizes):
+            raise
+        print(f"gpu_stage: in {len(groups)} calls:", " | ".join(
+            check_size({f: sizes[f] for f in g}, repo, LIMIT - plan.HEADROOM) for g in groups))
     return 0
 
 

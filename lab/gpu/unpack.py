@@ -12,9 +12,18 @@ from pathlib import Path
 
 KERNELS = {"vllm_C.so.xz": "vllm/_C_stable_libtorch.abi3.so",
            "fa3.so.xz": "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"}
+CUTLASS_DSL = "nvidia_cutlass_dsl/dsl_packages"
+#: A stage's archives only some releases have (0.34.0: NVIDIA's CUTLASS DSL, ``stage.py``):
+#: a tree unpacked into the site, or one library decompressed to its place there.
+OPTIONAL = {"cutlass.tar.xz": None,
+            "cutlass_ir.so.xz": f"{CUTLASS_DSL}/cutlass/_mlir/_mlir_libs/"
+                                "_cutlass_ir.cu13.cpython-312-x86_64-linux-gnu.so"}
 
 #: In a site: the digest of the stage unpacked there.
 MARK = ".pdpatch-stage"
+#: In ``site.tar.xz``: the names of all the stage's archives, one a line (``stage.py`` writes
+#: it), so that a stage carried in several calls is not unpacked with one of them missing.
+NEEDS = ".pdpatch-archives"
 
 
 def site_release(site: Path) -> str:
@@ -23,10 +32,22 @@ def site_release(site: Path) -> str:
     return found[0].name.removeprefix("vllm-").removesuffix(".dist-info") if found else "?"
 
 
+def python_path(site: Path) -> list[Path]:
+    """What an engine puts on PYTHONPATH for ``site``: the site, and the CUTLASS DSL's packages
+    where the stage had them (its wheels add that folder with a ``.pth`` file, which Python
+    reads only in a site directory, not in a PYTHONPATH folder)."""
+    return [site, *([site / CUTLASS_DSL] if (site / CUTLASS_DSL).is_dir() else [])]
+
+
+def archives(stage: Path) -> list[str]:
+    """The stage's archives: the three every stage has, and the optional ones it holds."""
+    return ["site.tar.xz", *KERNELS, *[n for n in OPTIONAL if (stage / n).is_file()]]
+
+
 def stage_digest(stage: Path) -> str:
-    """sha256 over the stage's archives (~60 MB, a fraction of a second)."""
+    """sha256 over the stage's archives (~60-130 MB, a fraction of a second)."""
     h = hashlib.sha256()
-    for name in ["site.tar.xz", *KERNELS]:
+    for name in archives(stage):
         h.update(name.encode())
         with (stage / name).open("rb") as f:
             while chunk := f.read(16 << 20):
@@ -54,7 +75,19 @@ def unpack(stage: Path, site: Path) -> float:
     site.mkdir(parents=True, exist_ok=True)
     with tarfile.open(stage / "site.tar.xz", "r:xz") as tf:
         tf.extractall(site, filter="tar")
-    for name, rel in KERNELS.items():
+    needs = (site / NEEDS).read_text().split() if (site / NEEDS).is_file() else []
+    missing = [n for n in needs if not (stage / n).is_file()]
+    if missing:
+        shutil.rmtree(site, ignore_errors=True)
+        raise FileNotFoundError(f"{stage} lacks {', '.join(missing)}: a stage carried in "
+                                "several calls needs them all on one warm machine")
+    optional = {n: OPTIONAL[n] for n in archives(stage) if n in OPTIONAL}
+    for name in [n for n, rel in optional.items() if rel is None]:
+        with tarfile.open(stage / name, "r:xz") as tf:
+            tf.extractall(site, filter="tar")
+    libs = {**KERNELS, **{n: rel for n, rel in optional.items() if rel is not None}}
+    for name, rel in libs.items():
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
         with lzma.open(stage / name) as src, (site / rel).open("wb") as dst:
             shutil.copyfileobj(src, dst, 16 << 20)
         (site / rel).chmod(0o755)
