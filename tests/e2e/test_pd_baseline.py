@@ -48,7 +48,8 @@ def test_engines_run_real_vllm_with_pdpatch_active(rig: EngineGroup) -> None:
 
     for name in ("P", "D"):
         lines = rig[name].pdpatch_lines()
-        summary = re.compile(r"pdpatch: pid=\d+ role=(\S+) vllm=0\.33\.0 ready=\[")
+        summary = re.compile(rf"pdpatch: pid=\d+ role=(\S+) vllm={re.escape(str(vllm_version()))}"
+                             r" ready=\[")
         roles = set(summary.findall("\n".join(lines)))
         # The NixlConnector worker half runs in the worker process, the scheduler half in
         # EngineCore: pdpatch must be installed in both.
