@@ -33,17 +33,19 @@ def data() -> tables.Data:
 
 def test_without_repeats_a_pairs_first_pass_is_its_sample_and_pools_as_the_transfer_table(
         data):
-    """Every cell of the recorded runs: per prompt, the per-start ratios of the samples'
-    medians are the transfer table's ratios (one request per pair: its own median)."""
+    """Every cell of the recorded runs without repeated samples: per prompt, the per-start
+    ratios of the samples' medians are the transfer table's ratios (one request per pair: its
+    own median)."""
     compared = 0
-    for c in data.pairs:
+    for c in (c for c in data.pairs if not repeated.has_samples(c)):
         for prompt in c.prompts():
             mine = repeated.start_ratios(c, prompt)
             want = c.ratios(prompt)
             assert (Spread.of(mine) if mine else None) == want, (c.name, c.runs(), prompt)
             compared += bool(mine)
     assert compared > 200
-    assert not any(repeated.has_samples(c) for c in data.pairs)   # none recorded yet
+    # the only runs with repeated samples: the aged D on 0.26.0, both start orders
+    assert [c.runs() for c in data.pairs if repeated.has_samples(c)] == [["dl", "dm"]]
 
 
 def test_full_width_models_are_named_as_such():
