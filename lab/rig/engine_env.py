@@ -289,6 +289,13 @@ def engine_env(
         ops = runner_ops_library()
         if ops is not None:
             env["PDLAB_RIG_RUNNER_OPS"] = str(ops)
+            # The standalone CPU runner's sampler and logprobs are torch.compile'd (inductor,
+            # dynamic shapes: compiled again for a batch of 1 and of more): a C++ build at a
+            # request's first use of each that stalled a worker mid-request for over 60 s on
+            # the 2-core machine (py-spy: compute_topk_scores in VecISA's probe build), and
+            # requests past the rig's 120 s.  The rig's engines run eager, as --enforce-eager
+            # runs the model.
+            env["TORCHDYNAMO_DISABLE"] = "1"
     env.update(
         {
             "VLLM_TARGET_DEVICE": "cpu",
