@@ -80,20 +80,37 @@ def lookup(sites: tuple[Site, ...], version: Version) -> Site | None:
     return next((s for s in sites if s.matches(version)), None)
 
 
+def _until_024(module_20: str, qualname: str) -> tuple[Site, Site]:
+    """``qualname`` in 0.19-0.23, which keep one connector, scheduler and worker class: in the
+    single file (0.19), then in ``module_20`` of the ``nixl`` package (0.20-0.23)."""
+    return (_site(">=0.19,<0.20", NIXL_SINGLE_FILE, qualname),
+            _site(">=0.20,<0.24", f"{NIXL_PKG}.{module_20}", qualname))
+
+
+def _per_worker(qualname: str, pull: bool = False) -> tuple[Site, ...]:
+    """A worker method in each release's NIXL module: :func:`_until_024`'s ``worker``, then
+    ``pull_worker`` (``pull``) or ``base_worker`` (0.24+)."""
+    later = (f"{NIXL_PKG}.pull_worker", f"NixlPullConnectorWorker.{qualname}") if pull else \
+        (f"{NIXL_PKG}.base_worker", f"NixlBaseConnectorWorker.{qualname}")
+    return (*_until_024("worker", f"NixlConnectorWorker.{qualname}"), _site(">=0.24", *later))
+
+
+def _per_scheduler(qualname: str, module_24: str, class_24: str) -> tuple[Site, ...]:
+    """A scheduler-half method: :func:`_until_024`'s ``scheduler``, then ``module_24``'s
+    ``class_24`` (0.24+)."""
+    return (*_until_024("scheduler", f"NixlConnectorScheduler.{qualname}"),
+            _site(">=0.24", f"{NIXL_PKG}.{module_24}", f"{class_24}.{qualname}"))
+
+
 # The pull-mode read path (a request's KV load from a remote engine).
-READ_BLOCKS_FOR_REQ = (
-    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorWorker._read_blocks_for_req"),
-    _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", "NixlConnectorWorker._read_blocks_for_req"),
-    _site(">=0.24", f"{NIXL_PKG}.pull_worker", "NixlPullConnectorWorker._read_blocks_for_req"),
-)
+READ_BLOCKS_FOR_REQ = _per_worker("_read_blocks_for_req", pull=True)
 
 
 # The connector classmethod that asks for a KV-cache layout, on the class that defines it
 # (>=0.24 `NixlConnector` is only an alias of `NixlPullConnector`; the push connector inherits
 # from `NixlBaseConnector` too).  Returns "HND" up to 0.28, "LBHNC" from 0.29.
 REQUIRED_KV_LAYOUT = (
-    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnector.get_required_kvcache_layout"),
-    _site(">=0.20,<0.24", f"{NIXL_PKG}.connector", "NixlConnector.get_required_kvcache_layout"),
+    *_until_024("connector", "NixlConnector.get_required_kvcache_layout"),
     _site(">=0.24", f"{NIXL_PKG}.connector", "NixlBaseConnector.get_required_kvcache_layout"),
 )
 
@@ -107,37 +124,21 @@ LAYOUT_RESOLVERS = (
 )
 
 # The worker method that registers KV tensors with NIXL (the push worker's override calls super).
-REGISTER_KV_CACHES = (
-    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorWorker.register_kv_caches"),
-    _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", "NixlConnectorWorker.register_kv_caches"),
-    _site(">=0.24", f"{NIXL_PKG}.base_worker", "NixlBaseConnectorWorker.register_kv_caches"),
-)
+REGISTER_KV_CACHES = _per_worker("register_kv_caches")
 
 # Handshake validation; 0.19 lacks the heterogeneous-TP head-contiguity guard added in 0.20.
-VALIDATE_HANDSHAKE = (
-    _site(">=0.19,<0.20", NIXL_SINGLE_FILE,
-          "NixlConnectorWorker._validate_remote_agent_handshake"),
-    _site(">=0.20,<0.24", f"{NIXL_PKG}.worker",
-          "NixlConnectorWorker._validate_remote_agent_handshake"),
-    _site(">=0.24", f"{NIXL_PKG}.base_worker",
-          "NixlBaseConnectorWorker._validate_remote_agent_handshake"),
-)
+VALIDATE_HANDSHAKE = _per_worker("_validate_remote_agent_handshake")
 
 # Module whose global `NixlWrapper` the worker instantiates (vLLM's tests patch it there).
 NIXL_WRAPPER_HOME = (
-    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlWrapper"),
-    _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", "NixlWrapper"),
+    *_until_024("worker", "NixlWrapper"),
     _site(">=0.24", f"{NIXL_PKG}.base_worker", "NixlWrapper"),
 )
 
 # Handshake entry on the decode worker: registers one remote rank and builds its descriptors
 # (runs in the handshake thread; an exception there fails that peer's requests only).
 # Signature (meta, remote_tp_rank, remote_tp_size[, remote_dcp_size]) in every release.
-ADD_REMOTE_AGENT = (
-    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorWorker.add_remote_agent"),
-    _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", "NixlConnectorWorker.add_remote_agent"),
-    _site(">=0.24", f"{NIXL_PKG}.base_worker", "NixlBaseConnectorWorker.add_remote_agent"),
-)
+ADD_REMOTE_AGENT = _per_worker("add_remote_agent")
 
 # The plan-based descriptor builders (PR #40731, first released in 0.21.0).  Both look the
 # attention group up with `next(...)` and no default (0.33 base_worker.py L295, L2207).
@@ -158,19 +159,14 @@ def remote_builder_is_closure(version: Version) -> bool:
 # wrapping `metadata`'s binding alone would not be seen).  Signature in every release:
 # (vllm_config, attn_backend_name, ...) -- the rest varies (cross_layers_blocks, transfer_mode).
 COMPAT_HASH = (
-    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "compute_nixl_compatibility_hash"),
-    _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", "compute_nixl_compatibility_hash"),
+    *_until_024("worker", "compute_nixl_compatibility_hash"),
     _site(">=0.24", f"{NIXL_PKG}.base_worker", "compute_nixl_compatibility_hash"),
 )
 
 # The decode worker's handshake: fetches the peer's `NixlHandshakePayload` over ZMQ, compares the
 # compatibility hash, decodes `NixlAgentMetadata` through the worker module's global names, then
 # calls `add_remote_agent` (runs in the handshake thread in every release).
-NIXL_HANDSHAKE = (
-    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorWorker._nixl_handshake"),
-    _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", "NixlConnectorWorker._nixl_handshake"),
-    _site(">=0.24", f"{NIXL_PKG}.base_worker", "NixlBaseConnectorWorker._nixl_handshake"),
-)
+NIXL_HANDSHAKE = _per_worker("_nixl_handshake")
 
 # Sleep/wake re-registration (0.33): re-encodes the handshake metadata through the stock class.
 RESTORE_KV_CACHES = (
@@ -266,8 +262,7 @@ VALIDATE_REQUEST_PARAMS = (
 # `get_transfer_results`); every request in `_failed_recv_reqs` (a set up to 0.21, a queue
 # from 0.22) is listed there as done receiving.
 GET_FINISHED = (
-    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorWorker.get_finished"),
-    _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", "NixlConnectorWorker.get_finished"),
+    *_until_024("worker", "NixlConnectorWorker.get_finished"),
     _site(">=0.24,<0.30", f"{NIXL_PKG}.base_worker", "NixlBaseConnectorWorker.get_finished"),
 )
 # In 0.19-0.21 `get_finished` runs the heterogeneous-block-size post-processing for *failed*
@@ -395,8 +390,7 @@ def layout_names(version: Version) -> tuple[str, str]:
 # view (see RECEIVE_PERMUTE_SCRAMBLES).  From 0.32 the worker calls only
 # `kv_postprocess_blksize_and_layout_on_receive`, which reads the bytes in memory order itself.
 RECEIVE_PERMUTE = (
-    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "kv_postprocess_layout_on_receive"),
-    _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", "kv_postprocess_layout_on_receive"),
+    *_until_024("worker", "kv_postprocess_layout_on_receive"),
     _site(">=0.24,<0.32", f"{NIXL_PKG}.base_worker", "kv_postprocess_layout_on_receive"),
 )
 
@@ -406,8 +400,7 @@ RECEIVE_PERMUTE = (
 # `[N, bs, H, D]` as the reorder above does, so the same wrapper; 0.32 rewrote it to read memory
 # order.
 RECEIVE_PERMUTE_BLOCK_RATIO = (
-    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "kv_postprocess_blksize_and_layout_on_receive"),
-    _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", "kv_postprocess_blksize_and_layout_on_receive"),
+    *_until_024("worker", "kv_postprocess_blksize_and_layout_on_receive"),
     _site(">=0.24,<0.32", f"{NIXL_PKG}.base_worker",
           "kv_postprocess_blksize_and_layout_on_receive"),
 )
@@ -544,15 +537,12 @@ LOCAL_HITS_IN_METADATA_FROM = Version("0.29")
 # queue into the workers' `ReqMeta`s and clears it, in the same scheduler step (only where the
 # worker lacks the hit counts).
 PULL_UPDATE_STATE_AFTER_ALLOC = (
-    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorScheduler.update_state_after_alloc"),
-    _site(">=0.20,<0.24", f"{NIXL_PKG}.scheduler",
-          "NixlConnectorScheduler.update_state_after_alloc"),
+    *_until_024("scheduler", "NixlConnectorScheduler.update_state_after_alloc"),
     _site(">=0.24,<0.29", f"{NIXL_PKG}.pull_scheduler",
           "NixlPullConnectorScheduler.update_state_after_alloc"),
 )
 BUILD_CONNECTOR_META = (
-    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorScheduler.build_connector_meta"),
-    _site(">=0.20,<0.24", f"{NIXL_PKG}.scheduler", "NixlConnectorScheduler.build_connector_meta"),
+    *_until_024("scheduler", "NixlConnectorScheduler.build_connector_meta"),
     _site(">=0.24,<0.29", f"{NIXL_PKG}.base_scheduler",
           "NixlBaseConnectorScheduler.build_connector_meta"),
 )
@@ -595,14 +585,11 @@ def lookup_all(sites: tuple[Site, ...], version: Version) -> list[Site]:
 # `(delay_free, kv_transfer_params)`).  >=0.24 they are defined on `NixlBaseConnector`, which
 # the pull (`NixlConnector` alias) and push connectors share.
 REQUEST_FINISHED = (
-    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnector.request_finished"),
-    _site(">=0.20,<0.24", f"{NIXL_PKG}.connector", "NixlConnector.request_finished"),
+    *_until_024("connector", "NixlConnector.request_finished"),
     _site(">=0.24", f"{NIXL_PKG}.connector", "NixlBaseConnector.request_finished"),
 )
 REQUEST_FINISHED_ALL_GROUPS = (
-    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnector.request_finished_all_groups"),
-    _site(">=0.20,<0.24", f"{NIXL_PKG}.connector",
-          "NixlConnector.request_finished_all_groups"),
+    *_until_024("connector", "NixlConnector.request_finished_all_groups"),
     _site(">=0.24", f"{NIXL_PKG}.connector", "NixlBaseConnector.request_finished_all_groups"),
 )
 
@@ -613,9 +600,7 @@ REQUEST_FINISHED_ALL_GROUPS = (
 # notification that frees P's blocks -- stock vLLM's path for a full local prefix hit.  Push
 # (0.24+) stages no registration then; its `request_finished` frees P when D finishes.
 GET_NUM_NEW_MATCHED_TOKENS = (
-    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorScheduler.get_num_new_matched_tokens"),
-    _site(">=0.20,<0.24", f"{NIXL_PKG}.scheduler",
-          "NixlConnectorScheduler.get_num_new_matched_tokens"),
+    *_until_024("scheduler", "NixlConnectorScheduler.get_num_new_matched_tokens"),
     _site(">=0.24", f"{NIXL_PKG}.pull_scheduler",
           "NixlPullConnectorScheduler.get_num_new_matched_tokens"),
     _site(">=0.24", f"{NIXL_PKG}.push_scheduler",
@@ -633,10 +618,7 @@ NO_EXTERNAL_TOKENS = (0, False)
 # 0.28 (0.28.0 pull_scheduler.py L69), from `on_new_request` from 0.29 (0.34.0
 # base_scheduler.py L206); 0.32+ skip a request that reads no external KV (0.34.0 L429).
 P_PROMPT_TRUNCATION = (
-    _site(">=0.19,<0.20", NIXL_SINGLE_FILE,
-          "NixlConnectorScheduler._truncate_mamba_request_for_prefill"),
-    _site(">=0.20,<0.24", f"{NIXL_PKG}.scheduler",
-          "NixlConnectorScheduler._truncate_mamba_request_for_prefill"),
+    *_until_024("scheduler", "NixlConnectorScheduler._truncate_mamba_request_for_prefill"),
     _site(">=0.24,<0.31", f"{NIXL_PKG}.base_scheduler",
           "NixlBaseConnectorScheduler._truncate_mamba_request_for_prefill"),
     _site(">=0.31", f"{NIXL_PKG}.base_scheduler",
@@ -648,9 +630,7 @@ P_PROMPT_TRUNCATION = (
 # push_scheduler.py L120-121; the same two lines in every release between): the prompt less the
 # same b, so that D's prefix is the prefix P computed.
 REMOTE_PREFILL_TOKEN_COUNT = (
-    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorScheduler._mamba_prefill_token_count"),
-    _site(">=0.20,<0.24", f"{NIXL_PKG}.scheduler",
-          "NixlConnectorScheduler._mamba_prefill_token_count"),
+    *_until_024("scheduler", "NixlConnectorScheduler._mamba_prefill_token_count"),
     _site(">=0.24,<0.25", f"{NIXL_PKG}.base_scheduler",
           "NixlBaseConnectorScheduler._mamba_prefill_token_count"),
     _site(">=0.25", f"{NIXL_PKG}.base_scheduler",
@@ -692,8 +672,7 @@ def external_hit_discarded(request: Any, version: Version) -> bool:
 # timeout; the listener sets it only once its ZMQ socket is bound.  Same in every release
 # 0.19-0.33 (the class moved twice).
 HANDSHAKE_LISTENER_OWNER = (
-    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnectorScheduler"),
-    _site(">=0.20,<0.24", f"{NIXL_PKG}.scheduler", "NixlConnectorScheduler"),
+    *_until_024("scheduler", "NixlConnectorScheduler"),
     _site(">=0.24", f"{NIXL_PKG}.base_scheduler", "NixlBaseConnectorScheduler"),
 )
 
@@ -815,8 +794,7 @@ def readback_receive_queued(scheduler: Any, params: Any) -> bool:
 # `_update_waiting_for_remote_kv(request)` runs once per request whose async KV load ended,
 # with the request in `failed_recving_kv_req_ids` when it failed.
 CONNECTOR_STATS = (
-    _site(">=0.19,<0.20", NIXL_SINGLE_FILE, "NixlConnector.get_kv_connector_stats"),
-    _site(">=0.20,<0.24", f"{NIXL_PKG}.connector", "NixlConnector.get_kv_connector_stats"),
+    *_until_024("connector", "NixlConnector.get_kv_connector_stats"),
     _site(">=0.24", f"{NIXL_PKG}.connector", "NixlBaseConnector.get_kv_connector_stats"),
 )
 NIXL_STATS_HOME = (
@@ -905,24 +883,6 @@ def decline_expired_read(worker: Any, req_id: str, version: Version) -> None:
 # fixes lives, and where an upstream fix would land.  On a release newer than pdpatch verified, a
 # patch applies by itself only where all of it is unchanged (pdpatch.verified); a change here
 # turns the patch off until it is verified again.  Each concept is its sites per release.
-
-def _per_worker(qualname: str, pull: bool = False) -> tuple[Site, ...]:
-    """A worker method in each release's NIXL module: the single file (0.19), ``worker``
-    (0.20-0.23), then ``pull_worker`` (``pull``) or ``base_worker`` (0.24+)."""
-    later = (f"{NIXL_PKG}.pull_worker", f"NixlPullConnectorWorker.{qualname}") if pull else \
-        (f"{NIXL_PKG}.base_worker", f"NixlBaseConnectorWorker.{qualname}")
-    return (_site(">=0.19,<0.20", NIXL_SINGLE_FILE, f"NixlConnectorWorker.{qualname}"),
-            _site(">=0.20,<0.24", f"{NIXL_PKG}.worker", f"NixlConnectorWorker.{qualname}"),
-            _site(">=0.24", *later))
-
-
-def _per_scheduler(qualname: str, module_24: str, class_24: str) -> tuple[Site, ...]:
-    """A scheduler-half method: the single file (0.19), ``scheduler`` (0.20-0.23), then
-    ``module_24``'s ``class_24`` (0.24+)."""
-    return (_site(">=0.19,<0.20", NIXL_SINGLE_FILE, f"NixlConnectorScheduler.{qualname}"),
-            _site(">=0.20,<0.24", f"{NIXL_PKG}.scheduler", f"NixlConnectorScheduler.{qualname}"),
-            _site(">=0.24", f"{NIXL_PKG}.{module_24}", f"{class_24}.{qualname}"))
-
 
 # The decode worker's read path around `_read_blocks_for_req`: its unguarded caller, the READ it
 # posts (asserts, descriptor ids), the failure bookkeeping, and how failures are reported.

@@ -105,21 +105,4 @@ SCENARIOS = {"hma_fail": lambda: scenario("fail"),
 
 
 def release_report(names: list[str]) -> dict[str, Any]:
-    import traceback
-
-    from pdpatch import installer
-
-    def run_all() -> dict[str, Any]:
-        out = {}
-        for name in names:
-            try:
-                out[name] = SCENARIOS[name]()
-            except Exception:
-                out[name] = {"error": traceback.format_exc()[-3000:]}
-        return out
-
-    report: dict[str, Any] = {"stock": run_all()}
-    installer.install()
-    report["status"] = {n: s["status"] for n, s in installer.status()["patches"].items()}
-    report["patched"] = run_all()
-    return report
+    return rw.stock_then_patched(SCENARIOS, names)

@@ -25,7 +25,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 from unittest.mock import MagicMock, patch
@@ -1297,32 +1297,46 @@ SCENARIOS = {
 }
 
 
+def run_scenarios(scenarios: dict[str, Callable[[], Any]], names: list[str]) -> dict[str, Any]:
+    """``names`` of ``scenarios``, each run; one that cannot run on this release is reported as
+    ``{"error": ...}`` (the test shows it)."""
+    import traceback
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = scenarios[name]()
+        except Exception:
+            out[name] = {"error": traceback.format_exc()[-3000:]}
+    return out
+
+
+def stock_then_patched(scenarios: dict[str, Callable[[], Any]], names: list[str],
+                       summary: bool = False) -> dict[str, Any]:
+    """:func:`run_scenarios` on stock vLLM (``"stock"``), then pdpatch installed: the patches'
+    states (``"status"``, with the installer's ``"summary"`` line first if asked) and the
+    scenarios again (``"patched"``)."""
+    from pdpatch import installer
+
+    report: dict[str, Any] = {"stock": run_scenarios(scenarios, names)}
+    installer.install()
+    if summary:
+        report["summary"] = installer.summary_line()
+    report["status"] = {n: s["status"] for n, s in installer.status()["patches"].items()}
+    report["patched"] = run_scenarios(scenarios, names)
+    return report
+
+
 def release_report(names: list[str]) -> dict[str, Any]:
     """Run ``names`` on stock vLLM, then again with pdpatch installed; a scenario that cannot
     run on this release is reported as ``{"error": ...}`` (the test shows it)."""
-    import traceback
-
     import harmless_scenarios
     import metrics_scenarios
 
     from pdpatch import installer
 
     scenarios = {**SCENARIOS, **harmless_scenarios.SCENARIOS, **metrics_scenarios.SCENARIOS}
-
-    def run_all() -> dict[str, Any]:
-        out = {}
-        for name in names:
-            try:
-                out[name] = scenarios[name]()
-            except Exception:
-                out[name] = {"error": traceback.format_exc()[-3000:]}
-        return out
-
-    report: dict[str, Any] = {"stock": run_all()}
-    installer.install()
-    report["summary"] = installer.summary_line()
-    report["status"] = {n: s["status"] for n, s in installer.status()["patches"].items()}
-    report["patched"] = run_all()
+    report = stock_then_patched(scenarios, names, summary=True)
     # Every target of every active patch resolves in this release: import the target modules
     # (the scenarios import only the NIXL ones) and read the installer's verdict.
     for ps in installer.status()["patches"].values():

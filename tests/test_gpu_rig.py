@@ -9,16 +9,14 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+import vllm_meta_load
 
 from lab.gpu import engines, unpack
 from lab.gpu import pd as gpu_pd
 from lab.rig.model import tiny_config
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _cfg(geometry: str) -> dict:
@@ -64,34 +62,6 @@ def test_deepseek_geometry_is_v2_lite_mla_with_dense_layers():
     assert cfg["q_lora_rank"] is None and cfg["num_attention_heads"] == 16
 
 
-_LOAD_CHECK = textwrap.dedent("""
-    import json, sys, tempfile
-    import torch
-    from safetensors import safe_open
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM
-
-    model = sys.argv[1]
-    cfg = VllmConfig(model_config=ModelConfig(model=model, dtype="bfloat16", seed=0,
-                                              skip_tokenizer_init=True, max_model_len=1024),
-                     device_config=DeviceConfig("cpu"), cache_config=CacheConfig(block_size=16))
-    with set_current_vllm_config(cfg):
-        init_distributed_environment(1, 0, f"file://{tempfile.mktemp()}", 0, "gloo")
-        initialize_model_parallel(1, 1)
-        with torch.device("meta"):
-            m = DeepseekV2ForCausalLM(vllm_config=cfg)
-        with safe_open(model + "/model.safetensors", "pt") as f:
-            weights = {k: f.get_tensor(k) for k in f.keys()}
-        loaded = m.load_weights(weights.items())
-    params = {n: list(p.shape) for n, p in m.named_parameters()}
-    print(json.dumps({"mla": cfg.model_config.use_mla, "params": params,
-                      "loaded": sorted(loaded),
-                      "shapes": {k: list(v.shape) for k, v in weights.items()}}))
-""")
-
-
 def test_mla_weights_are_what_vllms_deepseek_v2_loads(tmp_path):
     """The DeepSeek-V2 recipe, two layers of the ``deepseek-v2-lite`` geometry: vLLM's own
     ``DeepseekV2ForCausalLM`` (built on the meta device, in a subprocess: it sets up vLLM's
@@ -102,11 +72,8 @@ def test_mla_weights_are_what_vllms_deepseek_v2_loads(tmp_path):
     geometry = {**gpu_pd.GEOMETRIES["deepseek-v2-lite"], "num_hidden_layers": 2,
                 "first_k_dense_replace": 2}
     model = model_dir(tmp_path / "mla", **geometry)
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, "-c", _LOAD_CHECK, str(model)], env=env,
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = vllm_meta_load.run(model, "vllm.model_executor.models.deepseek_v2",
+                             "DeepseekV2ForCausalLM", cwd=tmp_path)
     assert got["mla"]
     assert sorted(got["params"]) == got["loaded"]
     for name, shape in got["shapes"].items():   # the unfused ones, as written

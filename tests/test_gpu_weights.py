@@ -13,21 +13,15 @@ doing P/D over NIXL on the CPU (the rig's engines, marked e2e) -- while vLLM's d
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
+import vllm_meta_load
 
 from lab.gpu import aged, oracle, weights
 from lab.gpu import pd as gpu_pd
 from lab.rig.model import tiny_config
 
-REPO = Path(__file__).resolve().parents[1]
 ARCHS = sorted(weights.FULL)
 
 
@@ -66,27 +60,6 @@ def test_the_recipe_names_and_shapes_are_the_rigs(name):
         {k: tuple(v.shape) for k, v in rig.items()}
 
 
-_LOAD_CHECK = textwrap.dedent("""
-    import importlib, json, sys, tempfile
-    import torch
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from lab.gpu import weights
-
-    model, module, cls = sys.argv[1:4]
-    cfg = VllmConfig(model_config=ModelConfig(model=model, dtype="bfloat16", seed=0,
-                                              skip_tokenizer_init=True, max_model_len=1024),
-                     device_config=DeviceConfig("cpu"), cache_config=CacheConfig(block_size=16))
-    with set_current_vllm_config(cfg):
-        init_distributed_environment(1, 0, f"file://{tempfile.mktemp()}", 0, "gloo")
-        initialize_model_parallel(1, 1)
-        with torch.device("meta"):
-            m = getattr(importlib.import_module(module), cls)(vllm_config=cfg)
-        loaded = m.load_weights(weights.tensors(__import__("pathlib").Path(model)))
-    params = sorted(n for n, _ in m.named_parameters())
-    print(json.dumps({"params": params, "loaded": sorted(loaded)}))
-""")
 _CLASSES = {"LlamaForCausalLM": "vllm.model_executor.models.llama",
             "Qwen2ForCausalLM": "vllm.model_executor.models.qwen2",
             "DeepseekV2ForCausalLM": "vllm.model_executor.models.deepseek_v2"}
@@ -100,13 +73,8 @@ def test_vllm_loads_every_parameter_from_the_checkpoint(name, tmp_path):
     cfg = weights.narrow(name)
     weights.write(tmp_path / "m", cfg, shard_bytes=1 << 20)    # several shards and an index
     arch = cfg["architectures"][0]
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, "-c", _LOAD_CHECK, str(tmp_path / "m"),
-                          _CLASSES[arch], arch], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
-    assert got["params"] == got["loaded"]
+    got = vllm_meta_load.run(tmp_path / "m", _CLASSES[arch], arch, cwd=tmp_path)
+    assert sorted(got["params"]) == got["loaded"]
 
 
 def test_the_seed_alone_decides_the_checkpoint(tmp_path):

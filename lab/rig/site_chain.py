@@ -1,11 +1,13 @@
 """Chaining for the rig's ``sitecustomize`` directories (``lab/rig/quiet_nixl``,
-``lab/rig/amx_permission``, ``lab/rig/wrapper_clock``).
+``lab/rig/amx_permission``, ``lab/rig/cpu_runner``, ``lab/rig/wrapper_clock``,
+``lab/rig/peer_census``).
 
 Python imports only the first ``sitecustomize`` on ``sys.path``; each of the rig's imports the
 next one, as if it were not there, so the other's, kvcached's or a test's own still runs.
-Loaded by file path (no ``sys.path`` entry for ``lab`` in an engine).  The CPU rig's 14-30 s
-handshake stalls came with ``quiet_nixl`` in this form and in its own copy alike
-(``docs/gpu_results.md`` runs at-aw): not this code's."""
+Loaded by file path (no ``sys.path`` entry for ``lab`` in an engine): the two statements at
+the end of each shim that find this file next to their directory are all each one repeats.
+The CPU rig's 14-30 s handshake stalls came with ``quiet_nixl`` in this form and in its own
+copy alike (``docs/gpu_results.md`` runs at-aw): not this code's."""
 
 from __future__ import annotations
 

@@ -36,13 +36,10 @@ def _allow_amx() -> None:
         return
 
 
-def _chain() -> None:
-    """Import the next ``sitecustomize`` on the path (``lab/rig/site_chain.py``)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    chain = runpy.run_path(os.path.join(os.path.dirname(here), "site_chain.py"))
-    chain["chain_next_sitecustomize"](here)
-
-
 _allow_amx()
-_chain()
-del _allow_amx, _chain
+# the next sitecustomize on the path, imported by lab/rig/site_chain.py (found by file path:
+# no import reaches lab/ in an engine)
+_here = os.path.dirname(os.path.abspath(__file__))
+runpy.run_path(os.path.join(os.path.dirname(_here), "site_chain.py"))[
+    "chain_next_sitecustomize"](_here)
+del _allow_amx, _here

@@ -203,13 +203,6 @@ def _steps(out_dir: str, targets: list[str]) -> None:
     atexit.register(dump)
 
 
-def _chain() -> None:
-    """Import the next ``sitecustomize`` on the path (``lab/rig/site_chain.py``)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    chain = runpy.run_path(os.path.join(os.path.dirname(here), "site_chain.py"))
-    chain["chain_next_sitecustomize"](here)
-
-
 if os.environ.get("PDLAB_SWITCH_INTERVAL"):
     import sys
 
@@ -220,5 +213,9 @@ if os.environ.get("PDLAB_STEP_CLOCK"):
     _steps(os.environ["PDLAB_STEP_CLOCK"],
            [t for t in os.environ.get("PDLAB_STEP_CLOCK_TARGETS", "").split(",") if t]
            or list(STEP_TARGETS))
-_chain()
-del _clock, _steps, _chain
+# the next sitecustomize on the path, imported by lab/rig/site_chain.py (found by file path:
+# no import reaches lab/ in an engine)
+_here = os.path.dirname(os.path.abspath(__file__))
+runpy.run_path(os.path.join(os.path.dirname(_here), "site_chain.py"))[
+    "chain_next_sitecustomize"](_here)
+del _clock, _steps, _here

@@ -15,6 +15,7 @@ unchanged, and the next step of the worker forgets the engine (:mod:`.receive`).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from pdpatch.agent_proxy import AgentProxy
@@ -45,100 +46,85 @@ class PeerWatch(AgentProxy):
         self._list_agent: dict[Any, Any] = {}     # remote dlist handle -> agent name
         self._xfer_agent: dict[Any, Any] = {}     # transfer handle -> agent name
 
-    def _dead(self, agent: str | bytes | None, exc: BaseException) -> None:
-        if agent is not None and is_disconnect(exc):
+    def _dead(self, agent: Any, exc: BaseException) -> None:
+        """Record ``agent`` dead on NIXL's disconnect error (``agent``: a name, or anything else
+        where no remote agent is known: ``None``, an unmapped handle's)."""
+        if isinstance(agent, NAMES) and is_disconnect(exc):
             with self._book.lock:
                 self._book.dead.add(agent)
 
-    def _agent_of_xfer(self, handle: Any) -> Any:
+    def _call(self, method: str, agent_of: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+        """The agent's ``method``; on NIXL's disconnect error the agent named by ``agent_of()``
+        (asked only then) is recorded dead before the error goes on."""
+        try:
+            return getattr(self._agent, method)(*args, **kwargs)
+        except Exception as exc:
+            self._dead(agent_of(), exc)
+            raise
+
+    def _get(self, table: dict[Any, Any], handle: Any) -> Any:
         try:
             with self._lock:
-                return self._xfer_agent.get(handle)
+                return table.get(handle)
         except TypeError:           # an unhashable handle: not one this layer mapped
             return None
+
+    def _put(self, table: dict[Any, Any], handle: Any, agent: Any) -> None:
+        try:
+            with self._lock:
+                table[handle] = agent
+        except TypeError:
+            pass
+
+    def _drop(self, table: dict[Any, Any], handle: Any) -> None:
+        try:
+            with self._lock:
+                table.pop(handle, None)
+        except TypeError:
+            pass
 
     def prep_xfer_dlist(self, agent_name: Any, *args: Any, **kwargs: Any) -> Any:
         handle = self._agent.prep_xfer_dlist(agent_name, *args, **kwargs)
         if isinstance(agent_name, NAMES) and agent_name not in LOCAL_AGENTS:
-            try:
-                with self._lock:
-                    self._list_agent[handle] = agent_name
-            except TypeError:
-                pass
+            self._put(self._list_agent, handle, agent_name)
         return handle
 
     def make_prepped_xfer(self, op: Any, local: Any, local_ids: Any, remote: Any,
                           *args: Any, **kwargs: Any) -> Any:
-        try:
-            with self._lock:
-                agent = self._list_agent.get(remote)
-        except TypeError:
-            agent = None
-        try:
-            handle = self._agent.make_prepped_xfer(op, local, local_ids, remote, *args, **kwargs)
-        except Exception as exc:
-            self._dead(agent, exc)
-            raise
+        agent = self._get(self._list_agent, remote)
+        handle = self._call("make_prepped_xfer", lambda: agent,
+                            op, local, local_ids, remote, *args, **kwargs)
         if agent is not None:
-            try:
-                with self._lock:
-                    self._xfer_agent[handle] = agent
-            except TypeError:
-                pass
+            self._put(self._xfer_agent, handle, agent)
         return handle
 
     def initialize_xfer(self, op: Any, local: Any, remote: Any, agent: Any,
                         *args: Any, **kwargs: Any) -> Any:
-        try:
-            handle = self._agent.initialize_xfer(op, local, remote, agent, *args, **kwargs)
-        except Exception as exc:
-            self._dead(agent if isinstance(agent, NAMES) else None, exc)
-            raise
+        handle = self._call("initialize_xfer", lambda: agent,
+                            op, local, remote, agent, *args, **kwargs)
         if isinstance(agent, NAMES):
-            try:
-                with self._lock:
-                    self._xfer_agent[handle] = agent
-            except TypeError:
-                pass
+            self._put(self._xfer_agent, handle, agent)
         return handle
 
     def transfer(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return self._agent.transfer(handle, *args, **kwargs)
-        except Exception as exc:
-            self._dead(self._agent_of_xfer(handle), exc)
-            raise
+        return self._call("transfer", lambda: self._get(self._xfer_agent, handle),
+                          handle, *args, **kwargs)
 
     def check_xfer_state(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return self._agent.check_xfer_state(handle, *args, **kwargs)
-        except Exception as exc:
-            self._dead(self._agent_of_xfer(handle), exc)
-            raise
+        return self._call("check_xfer_state", lambda: self._get(self._xfer_agent, handle),
+                          handle, *args, **kwargs)
 
     def send_notif(self, agent_name: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return self._agent.send_notif(agent_name, *args, **kwargs)
-        except Exception as exc:
-            self._dead(agent_name if isinstance(agent_name, NAMES) else None, exc)
-            raise
+        return self._call("send_notif", lambda: agent_name, agent_name, *args, **kwargs)
 
     def release_xfer_handle(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
         result = self._agent.release_xfer_handle(handle, *args, **kwargs)
-        try:
-            with self._lock:
-                self._xfer_agent.pop(handle, None)
-        except TypeError:
-            pass
+        self._drop(self._xfer_agent, handle)
         return result
 
     def release_dlist_handle(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
         result = self._agent.release_dlist_handle(handle, *args, **kwargs)
-        try:
-            with self._lock:
-                self._list_agent.pop(handle, None)
-        except TypeError:
-            pass
+        self._drop(self._list_agent, handle)
         return result
 
     def add_remote_agent(self, metadata: Any, *args: Any, **kwargs: Any) -> Any:
