@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pdpatch_child import run_json
 
 from pdpatch.versions import vllm_version
 
@@ -19,15 +20,7 @@ XDIST_SPREAD = True      # each test starts its own processes (tests/xdist_group
 
 
 def run_child(mode: str, *, enable: bool, flags: tuple[str, ...] = ()) -> tuple[dict, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("PDPATCH_") and k != "ENABLE_PDPATCH"}
-    env["VLLM_TARGET_DEVICE"] = "cpu"
-    if enable:
-        env["ENABLE_PDPATCH"] = "true"
-    out = subprocess.run([sys.executable, *flags, str(CHILD), mode], env=env, cwd=HERE,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+    return run_json([*flags, str(CHILD), mode], enable=enable, cwd=HERE)
 
 
 def summary_pids(stderr: str) -> list[int]:
@@ -120,13 +113,7 @@ def test_install_leaves_the_patch_cores_to_their_first_use():
     """install() runs inside every ``import vllm`` (API server, EngineCore, each worker): the
     hashing, descriptor-planning, transport and block-count cores (~15 ms of imports) are
     loaded by the first request or KV registration that needs them, not by wrapping."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("PDPATCH_") and k != "ENABLE_PDPATCH"}
-    env.update(VLLM_TARGET_DEVICE="cpu", ENABLE_PDPATCH="true")
-    out = subprocess.run([sys.executable, "-c", LAZY_CORES], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result, _ = run_json(["-c", LAZY_CORES], enable=True)
     assert result["installed"] and result["wrapped"]
     assert result["cores"] == []
 

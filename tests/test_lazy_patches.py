@@ -10,13 +10,10 @@ patch modules was two thirds of pdpatch's ~45 ms there).
 from __future__ import annotations
 
 import ast
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from pdpatch_child import run_json
 
 PATCHES = Path(__file__).resolve().parents[1] / "pdpatch" / "patches"
 # What a declaration may import (summary_note: pdpatch.kvcached where kvcached is loaded).
@@ -55,13 +52,7 @@ def code_of(name: str, modules: list[str]) -> list[str]:
 @pytest.fixture(scope="module")
 def child() -> dict:
     """One process: ``import vllm`` with pdpatch enabled, then vLLM's pull worker."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("PDPATCH_") and k != "ENABLE_PDPATCH"}
-    env.update(VLLM_TARGET_DEVICE="cpu", ENABLE_PDPATCH="1")
-    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_json(["-c", CHILD], enable=True)[0]
 
 
 def test_every_patch_is_a_declaration_package():
