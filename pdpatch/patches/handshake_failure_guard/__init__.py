@@ -39,16 +39,14 @@ from __future__ import annotations
 from packaging.version import Version
 
 from pdpatch import vllm_sites
-from pdpatch.registry import Patch, Target, lazy_from
+from pdpatch.registry import Patch, Target, lazy_from, targets_at
 
 NAME = "handshake_failure_guard"
 _code = lazy_from(f"{__name__}.wrappers")
 
 
 def _targets(version: Version) -> list[Target]:
-    site = vllm_sites.lookup(vllm_sites.GET_FINISHED, version)
-    return [] if site is None else [Target(site.module, site.qualname,
-                                           _code("make_guard", version))]
+    return targets_at(version, (vllm_sites.GET_FINISHED, _code("make_guard", version)))
 
 
 PATCH = Patch(

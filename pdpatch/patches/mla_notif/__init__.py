@@ -20,15 +20,14 @@ from __future__ import annotations
 from packaging.version import Version
 
 from pdpatch import vllm_sites
-from pdpatch.registry import Patch, Target, lazy_from
+from pdpatch.registry import Patch, Target, lazy_from, targets_at
 
 NAME = "mla_notif"
 _code = lazy_from(f"{__name__}.wrappers")
 
 
 def _targets(version: Version) -> list[Target]:
-    site = vllm_sites.lookup(vllm_sites.READ_BLOCKS_FOR_REQ, version)
-    return [] if site is None else [Target(site.module, site.qualname, _code("fix_notif_id"))]
+    return targets_at(version, (vllm_sites.READ_BLOCKS_FOR_REQ, _code("fix_notif_id")))
 
 
 PATCH = Patch(

@@ -51,7 +51,7 @@ import sys
 from packaging.version import Version
 
 from pdpatch import vllm_sites
-from pdpatch.registry import Patch, Target, lazy_from
+from pdpatch.registry import Patch, Target, lazy_from, targets_at
 
 NAME = "num_blocks"
 _code = lazy_from(f"{__name__}.wrappers")
@@ -61,9 +61,7 @@ _KVCACHED_INTERFACES = "kvcached.integration.vllm.interfaces"
 
 
 def _targets(version: Version) -> list[Target]:
-    site = vllm_sites.lookup(vllm_sites.REGISTER_KV_CACHES, version)
-    return [] if site is None else [Target(site.module, site.qualname,
-                                           _code("reconcile_register"))]
+    return targets_at(version, (vllm_sites.REGISTER_KV_CACHES, _code("reconcile_register")))
 
 
 def summary_note(active: bool) -> str:

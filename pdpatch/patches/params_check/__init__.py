@@ -42,16 +42,14 @@ from __future__ import annotations
 from packaging.version import Version
 
 from pdpatch import vllm_sites
-from pdpatch.registry import Patch, Target, lazy_from
+from pdpatch.registry import Patch, Target, lazy_from, targets_at
 
 NAME = "params_check"
 _code = lazy_from(f"{__name__}.wrappers")
 
 
 def _targets(version: Version) -> list[Target]:
-    site = vllm_sites.lookup(vllm_sites.VALIDATE_REQUEST_PARAMS, version)
-    return [] if site is None else [Target(site.module, site.qualname,
-                                           _code("make_check", version))]
+    return targets_at(version, (vllm_sites.VALIDATE_REQUEST_PARAMS, _code("make_check", version)))
 
 
 PATCH = Patch(

@@ -26,15 +26,14 @@ from __future__ import annotations
 from packaging.version import Version
 
 from pdpatch import vllm_sites
-from pdpatch.registry import Patch, Target, lazy_from
+from pdpatch.registry import Patch, Target, lazy_from, targets_at
 
 NAME = "peer_check"
 _code = lazy_from(f"{__name__}.wrappers")
 
 
 def _targets(version: Version) -> list[Target]:
-    site = vllm_sites.lookup(vllm_sites.ADD_REMOTE_AGENT, version)
-    return [] if site is None else [Target(site.module, site.qualname, _code("check_peer"))]
+    return targets_at(version, (vllm_sites.ADD_REMOTE_AGENT, _code("check_peer")))
 
 
 PATCH = Patch(
