@@ -105,7 +105,7 @@ def orders(cell: PairCell) -> str:
     return f"{first} / {len(own) - first}"
 
 
-def _pooled(cell: PairCell, prompt: str, phase: str, stock: bool) -> list[Sample]:
+def pooled(cell: PairCell, prompt: str, phase: str, stock: bool) -> list[Sample]:
     return [x for p in cell.pairs if (q := p.stock if stock else p.scenario) is not None
             for x in samples_of(q, phase) if x.prompt == prompt]
 
@@ -157,7 +157,7 @@ def transfer_samples(data) -> str:      # data: lab.report.tables.Data
         for phase in phases(c):
             prompts = records_prompts(c, phase)
             for prompt in prompts:
-                mine, stock = _pooled(c, prompt, phase, False), _pooled(c, prompt, phase, True)
+                mine, stock = pooled(c, prompt, phase, False), pooled(c, prompt, phase, True)
                 ratios = start_ratios(c, prompt, phase)
                 lines.append(tables.row(
                     c.release, tables.kv_of(c.geometry), tables.pair_of(c.backends, c.tp),

@@ -416,8 +416,7 @@ def results(data: Data) -> str:
             raise SystemExit(f"no GPU record of {name} at {g} on vLLM {release}")
         for m in prompts:
             ratios = repeated.start_ratios(c, m, "aged")
-            samples = [x for p in c.pairs for x in repeated.samples_of(p.scenario, "aged")
-                       if x.prompt == m]
+            samples = repeated.pooled(c, m, "aged", stock=False)
             lines.append(row(f"{setting(name)}, {kv_of(g)}",
                              f"{release}, TP {c.tp[0]} -> {c.tp[1]}",
                              f"KV transfer time ÷ stock's on an aged D, {prompt_name(m)} "
