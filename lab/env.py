@@ -28,6 +28,8 @@ VARS: dict[str, str] = {
     "PDLAB_RIG_RUNNER_OPS": "the standalone CPU runner's C++ ops the rig's engines load (set by "
                             "engine_env; lab/rig/runner_ops.py)",
     "PDLAB_RIG_NIXL_POLL_US": "the rig's NIXL progress-thread poll delay (1000 us)",
+    "PDLAB_RIG_MQ_SPIN": "1: the rig's engines keep vLLM's spinning message-queue readers "
+                         "(lab/rig/quiet_spin parks them)",
     "PDLAB_WRAPPER_CLOCK": "a directory: the rigs' pdpatch engines time pdpatch's wrappers into it "
                            "(lab/rig/wrapper_clock, summed by python -m lab.wrapper_clock)",
     "PDLAB_WRAPPER_CLOCK_STALL_S": "with PDLAB_WRAPPER_CLOCK: print all stacks for a wrapper call "

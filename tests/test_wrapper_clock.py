@@ -56,12 +56,12 @@ def test_clock_times_a_wrapper_without_what_it_wraps(tmp_path: Path) -> None:
 
 def test_the_rigs_sitecustomize_directories_chain_to_the_next(tmp_path: Path) -> None:
     """Python imports only the first ``sitecustomize`` on the path: each of the rig's (the
-    clock's, ``peer_census``', ``cpu_runner``'s, ``amx_permission``'s and ``quiet_nixl``'s)
+    clock's, ``peer_census``', ``cpu_runner``'s, ``amx_permission``'s and ``quiet_spin``'s)
     imports the next, so kvcached's (GPU rig) or a test's still runs."""
     (tmp_path / "sitecustomize.py").write_text("print('next sitecustomize ran')\n")
     path = os.pathsep.join([str(engine_env.WRAPPER_CLOCK), str(engine_env.PEER_CENSUS),
                             str(engine_env.CPU_RUNNER), str(engine_env.AMX_PERMISSION),
-                            str(engine_env.QUIET_NIXL), str(tmp_path)])
+                            str(engine_env.QUIET_SPIN), str(tmp_path)])
     run = subprocess.run([sys.executable, "-c", "pass"], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": path}, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]

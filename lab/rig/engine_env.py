@@ -230,9 +230,10 @@ def runtime_versions() -> RuntimeInfo:
     return RuntimeInfo(importlib.metadata.version("vllm"), KERNEL_ORIGIN, build_overlay())
 
 
-QUIET_NIXL = Path(__file__).resolve().parent / "quiet_nixl"
-"""A ``sitecustomize`` that keeps each engine's idle NIXL progress thread from spinning a core
-(see its docstring); last on the engines' path, after anything a test puts there."""
+QUIET_SPIN = Path(__file__).resolve().parent / "quiet_spin"
+"""A ``sitecustomize`` that keeps each engine's NIXL progress thread and vLLM message-queue
+readers from spinning a core while they wait (see its docstring); last on the engines' path,
+after anything a test puts there."""
 
 AMX_PERMISSION = Path(__file__).resolve().parent / "amx_permission"
 """A ``sitecustomize`` that asks Linux for AMX's tile state before vLLM's CPU attention uses it
@@ -280,7 +281,7 @@ def engine_env(
         if env.get("PDLAB_PEER_CENSUS") or (extra or {}).get("PDLAB_PEER_CENSUS") else None
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), old_pp, clock, census,
                                                       str(CPU_RUNNER),
-                                                      str(AMX_PERMISSION), str(QUIET_NIXL)]))
+                                                      str(AMX_PERMISSION), str(QUIET_SPIN)]))
     # The test process sets it empty so that vLLM 0.34's unit code sees a Triton (the lenient
     # branch of vllm.triton_utils); an engine must see none, and run the CPU runner above,
     # with the release's own runner ops (lab/rig/runner_ops.py).

@@ -1,4 +1,4 @@
-"""Chaining for the rig's ``sitecustomize`` directories (``lab/rig/quiet_nixl``,
+"""Chaining for the rig's ``sitecustomize`` directories (``lab/rig/quiet_spin``,
 ``lab/rig/amx_permission``, ``lab/rig/cpu_runner``, ``lab/rig/wrapper_clock``,
 ``lab/rig/peer_census``).
 
@@ -6,8 +6,9 @@ Python imports only the first ``sitecustomize`` on ``sys.path``; each of the rig
 next one, as if it were not there, so the other's, kvcached's or a test's own still runs.
 Loaded by file path (no ``sys.path`` entry for ``lab`` in an engine): the two statements at
 the end of each shim that find this file next to their directory are all each one repeats.
-The CPU rig's 14-30 s handshake stalls came with ``quiet_nixl`` in this form and in its own
-copy alike (``docs/gpu_results.md`` runs at-aw): not this code's."""
+The CPU rig's 14-30 s handshake stalls came with the NIXL part of ``quiet_spin`` in this form
+and in its own copy alike (``docs/gpu_results.md`` runs at-aw): not this code's (they were
+vLLM's spinning message-queue readers, see ``quiet_spin``)."""
 
 from __future__ import annotations
 

@@ -33,15 +33,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     outcome = yield
     rep = outcome.get_result()
     if rep.failed:
-        for group in _live_groups:
-            for eng in group:
-                rep.sections.append(
-                    (
-                        f"engine {eng.spec.name} log (last {LOG_TAIL_LINES} lines; "
-                        f"full log {eng.log_path})",
-                        eng.log_tail(LOG_TAIL_LINES),
-                    )
+        # The engine the failure names first (a timeout names the engine that stalled); DEBUG
+        # lines left out (a DEBUG engine's start-up alone filled the tail that CI printed).
+        failure = str(rep.longrepr)
+        engines = [eng for group in _live_groups for eng in group]
+        engines.sort(key=lambda eng: f"{eng.spec.name}:" not in failure)
+        for eng in engines:
+            lines = [ln for ln in eng.log_text().splitlines() if " DEBUG " not in ln]
+            rep.sections.append(
+                (
+                    f"engine {eng.spec.name} log (last {LOG_TAIL_LINES} lines but DEBUG; "
+                    f"full log {eng.log_path})",
+                    "\n".join(lines[-LOG_TAIL_LINES:]),
                 )
+            )
 
 
 WARM_UP_MARGIN_S = 90.0
