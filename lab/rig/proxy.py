@@ -261,13 +261,15 @@ def warm_up(
 ) -> PDResult:
     """First P/D request of a pair: NIXL handshake, UCX connection, first forward passes.
 
-    vLLM 0.33 gives the first side-channel handshake a hard-coded 5 s ZMQ receive timeout
-    (``base_worker._nixl_handshake``); on a heavily loaded 2-core machine P's listener thread can
-    miss it, which fails that one request ("handshake_setup_failed") and the next request
-    handshakes again.  Such stalls come in bursts: one CI run saw three handshakes in a row time
-    out within 12 s, another saw stock D's ``/metrics`` give no answer for 10 s right after the
-    failed first request.  So the warm-up retries, with a growing pause (3, 6, 9, 12 s), both a
-    failed request and an HTTP error or timeout; each failed attempt is recorded in ``log``.
+    vLLM (0.33, 0.34) gives the first side-channel handshake a hard-coded 5 s ZMQ receive
+    timeout (``base_worker._nixl_handshake``); on a starved 2-core machine P's listener thread
+    can miss it, which fails that one request ("handshake_setup_failed") and the next request
+    handshakes again.  Such stalls came in bursts (one CI run saw three handshakes in a row time
+    out within 12 s, another stock D's ``/metrics`` give no answer for 10 s), from vLLM's
+    spinning message-queue readers, which ``lab/rig/quiet_spin`` now parks.  The warm-up still
+    retries, with a growing pause (3, 6, 9, 12 s), both a failed request and an HTTP error or
+    timeout, so that a slow machine fails the test it slows, not the warm-up; each failed
+    attempt is recorded in ``log``.
     """
     prompt = list(range(3, 19))
     last: PDResult | str | None = None
