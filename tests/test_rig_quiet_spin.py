@@ -80,10 +80,10 @@ def read():
         sent = reader.dequeue()
         got.append(time.monotonic() - sent)
 
-def runnable_s():
+def schedstat_s():
     with open(f"/proc/self/task/{{tid[0]}}/schedstat") as f:
         run, wait = f.read().split()[:2]
-    return (int(run) + int(wait)) / 1e9
+    return int(run) / 1e9, int(wait) / 1e9
 
 thread = threading.Thread(target=read, daemon=True)
 thread.start()
@@ -91,16 +91,17 @@ writer.wait_until_ready()
 writer.enqueue(time.monotonic())
 while not got:
     time.sleep(0.01)
-before = runnable_s()
+run0, wait0 = schedstat_s()
 time.sleep({MQ_GAP_S})          # the reader waits for the next message: spinning or parked
-waiting = runnable_s() - before
+run1, wait1 = schedstat_s()
 writer.enqueue(time.monotonic())
 rng = random.Random(0)
 for _ in range({MQ_MESSAGES}):  # gaps of 0-30 ms: parked readers woken by notification only
     time.sleep(rng.uniform(0, 0.03))
     writer.enqueue(time.monotonic())
 thread.join(60)
-print(json.dumps({{"waiting_runnable_s": waiting, "received": len(got),
+print(json.dumps({{"waiting_runnable_s": run1 - run0 + wait1 - wait0,
+                  "waiting_cpu_s": run1 - run0, "received": len(got),
                   "worst_latency_s": max(got)}}))
 """
 
@@ -121,6 +122,8 @@ def test_rig_engines_message_queue_readers_park_where_stock_spins() -> None:
     stock = message_queue({"PDLAB_RIG_MQ_SPIN": "1"})
     quiet = message_queue({})
     assert stock["waiting_runnable_s"] > 0.6 * MQ_GAP_S, stock
-    assert quiet["waiting_runnable_s"] < 0.1 * MQ_GAP_S, quiet
+    # a spinning thread is runnable the whole gap however loaded the machine; a parked one
+    # wakes every 20 ms for microseconds of CPU (its wait in the run queue depends on the load)
+    assert quiet["waiting_cpu_s"] < 0.1 * MQ_GAP_S, quiet
     assert quiet["received"] == MQ_MESSAGES + 2, quiet
     assert quiet["worst_latency_s"] < 0.5, quiet
