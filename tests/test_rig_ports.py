@@ -49,3 +49,21 @@ def test_an_engine_whose_listener_died_fails_the_start_at_once(
     assert time.monotonic() - t0 < 20.0
     assert "can never become healthy" in str(err.value)
     assert "Address already in use" in str(err.value)
+
+
+def test_a_failure_report_leaves_out_debug_lines_of_either_form(tmp_path: Path) -> None:
+    """What a failed e2e test prints of each engine (``tests/e2e/conftest.py``): CI once showed
+    only a DEBUG engine's start-up, pdpatch's lines (``DEBUG 12-05 …``) as well as an engine
+    process's (``(Worker pid=…) DEBUG …``); other lines naming DEBUG are kept."""
+    eng = servers.Engine(EngineSpec("P", None, pdpatch=False), tmp_path)
+    eng.log_path.write_text(
+        "INFO 12-05 08:08:48 [pdpatch] pdpatch: ready\n"
+        "DEBUG 12-05 08:08:48 [pdpatch] pdpatch: layout wrapped x\n"
+        "(Worker pid=7) DEBUG 12-05 08:08:49 [core.py:1] EngineCore waiting for work.\n"
+        "(Worker pid=7) INFO 12-05 08:08:50 [x.py:2] PDPATCH_LOG_LEVEL=DEBUG seen\n"
+        "(Worker pid=7) ERROR 12-05 08:08:51 [x.py:3] stalled\n")
+    assert eng.log_tail(2, skip_debug=True).splitlines() == [
+        "(Worker pid=7) INFO 12-05 08:08:50 [x.py:2] PDPATCH_LOG_LEVEL=DEBUG seen",
+        "(Worker pid=7) ERROR 12-05 08:08:51 [x.py:3] stalled"]
+    assert len(eng.log_tail(5, skip_debug=True).splitlines()) == 3
+    assert len(eng.log_tail(5).splitlines()) == 5

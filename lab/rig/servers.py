@@ -157,6 +157,8 @@ for two minutes here, and the lease itself is tested at vLLM's default in
 ``tests/e2e/test_robustness_e2e.py``.
 """
 
+_DEBUG_LINE = re.compile(r"(\([^)]*\) )?DEBUG ")
+
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -262,8 +264,12 @@ class Engine:
         except FileNotFoundError:
             return ""
 
-    def log_tail(self, lines: int = 60) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
+    def log_tail(self, lines: int = 60, *, skip_debug: bool = False) -> str:
+        """The log's last ``lines`` lines; ``skip_debug``: of those whose level is not DEBUG
+        (pdpatch's lines start with it, an engine process's follow its ``(Worker pid=…)``)."""
+        kept = [ln for ln in self.log_text().splitlines()
+                if not (skip_debug and _DEBUG_LINE.match(ln))]
+        return "\n".join(kept[-lines:])
 
     def stage(self) -> str:
         if self.ready_after_s is not None:

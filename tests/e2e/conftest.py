@@ -39,12 +39,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         engines = [eng for group in _live_groups for eng in group]
         engines.sort(key=lambda eng: f"{eng.spec.name}:" not in failure)
         for eng in engines:
-            lines = [ln for ln in eng.log_text().splitlines() if " DEBUG " not in ln]
             rep.sections.append(
                 (
                     f"engine {eng.spec.name} log (last {LOG_TAIL_LINES} lines but DEBUG; "
                     f"full log {eng.log_path})",
-                    "\n".join(lines[-LOG_TAIL_LINES:]),
+                    eng.log_tail(LOG_TAIL_LINES, skip_debug=True),
                 )
             )
 
