@@ -68,7 +68,7 @@ def _quiet_message_queue_readers(wrapt) -> None:
     def patch(shm_broadcast) -> None:
         spin = getattr(shm_broadcast, "SpinCondition", None)
         if spin is None or not hasattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS"):
-            return                                  # a release without either: left alone
+            return                                  # a release lacking either: left alone
         shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = MQ_RECHECK_MS
 
         def park_at_once(wrapped, instance, args, kwargs):
