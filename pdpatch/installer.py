@@ -288,6 +288,17 @@ def _declared(name: str) -> Patch:
     return found
 
 
+def wraps(name: str, cls: type, attr: str) -> bool:
+    """Whether patch ``name``'s live wrapper sits on method ``attr`` of ``cls`` (defined there
+    or on a base): what one patch asks before it hands a request to another's channel."""
+    ps = _state.patches.get(name)
+    if ps is None or not ps.live:
+        return False
+    return any(ts.status == "wrapped" and isinstance(ts.owner, type)
+               and ts.target.qualname.rsplit(".", 1)[-1] == attr and issubclass(cls, ts.owner)
+               for ts in ps.targets)
+
+
 def state_of(name: str) -> Any:
     """Patch ``name``'s per-process state (its declared ``State`` class), made on first use."""
     found = _state.states.get(name)

@@ -69,8 +69,9 @@ fi
 bash "$here/scripts/fetch_vllm_sources.sh" >/dev/null
 bash "$here/scripts/fetch_test_extras.sh" "$venv/bin/pip"
 
-# vLLM's own connector tests (the do-no-harm gate of scripts/run_tests.sh).
-(cd "$here" && "$venv/bin/python" -m scripts.upstream_suites --fetch-only >/dev/null)
+# vLLM's own connector tests (the do-no-harm gate of scripts/run_tests.sh), and the unit-test
+# helpers of the old releases whose real schedulers the scenario tests build (~3 s a release).
+(cd "$here" && "$venv/bin/python" -m scripts.upstream_suites --fetch-only --helpers >/dev/null)
 
 # pdpatch itself, editable, so the .pth and the entry point come from this checkout; its C
 # block encoder must build here (the tests check both it and the pure-Python path).

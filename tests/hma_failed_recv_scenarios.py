@@ -6,7 +6,8 @@ from blocks that never received anything).  With ``hma_failed_recv``: failed
 (``kv_load_failure_policy="fail"``, the default) or computed again (``"recompute"``).
 
 The scheduler is built with vLLM's own unit-test helpers of that release
-(``tests/v1/kv_connector/unit/utils.py`` of its sdist, fetched by ``scripts/fetch_test_extras.sh``:
+(``tests/v1/kv_connector/unit/utils.py`` of its sdist, fetched at setup by
+``python -m scripts.upstream_suites --fetch-only --helpers``:
 ``create_vllm_config``, ``create_scheduler``, ``create_request``,
 ``create_model_runner_output``); the connector's ``build_connector_worker_meta`` is the
 release's (pdpatch wraps the base class's), called as the model runner calls it after
@@ -35,7 +36,8 @@ def unit_utils() -> Any:
     path = cache_dir() / "vllm-tests" / version / "tests" / "v1" / "kv_connector" / "unit" / \
         "utils.py"
     if not path.exists():
-        raise FileNotFoundError(f"{path}: run scripts/fetch_test_extras.sh")
+        raise FileNotFoundError(
+            f"{path}: run python -m scripts.upstream_suites --fetch-only --helpers")
     spec = importlib.util.spec_from_file_location(f"vllm_unit_utils_{version}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -53,8 +55,6 @@ def worker_meta_after_failure(req_id: str, block_size: int) -> tuple[Any, list[s
     """The release's HMA decode worker fails ``req_id`` (its prefill engine gone): what its
     ``get_finished`` reports done, and what the connector's ``build_connector_worker_meta``
     hands the scheduler in the same step."""
-    from pdpatch import vllm_sites
-
     d = rw.build_worker("decode-engine", num_blocks=32, hma=True, hybrid_manager=True)
     port = rw.free_port()
     with rw.closed_port_timeout():
@@ -62,12 +62,7 @@ def worker_meta_after_failure(req_id: str, block_size: int) -> tuple[Any, list[s
                                       "remote_ids": [[4, 5, 6]] * 2, "engine": "prefill-dead",
                                       "port": port}]))
         acc, _ = rw.run_until(d, lambda a: req_id in a["done_recving"], timeout=30)
-    # the release's connector facade around this worker, as the model runner holds it
-    facade = object.__new__(importlib.import_module(f"{vllm_sites.NIXL_PKG}.connector")
-                            .NixlConnector)
-    facade.connector_worker = d
-    meta = facade.build_connector_worker_meta()
-    return d, acc["done_recving"], meta
+    return d, acc["done_recving"], rw.worker_meta_object(d)
 
 
 def scenario(policy: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from packaging.version import Version
 from versions_harness import INSTALLED as INSTALLED_RELEASE
 from versions_harness import releases_in, run_in_release
 
+from pdpatch.patches import hma_failed_recv
 from pdpatch.vllm_sites import SUPPORTED
 
 #: The venv's vLLM release, whose code the in-process tests run.
@@ -42,6 +43,8 @@ def scenarios_for(version: str) -> list[str]:
         names.append("dead_peer_queued")   # where handshake_failure_guard takes failed requests
     if v >= Version("0.21"):
         names += ["spec_types", "readback_bidirectional"]
+    if v in hma_failed_recv.PATCH.versions:
+        names.append("read_assert_hma_no_channel")
     if v >= Version("0.24"):
         names.append("rejected_push")      # the push connector exists from 0.24
     if v >= Version("0.26"):

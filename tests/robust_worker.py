@@ -465,16 +465,17 @@ def _reads_by_req(worker: Any) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def scenario_read_assert(hma: bool = False) -> dict[str, Any]:
+def scenario_read_assert(hma: bool = False, extra: dict | None = None) -> dict[str, Any]:
     """Bug 1: a producer that sent fewer blocks than the decode side allocated.
 
     ``bad`` has 3 local blocks but only 1 remote block (the prefix-trim assert), ``good`` is a
     normal request of the same batch, ``after`` arrives one step later.  Observes whether
     ``start_load_kv`` raised (on the model-runner thread: the worker dies), how each request is
     reported, the blocks marked invalid, and which READs were posted.  ``hma``: the same on a
-    hybrid (full + sliding-window) KV-cache layout, two block-id groups per request.
+    hybrid (full + sliding-window) KV-cache layout, two block-id groups per request;
+    ``extra``: the decode engine's ``kv_connector_extra_config``.
     """
-    d = build_worker("decode-engine", num_blocks=32, hma=hma)
+    d = build_worker("decode-engine", num_blocks=32, hma=hma, extra=extra)
     p = build_worker("prefill-engine", role="kv_producer", num_blocks=40, hma=hma)
     g = 2 if hma else 1
     connect_by_handshake(d, {0: remote_metadata(p, "prefill-engine", "P0")}, 1)
@@ -502,7 +503,26 @@ def scenario_read_assert(hma: bool = False) -> dict[str, Any]:
         crash = crash or crash2
     return {"crash": crash, "results": acc, "after": after, "reads": _reads_by_req(d),
             "failure_style": vllm_sites.recv_failure_style(version_of()),
-            "hma": bool(d._is_hma_required)}
+            "hma": bool(d._is_hma_required), "worker_meta": worker_meta(d)}
+
+
+def worker_meta_object(worker: Any) -> Any:
+    """What the release's connector facade hands the scheduler with this step's output
+    (``build_connector_worker_meta``, 0.22+, called by the model runner right after
+    ``get_finished``), from the facade around ``worker`` as the model runner holds it."""
+    facade = object.__new__(importlib.import_module(f"{vllm_sites.NIXL_PKG}.connector")
+                            .NixlConnector)
+    facade.connector_worker = worker
+    return facade.build_connector_worker_meta()
+
+
+def worker_meta(worker: Any) -> list[str] | None:
+    """:func:`worker_meta_object` as the request ids of pdpatch's failed HMA receives (None:
+    no meta, or a release before 0.22, which has no such hand-over)."""
+    if version_of() < Version("0.22"):
+        return None
+    meta = worker_meta_object(worker)
+    return None if meta is None else sorted(getattr(meta, "req_ids", ()))
 
 
 def scenario_mla_notif() -> dict[str, Any]:
@@ -801,6 +821,11 @@ def scenario_full_hit_dead_peer_hma() -> dict[str, Any]:
 
 def scenario_read_assert_hma() -> dict[str, Any]:
     return scenario_read_assert(hma=True)
+
+
+def scenario_read_assert_hma_no_channel() -> dict[str, Any]:
+    """The HMA read failure with ``hma_failed_recv`` switched off for this engine."""
+    return scenario_read_assert(hma=True, extra={"pdpatch": {"hma_failed_recv": False}})
 
 
 def scenario_transport() -> dict[str, Any]:
@@ -1280,6 +1305,7 @@ SCENARIOS = {
     "transport": scenario_transport,
     "side_channel": scenario_side_channel_taken,
     "read_assert_hma": scenario_read_assert_hma,
+    "read_assert_hma_no_channel": scenario_read_assert_hma_no_channel,
     "dead_peer": scenario_dead_peer,
     "dead_peer_hma": scenario_dead_peer_hma,
     "dead_peer_queued": scenario_dead_peer_queued,

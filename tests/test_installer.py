@@ -52,6 +52,22 @@ def test_install_reapplied_after_uninstall_wraps_once(fresh_pdpatch):
     assert read_attr() is original
 
 
+def test_wraps_names_only_a_live_wrapper_of_that_patch(fresh_pdpatch, monkeypatch):
+    """``installer.wraps``: what read_guard asks before it hands an HMA request to
+    hma_failed_recv's channel; a subclass of the wrapped class counts, an uninstalled or
+    skipped patch does not."""
+    worker = pull_cls()
+    assert not fresh_pdpatch.wraps("read_guard", worker, "_read_blocks_for_req")
+    monkeypatch.setenv("PDPATCH_LEASE_GUARD", "0")
+    fresh_pdpatch.install()
+    assert fresh_pdpatch.wraps("read_guard", worker, "_read_blocks_for_req")
+    assert fresh_pdpatch.wraps("read_guard", type("Sub", (worker,), {}), "_read_blocks_for_req")
+    assert not fresh_pdpatch.wraps("read_guard", worker, "start_load_kv")
+    assert not fresh_pdpatch.wraps("lease_guard", worker, "_read_blocks_for_req")    # skipped
+    fresh_pdpatch.uninstall()
+    assert not fresh_pdpatch.wraps("read_guard", worker, "_read_blocks_for_req")
+
+
 def test_toggle_off_skips_with_reason(fresh_pdpatch, monkeypatch):
     monkeypatch.setenv("PDPATCH_READ_GUARD", "0")
     monkeypatch.setenv("PDPATCH_BLOCK_IDS_BOUND", "0")      # the read path's other wrappers

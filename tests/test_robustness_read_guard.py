@@ -13,7 +13,7 @@ import robust_worker as rw
 from packaging.version import Version
 
 from pdpatch import vllm_sites
-from pdpatch.patches import read_guard
+from pdpatch.patches import hma_failed_recv, read_guard
 
 BAD_BLOCKS = [1, 2, 3]
 
@@ -66,9 +66,12 @@ def test_read_assert_on_old_release(ver):
 
 
 def assert_hma(obs: dict, version: Version) -> None:
-    """Hybrid KV layout (full + sliding window): before 0.30 a failed load can only be reported
-    as invalid blocks, which those releases skip for HMA -- failing the request alone would let
-    the scheduler decode from garbage KV, so read_guard keeps the crash there."""
+    """Hybrid KV layout (full + sliding window).  Before 0.30 a release reports a failed load
+    only as invalid blocks, which it skips for HMA: read_guard fails the request through
+    ``hma_failed_recv``'s worker -> scheduler channel (0.22-0.29: reported done by the worker,
+    named failed in the step's worker meta, which the scheduler fails or recomputes); where no
+    such channel serves the worker it keeps the crash (failing the request alone would let the
+    scheduler decode from garbage KV)."""
     if not obs["hma"]:
         # 0.19-0.21 switch the hybrid KV-cache manager off when a KV connector is configured
         # ("Turning off hybrid kv cache manager because `--kv-transfer-config` is set"), so
@@ -77,12 +80,20 @@ def assert_hma(obs: dict, version: Version) -> None:
         assert obs["crash"] is None and "bad" in obs["results"]["done_recving"], obs
         assert set(BAD_BLOCKS) <= set(obs["results"]["invalid_blocks"]), obs
         assert obs["reads"]["good"] and obs["reads"]["after"], obs
-    elif vllm_sites.recv_failure_style(version) == "deferred":
-        assert obs["crash"] is None, obs
+        return
+    assert obs["crash"] is None, obs
+    assert obs["reads"]["good"] and obs["reads"]["after"], obs
+    assert "bad" not in obs["reads"], obs["reads"]
+    if vllm_sites.recv_failure_style(version) == "deferred":
         assert obs["results"]["failed_recving"] == ["bad"], obs
-        assert obs["reads"]["good"] and obs["reads"]["after"], obs
+        assert obs["worker_meta"] is None, obs
     else:
-        assert obs["crash"] is not None and obs["crash"].startswith("AssertionError"), obs
+        assert version in hma_failed_recv.PATCH.versions, version
+        assert "bad" in obs["results"]["done_recving"], obs
+        # no block marked invalid (the release's HMA path cannot take them); the channel
+        # names the request instead, and only it
+        assert not set(obs["results"]["invalid_blocks"]), obs
+        assert obs["worker_meta"] == ["bad"], obs
 
 
 def test_read_guard_installed_hma_fails_only_that_request(fresh_pdpatch):
@@ -97,6 +108,18 @@ def test_read_assert_hma_on_old_release(ver):
         pytest.skip("no old vLLM source tree extracted (scripts/fetch_vllm_sources.sh)")
     assert_stock_crash(robust_matrix.scenario(ver, "stock", "read_assert_hma"))
     assert_hma(robust_matrix.scenario(ver, "patched", "read_assert_hma"), Version(ver))
+
+
+@pytest.mark.parametrize("ver", [v for v in robust_matrix.OLD_RELEASES
+                                 if v == "<none>" or Version(v) in hma_failed_recv.PATCH.versions])
+def test_read_assert_hma_without_the_channel_keeps_the_crash(ver):
+    """``hma_failed_recv`` switched off for the engine: read_guard has no way to fail an HMA
+    request alone there, and leaves the release's crash (never a request reported loaded)."""
+    if ver == "<none>":
+        pytest.skip("no old vLLM source tree extracted (scripts/fetch_vllm_sources.sh)")
+    obs = robust_matrix.scenario(ver, "patched", "read_assert_hma_no_channel")
+    assert_stock_crash(obs)
+    assert obs["worker_meta"] is None, obs
 
 
 def test_failure_styles_cover_every_release_with_the_bug():

@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
                          "nothing must not pass)")
     ap.add_argument("--fetch-only", action="store_true",
                     help="fetch the releases' tests (and the model configs) and stop")
+    ap.add_argument("--helpers", action="store_true",
+                    help="with --fetch-only: also the old releases whose unit-test helpers "
+                         "the scenario tests load (suites.helper_releases)")
     ap.add_argument("--force", action="store_true",
                     help="on a release newer than pdpatch verified, apply every patch whose "
                          "range reaches it, changed code or not (PDPATCH_ALLOW_UNTESTED_VLLM=1)")
@@ -53,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     releases = releases or [installed]
     if args.fetch_only:
         suites.hf_home()
+        if args.helpers:
+            releases += [v for v in suites.helper_releases() if v not in releases]
         for release in releases:
             print(suites.fetch_tests(release))
         return 0

@@ -35,6 +35,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from packaging.version import Version
+
 from lab import cpu_platform, release_files
 from lab.env import cache_dir, path_var
 from lab.fetch_vllm_sources import dist_info_dir
@@ -85,6 +87,17 @@ def fetch_tests(version: str) -> Path:
             tar.extractall(root, members=members, filter="data")
     (root / ".complete").touch()
     return root
+
+
+def helper_releases() -> list[str]:
+    """The listed releases whose own unit-test helpers (``tests/v1/kv_connector/unit/utils.py``:
+    their real scheduler, requests and runner outputs) the scenario tests load: those of
+    ``hma_failed_recv``'s range (``tests/test_hma_failed_recv.py``), which holds vllm#42895's
+    (``tests/test_ssm_prefix.py``).  Fetched at setup: without them those tests skip."""
+    from lab.site_fingerprints import listed_releases
+    from pdpatch.patches.hma_failed_recv import PATCH
+
+    return [v for v in listed_releases() if Version(v) in PATCH.versions]
 
 
 def hf_home() -> Path:

@@ -13,9 +13,15 @@ the request's KV load is recorded as failed with the release's own bookkeeping
 (:func:`pdpatch.vllm_sites.record_recv_failure`), so the scheduler recomputes or fails just that
 request, frees its blocks, and the engine keeps serving others.
 
-Where a release cannot express the failure (HMA models before 0.30, which report load failures
-only as invalid block ids and skip those for HMA), the original exception is re-raised: turning
-a crash into silently-used garbage KV would be worse than the crash.
+HMA models (a sliding-window or Mamba group) before 0.30 report load failures only as invalid
+block ids, which those releases skip for HMA.  On 0.22-0.29 the request goes through
+``hma_failed_recv``'s worker -> scheduler channel instead
+(:func:`pdpatch.patches.hma_failed_recv.wrappers.fail_alone`): that is what turns vllm#42895's
+family on 0.23-0.26 -- a Mamba hybrid with prefix caching and speculative decoding, whose every
+P/D read asserts "SSM can only have one local block" (0.26.0 ``base_worker.py`` L2293) -- into
+one failed or recomputed request.  Where no such channel serves the worker (0.19-0.21, or
+``hma_failed_recv`` switched off) the original exception is re-raised: turning a crash into
+silently-used garbage KV would be worse than the crash.
 """
 
 from __future__ import annotations

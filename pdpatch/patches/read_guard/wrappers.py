@@ -10,6 +10,7 @@ from packaging.version import Version
 from pdpatch import metrics, vllm_sites
 from pdpatch.log import logger
 from pdpatch.patches.common import allowed, arg
+from pdpatch.patches.hma_failed_recv import wrappers as hma_failed_recv
 from pdpatch.patches.read_guard import NAME
 from pdpatch.registry import Wrapper
 
@@ -24,9 +25,17 @@ def make_guard(version: Version) -> Wrapper:
             req_id = arg(args, kwargs, 0, "req_id")
             try:
                 vllm_sites.record_recv_failure(instance, req_id, version)
+            except vllm_sites.FailureNotRecordable as why:
+                # HMA before 0.30: only hma_failed_recv's worker -> scheduler channel can fail
+                # it alone (vllm#42895's SSM assert, 0.23-0.26); without it, the crash stands
+                if not hma_failed_recv.fail_alone(instance, req_id):
+                    logger.error("pdpatch: KV load of request %s failed (%s: %s) and cannot "
+                                 "be failed alone: %s [read_guard]", req_id,
+                                 type(exc).__name__, exc, why)
+                    raise exc from None
             except Exception as why:
-                # HMA before 0.30 (FailureNotRecordable), or a worker without the release's
-                # bookkeeping (a stand-in): the original error propagates as in stock vLLM
+                # a worker without the release's bookkeeping (a stand-in): the original
+                # error propagates as in stock vLLM
                 logger.error("pdpatch: KV load of request %s failed (%s: %s) and cannot be "
                              "failed alone: %s [read_guard]", req_id, type(exc).__name__, exc,
                              why)
