@@ -132,15 +132,17 @@ def scenario(policy: str) -> dict[str, Any]:
     assert warm is None and not errors, (warm, errors)
     d._has_mamba = True
     d._group_spec_types = (FullAttentionSpec, MambaSpec)
-    crash = rw.step(d, rw.recv_metadata([{"req_id": req.request_id, "local_ids": local,
-                                          "remote_ids": remote,
-                                          "engine": "prefill-engine"}]))
+    with rw.pdpatch_warnings() as logged:
+        crash = rw.step(d, rw.recv_metadata([{"req_id": req.request_id, "local_ids": local,
+                                              "remote_ids": remote,
+                                              "engine": "prefill-engine"}]))
     results: dict[str, Any] = {}
     if crash is None:
         results, crash = rw.run_until(d, lambda a: req.request_id in a["done_recving"])
     observed = {"policy": policy, "local_ssm": local[1], "remote_ssm": remote[1],
                 "local_fa": local[0], "remote_fa": remote[0],
-                "crash": crash, "reads": rw._reads_by_req(d), "results": results}
+                "crash": crash, "reads": rw._reads_by_req(d), "results": results,
+                "logged": logged}
     if crash is not None:
         return observed
     meta = rw.worker_meta_object(d)

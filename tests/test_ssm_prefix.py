@@ -59,6 +59,10 @@ def test_ssm_speculative_prefix_read_fails_the_request_not_the_worker(ver):
         assert patched["crash"] is None, patched
         assert "id-1" not in patched["reads"], patched          # nothing read into D's blocks
         assert patched["worker_meta"] == ["id-1"], patched
+        # one error line, which says what to change
+        [line] = [m for m in patched["logged"] if "[read_guard" in m]
+        assert "SSM can only have one local block" in line, line
+        assert "without speculative decoding" in line and "0.27" in line, line
     fail = observed(rep, "patched", "ssm_fail")
     assert fail["finished"] == [["id-1", "error"]], fail
     assert fail["status_after"] is None, fail

@@ -43,8 +43,22 @@ def make_guard(version: Version) -> Wrapper:
             n = metrics.count(instance, metrics.FAILURES_CONTAINED, NAME)
             logger.error(
                 "pdpatch: KV load of request %s failed (%s: %s); failing this request instead "
-                "of the worker [read_guard, %d so far]", req_id, type(exc).__name__, exc, n,
-                exc_info=logger.isEnabledFor(10))
+                "of the worker%s [read_guard, %d so far]", req_id, type(exc).__name__, exc,
+                _advice(instance, exc), n, exc_info=logger.isEnabledFor(10))
             return None
 
     return guard_read
+
+
+def _advice(worker: Any, exc: Exception) -> str:
+    """What to change, where the failure is one every request of the deployment will hit:
+    0.23-0.26's one-local-SSM-block assert, which a Mamba hybrid served with prefix caching
+    and speculative decoding fails on every P/D read (vllm#42895's family)."""
+    if isinstance(exc, AssertionError) and getattr(worker, "_has_mamba", False) \
+            and "SSM" in str(exc):
+        return ("; every P/D request of this Mamba hybrid will fail so: vLLM before 0.27 "
+                "cannot pair the speculative-decoding slots of a Mamba state when prefix "
+                "caching is on -- serve D without speculative decoding or prefix caching, or "
+                "upgrade to vLLM 0.27+; kv_load_failure_policy=recompute computes these "
+                "requests on D meanwhile")
+    return ""
