@@ -100,14 +100,16 @@ def agent_of(worker: Any) -> DyingNixlWrapper:
     return agent
 
 
-def decode_worker() -> Any:
+def decode_worker(hma: bool = False) -> Any:
+    """``hma``: the hybrid full-attention + sliding-window layout (two block-id groups)."""
     with patch.object(rw, "RecordingNixlWrapper", DyingNixlWrapper):
-        return rw.build_worker("decode-engine", num_blocks=32)
+        return rw.build_worker("decode-engine", num_blocks=32, hma=hma, hybrid_manager=hma)
 
 
-def producer() -> Any:
+def producer(hma: bool = False) -> Any:
     with patch.object(rw, "RecordingNixlWrapper", DyingNixlWrapper):
-        return rw.build_worker(ENGINE, role="kv_producer", num_blocks=40)
+        return rw.build_worker(ENGINE, role="kv_producer", num_blocks=40, hma=hma,
+                               hybrid_manager=hma)
 
 
 def incarnation(agent: str, engine: str = ENGINE, **changes: Any) -> dict[int, Any]:
@@ -132,8 +134,10 @@ def request(worker: Any, req_id: str, engine: str, blocks: tuple[int, int],
     from pdpatch import attached
     from pdpatch.patches.peer_restart.book import Incarnation
 
+    groups = len(worker.kv_cache_config.kv_cache_groups)
     meta = rw.recv_metadata([{"req_id": req_id, "engine": engine,
-                              "local_ids": [list(blocks)], "remote_ids": [list(blocks)],
+                              "local_ids": [list(blocks)] * groups,
+                              "remote_ids": [list(blocks)] * groups,
                               # what P's params carry from 0.33 (its registrations)
                               "params": {"remote_registration_generation": 1}}])
     attached.put(meta.reqs_to_recv[req_id], "peer_restart",
@@ -145,8 +149,9 @@ def serve(worker: Any, req_id: str, engine: str, blocks: tuple[int, int],
           tokens: dict[str, str] | None, arrival: float | None = None,
           timeout: float = 10.0) -> dict[str, Any]:
     """Send one request and pump steps until it is reported: ``ok`` (received), ``failed``
-    (failed, or received with its blocks marked invalid) or ``pending``; and the agents its
-    READs went to."""
+    (failed, received with its blocks marked invalid, or -- an HMA model before 0.30 --
+    named failed in the step's worker meta) or ``pending``; and the agents its READs went
+    to."""
     agent = agent_of(worker)
     before = len(agent.reads)
     crash = rw.step(worker, request(worker, req_id, engine, blocks, tokens, arrival))
@@ -154,7 +159,8 @@ def serve(worker: Any, req_id: str, engine: str, blocks: tuple[int, int],
         worker, lambda a: req_id in set(a["done_recving"]) | set(a["failed_recving"]),
         timeout=timeout)
     invalid = set(acc["invalid_blocks"]) & set(blocks)
-    if req_id in acc["failed_recving"] or (req_id in acc["done_recving"] and invalid):
+    named = req_id in (rw.worker_meta(worker) or ())
+    if req_id in acc["failed_recving"] or (req_id in acc["done_recving"] and (invalid or named)):
         outcome = "failed"
     elif req_id in acc["done_recving"]:
         outcome = "ok"
@@ -195,16 +201,16 @@ def _start(worker: Any, agent: str, engine: str = ENGINE, **changes: Any) -> lis
     return rw.connect_by_handshake(worker, incarnation(agent, engine, **changes), 1)
 
 
-def scenario_restart(tokens: bool = True) -> dict[str, Any]:
+def scenario_restart(tokens: bool = True, hma: bool = False) -> dict[str, Any]:
     """P serves r1 as incarnation P1; P1 dies and P2 answers under the same engine id and
     address; r2-r4 carry P2's params (with P2's tokens when ``tokens``, i.e. P has pdpatch),
     then r5 carries P1's (a request prefilled before the restart that reached D late).
     Without tokens, r3 reaches D within P's lease of the restart D noticed (at r2), r4 and r4b
-    after it (their arrival times say so)."""
+    after it (their arrival times say so).  ``hma``: a hybrid model's workers."""
     from pdpatch import vllm_sites
 
-    _P[:] = [producer()]
-    d = decode_worker()
+    _P[:] = [producer(hma)]
+    d = decode_worker(hma)
     tok = tokens_of if tokens else (lambda _: None)
     later = time.time() + vllm_sites.lease_seconds(d, rw.version_of()) + 1.0
     _start(d, "P1-0")
@@ -223,6 +229,10 @@ def scenario_restart(tokens: bool = True) -> dict[str, Any]:
 
 def scenario_restart_no_tokens() -> dict[str, Any]:
     return scenario_restart(tokens=False)
+
+
+def scenario_restart_hma() -> dict[str, Any]:
+    return scenario_restart(hma=True)
 
 
 def scenario_restarts(same_id: bool = True, count: int = 20) -> dict[str, Any]:
@@ -332,6 +342,7 @@ def scenario_geometry() -> dict[str, Any]:
 SCENARIOS = {
     "restart": scenario_restart,
     "restart_no_tokens": scenario_restart_no_tokens,
+    "restart_hma": scenario_restart_hma,
     "restarts": scenario_restarts,
     "restarts_new_id": scenario_restarts_new_id,
     "stall": scenario_stall,

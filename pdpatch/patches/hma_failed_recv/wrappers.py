@@ -67,19 +67,25 @@ def note_failure(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     return wrapped(*args, **kwargs)
 
 
-def fail_alone(worker: Any, req_id: str) -> bool:
-    """Fail one HMA request's KV load through this channel for another patch (``read_guard``:
-    an error on its read path), where the release itself could only crash or report it
-    loaded.  True when taken: not yet read, the release's own ``_handle_failed_transfer``
-    queues it (``note_failure`` notes it); READs already posted, it is noted now and reported
-    failed when they finish.  False where this patch does not serve the worker (off, a
-    one-group model, push mode): the caller keeps the release's behaviour."""
+def serves(worker: Any) -> bool:
+    """Whether this patch's channel serves ``worker``: an HMA pull-mode decode worker whose
+    ``_handle_failed_transfer`` its live wrapper notes, allowed by the deployment's toggle."""
     from pdpatch import installer
 
-    if not (_hma(worker) and allowed(NAME, worker)
+    return (_hma(worker) and allowed(NAME, worker)
             and installer.wraps(NAME, type(worker), "_handle_failed_transfer")
-            and not vllm_sites.pushes(worker, _v())
-            and req_id in getattr(worker, "_recving_metadata", {})):
+            and not vllm_sites.pushes(worker, _v()))
+
+
+def fail_alone(worker: Any, req_id: str) -> bool:
+    """Fail one HMA request's KV load through this channel for another patch (``read_guard``:
+    an error on its read path; ``peer_restart``: a request of a peer D stopped reading from),
+    where the release itself could only crash or report it loaded.  True when taken: not
+    being read, the release's own ``_handle_failed_transfer`` queues it (``note_failure``
+    notes it); READs still posted, it is noted now and reported failed when they finish.
+    False where this channel does not serve the worker (:func:`serves`) or nothing awaits the
+    request: the caller keeps the release's behaviour."""
+    if not serves(worker) or req_id not in getattr(worker, "_recving_metadata", {}):
         return False
     if getattr(worker, "_recving_transfers", {}).get(req_id):
         mine = attached.entry(worker, NAME, WorkerFailures)

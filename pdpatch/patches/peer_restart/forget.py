@@ -21,6 +21,7 @@ from packaging.version import Version
 
 from pdpatch import vllm_sites
 from pdpatch.log import logger
+from pdpatch.patches.hma_failed_recv import wrappers as hma_failed_recv
 from pdpatch.versions import release_of
 
 
@@ -112,15 +113,25 @@ def release_reads(worker: Any, req_id: str) -> None:
 def fail(worker: Any, req_id: str, version: Version) -> None:
     """Fail a request of a peer D stopped reading from: its READs released first, then the
     release's own failure bookkeeping (the scheduler fails or recomputes it:
-    ``kv_load_failure_policy``)."""
+    ``kv_load_failure_policy``); an HMA model's before 0.30 through ``hma_failed_recv``'s
+    channel, the only one those releases can take (``receive.book_of`` acts on such a worker
+    only where it serves)."""
     if getattr(worker, "_recving_transfers", {}).get(req_id):
         release_reads(worker, req_id)
         if req_id in getattr(worker, "_recving_metadata", {}):
-            vllm_sites.record_recv_failure(worker, req_id, version)
+            _record(vllm_sites.record_recv_failure, worker, req_id, version)
         return
     if req_id in getattr(worker, "_recving_metadata", {}):
         getattr(worker, "_recving_transfers", {}).pop(req_id, None)
-        vllm_sites.fail_unread(worker, req_id, version)
+        _record(vllm_sites.fail_unread, worker, req_id, version)
+
+
+def _record(release_way: Any, worker: Any, req_id: str, version: Version) -> None:
+    try:
+        release_way(worker, req_id, version)
+    except vllm_sites.FailureNotRecordable:
+        if not hma_failed_recv.fail_alone(worker, req_id):
+            raise
 
 
 def forget_orphan(worker: Any, engine: str, names: set, version: Version) -> None:

@@ -32,6 +32,7 @@ from packaging.version import Version
 from pdpatch import agent_layers, attached, config, metrics, vllm_sites
 from pdpatch.log import logger
 from pdpatch.patches.common import allowed, arg
+from pdpatch.patches.hma_failed_recv import wrappers as hma_failed_recv
 from pdpatch.patches.peer_restart import NAME
 from pdpatch.patches.peer_restart import forget as F
 from pdpatch.patches.peer_restart.book import Incarnation, PeerBook, Pending
@@ -41,8 +42,8 @@ from pdpatch.versions import release_of
 
 def book_of(worker: Any, version: Version) -> PeerBook | None:
     """The worker's book, if this patch acts on it: a pull-mode worker whose release can fail
-    one request's KV load alone (not HMA models before 0.30, vllm#52234), allowed by the
-    deployment's toggle."""
+    one request's KV load alone (an HMA model's before 0.30 only through ``hma_failed_recv``'s
+    channel: vllm#52234), allowed by the deployment's toggle."""
     from pdpatch.installer import object_state
 
     found = attached.peek(worker, NAME)
@@ -51,7 +52,8 @@ def book_of(worker: Any, version: Version) -> PeerBook | None:
     try:
         active = allowed(NAME, worker) and not vllm_sites.pushes(worker, version) and \
             hasattr(worker, "_recving_metadata") and hasattr(worker, "_remote_agents") and \
-            vllm_sites.failure_recordable(worker, version)
+            (vllm_sites.failure_recordable(worker, version)
+             or hma_failed_recv.serves(worker))
     except Exception:
         active = False
     try:
