@@ -6,41 +6,19 @@ or its whole prompt computed again (``"recompute"``)."""
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 import pytest
-from versions_harness import releases_in, run_in_release
+from scheduler_scenarios import observed, report
+from versions_harness import releases_in
 
-from lab.env import cache_dir
 from pdpatch import vllm_sites
 
 NAMES = ["hma_fail", "hma_recompute"]
 RELEASES = releases_in(vllm_sites.HMA_FAILURE_UNREPORTED)
 
 
-@functools.cache
-def report(version: str) -> dict[str, Any]:
-    run = run_in_release(
-        version, f"import hma_failed_recv_scenarios as h\nemit(h.release_report({NAMES!r}))",
-        timeout=600)
-    return run.check()
-
-
-def observed(rep: dict[str, Any], phase: str, name: str) -> dict[str, Any]:
-    data = rep[phase][name]
-    if "error" in data:
-        raise AssertionError(f"{name} ({phase}) could not run:\n{data['error']}")
-    return data
-
-
 @pytest.mark.parametrize("ver", RELEASES)
 def test_failed_hma_receive_is_failed_not_decoded(ver):
-    if ver == "<none>":
-        pytest.skip("no old vLLM source tree extracted (scripts/fetch_vllm_sources.sh)")
-    if not (cache_dir() / "vllm-tests" / ver).exists():
-        pytest.skip(f"vLLM {ver}'s sdist tests not fetched (its unit-test scheduler helpers)")
-    rep = report(ver)
+    rep = report("hma_failed_recv_scenarios", NAMES, ver)
     assert rep["status"]["hma_failed_recv"] == "active", rep["status"]
     for name in NAMES:
         stock, patched = observed(rep, "stock", name), observed(rep, "patched", name)

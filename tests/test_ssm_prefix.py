@@ -7,14 +7,10 @@ scheduler the releases' own (``tests/ssm_prefix_scenarios.py``)."""
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 import pytest
 from packaging.specifiers import SpecifierSet
-from versions_harness import releases_in, run_in_release
-
-from lab.env import cache_dir
+from scheduler_scenarios import observed, report
+from versions_harness import releases_in
 
 NAMES = ["ssm_fail", "ssm_recompute"]
 #: The releases whose decode worker asserts one local SSM block (0.23.0 worker.py L2344 ...
@@ -23,28 +19,9 @@ SSM_ONE_LOCAL_BLOCK = SpecifierSet(">=0.23,<0.27")
 RELEASES = releases_in(SSM_ONE_LOCAL_BLOCK)
 
 
-@functools.cache
-def report(version: str) -> dict[str, Any]:
-    run = run_in_release(
-        version, f"import ssm_prefix_scenarios as s\nemit(s.release_report({NAMES!r}))",
-        timeout=600)
-    return run.check()
-
-
-def observed(rep: dict[str, Any], phase: str, name: str) -> dict[str, Any]:
-    data = rep[phase][name]
-    if "error" in data:
-        raise AssertionError(f"{name} ({phase}) could not run:\n{data['error']}")
-    return data
-
-
 @pytest.mark.parametrize("ver", RELEASES)
 def test_ssm_speculative_prefix_read_fails_the_request_not_the_worker(ver):
-    if ver == "<none>":
-        pytest.skip("no old vLLM source tree extracted (scripts/fetch_vllm_sources.sh)")
-    if not (cache_dir() / "vllm-tests" / ver).exists():
-        pytest.skip(f"vLLM {ver}'s sdist tests not fetched (its unit-test scheduler helpers)")
-    rep = report(ver)
+    rep = report("ssm_prefix_scenarios", NAMES, ver)
     assert rep["status"]["read_guard"] == "active", rep["status"]
     assert rep["status"]["hma_failed_recv"] == "active", rep["status"]
     for name in NAMES:
