@@ -44,7 +44,7 @@ def scenarios_for(version: str) -> list[str]:
     if v >= Version("0.21"):
         names += ["spec_types", "readback_bidirectional"]
     if v in hma_failed_recv.PATCH.versions:
-        names.append("read_assert_hma_no_channel")
+        names += ["read_assert_hma_no_channel", "hma_fail_in_flight"]
     if v >= Version("0.24"):
         names.append("rejected_push")      # the push connector exists from 0.24
     if v >= Version("0.26"):

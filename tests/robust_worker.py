@@ -823,6 +823,28 @@ def scenario_read_assert_hma() -> dict[str, Any]:
     return scenario_read_assert(hma=True)
 
 
+def scenario_hma_fail_in_flight() -> dict[str, Any]:
+    """``hma_failed_recv``'s channel taking a request whose READs are already posted (another
+    patch fails it mid-read): it must wait for them, then name the request failed."""
+    from pdpatch.patches.hma_failed_recv import wrappers as channel
+
+    d = build_worker("decode-engine", num_blocks=32, hma=True)
+    p = build_worker("prefill-engine", role="kv_producer", num_blocks=40, hma=True)
+    connect_by_handshake(d, {0: remote_metadata(p, "prefill-engine", "P0")}, 1)
+    warm = step(d, recv_metadata([{"req_id": "warmup", "local_ids": [[0]] * 2,
+                                   "remote_ids": [[0]] * 2, "engine": "prefill-engine"}]))
+    _, warm = run_until(d, lambda a: "warmup" in a["done_recving"])
+    assert warm is None, warm
+    crash = step(d, recv_metadata([{"req_id": "r", "local_ids": [[1, 2]] * 2,
+                                    "remote_ids": [[3, 4]] * 2, "engine": "prefill-engine"}]))
+    in_flight = bool(d._recving_transfers.get("r"))
+    taken = channel.fail_alone(d, "r")
+    acc, crash2 = run_until(d, lambda a: "r" in a["done_recving"])
+    return {"in_flight": in_flight, "taken": taken, "crash": crash or crash2,
+            "done": acc["done_recving"], "invalid_blocks": acc["invalid_blocks"],
+            "reads": sorted(_reads_by_req(d)), "worker_meta": worker_meta(d)}
+
+
 def scenario_read_assert_hma_no_channel() -> dict[str, Any]:
     """The HMA read failure with ``hma_failed_recv`` switched off for this engine."""
     return scenario_read_assert(hma=True, extra={"pdpatch": {"hma_failed_recv": False}})
@@ -1306,6 +1328,7 @@ SCENARIOS = {
     "side_channel": scenario_side_channel_taken,
     "read_assert_hma": scenario_read_assert_hma,
     "read_assert_hma_no_channel": scenario_read_assert_hma_no_channel,
+    "hma_fail_in_flight": scenario_hma_fail_in_flight,
     "dead_peer": scenario_dead_peer,
     "dead_peer_hma": scenario_dead_peer_hma,
     "dead_peer_queued": scenario_dead_peer_queued,

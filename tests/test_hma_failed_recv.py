@@ -7,10 +7,13 @@ or its whole prompt computed again (``"recompute"``)."""
 from __future__ import annotations
 
 import pytest
+import robust_matrix
+from packaging.version import Version
 from scheduler_scenarios import observed, report
 from versions_harness import releases_in
 
 from pdpatch import vllm_sites
+from pdpatch.patches import hma_failed_recv
 
 NAMES = ["hma_fail", "hma_recompute"]
 RELEASES = releases_in(vllm_sites.HMA_FAILURE_UNREPORTED)
@@ -37,3 +40,19 @@ def test_failed_hma_receive_is_failed_not_decoded(ver):
     assert again["finished"] == [], again
     # computed again from its first token
     assert again["scheduled_tokens_after"] == again["prompt_tokens"], again
+
+
+@pytest.mark.parametrize("ver", [v for v in robust_matrix.OLD_RELEASES if v == "<none>"
+                                 or Version(v) in hma_failed_recv.PATCH.versions])
+def test_channel_takes_a_request_mid_read_after_its_reads(ver):
+    """Another patch failing an HMA request whose READs are posted (``fail_alone``): stock has
+    no channel (the request is reported loaded); patched, it is named failed once its READs
+    are done, never while they may still write into its blocks."""
+    stock, patched = robust_matrix.stock_and_patched(ver, "hma_fail_in_flight",
+                                                     "hma_failed_recv")
+    for obs in (stock, patched):
+        assert obs["crash"] is None and obs["in_flight"], obs
+        assert "r" in obs["done"] and "r" in obs["reads"], obs
+        assert not set(obs["invalid_blocks"]), obs
+    assert not stock["taken"] and stock["worker_meta"] is None, stock
+    assert patched["taken"] and patched["worker_meta"] == ["r"], patched
