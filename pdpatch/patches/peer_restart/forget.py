@@ -32,6 +32,12 @@ def held(worker: Any, engine: str) -> dict[Any, str]:
     return dict(agents) if agents else {}
 
 
+def prepared(worker: Any, engine: str) -> bool:
+    """Whether the worker holds prepared READ lists for ``engine`` (``add_remote_agent``
+    makes them; forgetting the engine releases them)."""
+    return bool(getattr(worker, "dst_xfer_side_handles", {}).get(engine))
+
+
 def busy(worker: Any, engine: str) -> bool:
     """Whether a READ of ``engine`` is in flight or a handshake with it pending."""
     if engine in getattr(worker, "_handshake_futures", {}):

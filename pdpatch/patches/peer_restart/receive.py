@@ -196,9 +196,12 @@ def _refuse(worker: Any, book: PeerBook, req: str, meta: Any, why: str,
 
 def _dispatch(worker: Any, wrapped: Any, args: tuple, kwargs: dict, req: str, meta: Any,
               engine: str, version: Version) -> Any:
-    """Hand the request to the release: its READ where the engine is held; before 0.32, whose
-    read path assumes a held engine, its handshake path (as its ``start_load_kv`` does)."""
-    if F.held(worker, engine) or release_of(version) >= vllm_sites.HANDSHAKE_IN_READ_FROM:
+    """Hand the request to the release: its READ where it can read the engine (its agent held,
+    or its READ lists prepared: ``add_remote_agent`` called directly, as vLLM's own tests do);
+    before 0.32, whose read path assumes both, its handshake path otherwise (as its
+    ``start_load_kv`` does: a request deferred while pdpatch forgot the engine)."""
+    if F.held(worker, engine) or F.prepared(worker, engine) \
+            or release_of(version) >= vllm_sites.HANDSHAKE_IN_READ_FROM:
         result = wrapped(*args, **kwargs)
         book = attached.peek(worker, NAME)
         if book is not None and getattr(worker, "_recving_transfers", {}).get(req):
