@@ -33,9 +33,11 @@ def held(worker: Any, engine: str) -> dict[Any, str]:
 
 
 def prepared(worker: Any, engine: str) -> bool:
-    """Whether the worker holds prepared READ lists for ``engine`` (``add_remote_agent``
-    makes them; forgetting the engine releases them)."""
-    return bool(getattr(worker, "dst_xfer_side_handles", {}).get(engine))
+    """Whether the worker holds prepared READ lists for ``engine`` and no handshake with it is
+    under way (``add_remote_agent`` makes them, rank by rank, during a handshake; forgetting
+    the engine releases them)."""
+    return bool(getattr(worker, "dst_xfer_side_handles", {}).get(engine)) \
+        and engine not in getattr(worker, "_handshake_futures", {})
 
 
 def busy(worker: Any, engine: str) -> bool:
