@@ -373,15 +373,18 @@ README_ROWS = (
     ("0.25.1", "llama3-8b", "coalesce", ("len1500", "len16000", "first")),
     ("0.25.1", "llama3-70b-tp2", "coalesce", ("len1500", "first")),
     ("0.25.1", "llama3-8b", "kvc", ("len1500",)),
-    ("0.33.0", "llama3-8b", "coalesce", ("len16000",)),
     ("0.33.0", "llama3-70b", "coalesce-tp12", ("len1500",)),
 )
 """The README's transfer rows: (release, geometry, scenario, measures), each from the latest
 epoch's cell of its key; a measure is a prompt (D's KV transfer time ÷ stock's) or ``first``
 (the first P/D request ÷ stock's)."""
-README_AGED = (("0.26.0", "llama3-8b", "coalesce-aged", ("len1500", "len16000")),)
-"""The README's rows of repeated samples on an aged D: per prompt, each pair start's median
-D-side NIXL time over its stock pair's."""
+README_REPEATED = (
+    ("0.25.1", "llama3-8b-full", "coalesce", "fresh", ("len1500", "len16000")),
+    ("0.26.0", "llama3-8b", "coalesce-aged", "aged", ("len1500", "len16000")),
+    ("0.34.0", "llama3-8b", "coalesce", "fresh", ("len1500", "len16000")),
+)
+"""The README's rows of repeated samples (release, geometry, scenario, D fresh or aged,
+prompts): per prompt, each pair start's median D-side NIXL time over its stock pair's."""
 README_TTFT = (("0.25.1", "llama3-8b", ()), ("0.33.0", "llama3-8b", ()),
                ("0.25.1", "llama3-8b", (("PDPATCH_KV_COALESCE", "1"),)))
 """The README's TTFT rows: (release, geometry, the "on" pair's settings)."""
@@ -410,17 +413,19 @@ def results(data: Data) -> str:
                 lines.append(row(what, where, f"KV transfer time ÷ stock's, {prompt_name(m)} "
                                  "tokens", spread(c.ratios(m)), "", c.judged().text(),
                                  _now(c.current())))
-    for release, g, name, prompts in README_AGED:
+    for release, g, name, phase, prompts in README_REPEATED:
         c = _pair(data, release, g, name)
         if c is None:
             raise SystemExit(f"no GPU record of {name} at {g} on vLLM {release}")
+        on = " on an aged D" if phase == "aged" else ""
         for m in prompts:
-            ratios = repeated.start_ratios(c, m, "aged")
-            samples = repeated.pooled(c, m, "aged", stock=False)
+            ratios = repeated.start_ratios(c, m, phase)
+            samples = repeated.pooled(c, m, phase, stock=False)
             lines.append(row(f"{setting(name)}, {kv_of(g)}",
                              f"{release}, TP {c.tp[0]} -> {c.tp[1]}",
-                             f"KV transfer time ÷ stock's on an aged D, {prompt_name(m)} "
-                             f"tokens, {len(samples)} requests", spread(Spread.of(ratios)),
+                             f"KV transfer time ÷ stock's{on}, {prompt_name(m)} tokens, "
+                             f"{len(samples)} requests, per pair start",
+                             spread(Spread.of(ratios)),
                              geo(Interval.of(ratios), _two), repeated.answers(samples),
                              _now(c.current())))
     for release, g, env in README_TTFT:
