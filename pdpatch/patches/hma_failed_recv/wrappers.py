@@ -96,6 +96,20 @@ def fail_alone(worker: Any, req_id: str) -> bool:
     return True
 
 
+def record_failure(worker: Any, req_id: str, version: Version,
+                   release_way: Any = None) -> None:
+    """Fail one request's KV load with the release's own bookkeeping (``release_way``:
+    :func:`~pdpatch.vllm_sites.record_recv_failure` or :func:`~pdpatch.vllm_sites.fail_unread`),
+    or, where that cannot take an HMA request (before 0.30), through this channel
+    (:func:`fail_alone`); raises the release's :class:`~pdpatch.vllm_sites.FailureNotRecordable`
+    where neither can."""
+    try:
+        (release_way or vllm_sites.record_recv_failure)(worker, req_id, version)
+    except vllm_sites.FailureNotRecordable:
+        if not fail_alone(worker, req_id):
+            raise
+
+
 def collect_reported(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Worker (``get_finished``): the failed requests it reports done this step."""
     result = wrapped(*args, **kwargs)

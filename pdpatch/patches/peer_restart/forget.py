@@ -127,19 +127,11 @@ def fail(worker: Any, req_id: str, version: Version) -> None:
     if getattr(worker, "_recving_transfers", {}).get(req_id):
         release_reads(worker, req_id)
         if req_id in getattr(worker, "_recving_metadata", {}):
-            _record(vllm_sites.record_recv_failure, worker, req_id, version)
+            hma_failed_recv.record_failure(worker, req_id, version)
         return
     if req_id in getattr(worker, "_recving_metadata", {}):
         getattr(worker, "_recving_transfers", {}).pop(req_id, None)
-        _record(vllm_sites.fail_unread, worker, req_id, version)
-
-
-def _record(release_way: Any, worker: Any, req_id: str, version: Version) -> None:
-    try:
-        release_way(worker, req_id, version)
-    except vllm_sites.FailureNotRecordable:
-        if not hma_failed_recv.fail_alone(worker, req_id):
-            raise
+        hma_failed_recv.record_failure(worker, req_id, version, vllm_sites.fail_unread)
 
 
 def forget_orphan(worker: Any, engine: str, names: set, version: Version) -> None:

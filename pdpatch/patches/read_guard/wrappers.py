@@ -7,7 +7,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from pdpatch import metrics, vllm_sites
+from pdpatch import metrics
 from pdpatch.log import logger
 from pdpatch.patches.common import allowed, arg
 from pdpatch.patches.hma_failed_recv import wrappers as hma_failed_recv
@@ -24,18 +24,12 @@ def make_guard(version: Version) -> Wrapper:
         except Exception as exc:
             req_id = arg(args, kwargs, 0, "req_id")
             try:
-                vllm_sites.record_recv_failure(instance, req_id, version)
-            except vllm_sites.FailureNotRecordable as why:
-                # HMA before 0.30: only hma_failed_recv's worker -> scheduler channel can fail
-                # it alone (vllm#42895's SSM assert, 0.23-0.26); without it, the crash stands
-                if not hma_failed_recv.fail_alone(instance, req_id):
-                    logger.error("pdpatch: KV load of request %s failed (%s: %s) and cannot "
-                                 "be failed alone: %s [read_guard]", req_id,
-                                 type(exc).__name__, exc, why)
-                    raise exc from None
+                # HMA before 0.30: through hma_failed_recv's channel (vllm#42895's SSM assert,
+                # 0.23-0.26)
+                hma_failed_recv.record_failure(instance, req_id, version)
             except Exception as why:
-                # a worker without the release's bookkeeping (a stand-in): the original
-                # error propagates as in stock vLLM
+                # HMA without that channel, or a worker without the release's bookkeeping (a
+                # stand-in): the original error propagates as in stock vLLM
                 logger.error("pdpatch: KV load of request %s failed (%s: %s) and cannot be "
                              "failed alone: %s [read_guard]", req_id, type(exc).__name__, exc,
                              why)
