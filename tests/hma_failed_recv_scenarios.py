@@ -77,22 +77,29 @@ def scenario(policy: str) -> dict[str, Any]:
     first = sched.schedule()
     waiting = request.status.name
     d, done, meta = worker_meta_after_failure(request.request_id, block)
-    out = u.create_model_runner_output(reqs=[], finished_recving=set(done),
-                                       kv_connector_worker_meta=meta)
-    engine_out = sched.update_from_output(first, out)
-    finished = [(o.request_id, str(o.finish_reason))
-                for outs in (engine_out or {}).values() for o in outs.outputs
-                if o.finish_reason is not None]
-    after = sched.schedule()
-    req = sched.requests.get(request.request_id)
     return {"policy": policy, "status_waiting": waiting, "reported_done": sorted(done),
             "meta": type(meta).__name__ if meta is not None else None,
-            "finished": finished,
-            "status_after": None if req is None else req.status.name,
-            "computed_after": None if req is None else req.num_computed_tokens,
-            "scheduled_tokens_after": after.num_scheduled_tokens.get(request.request_id),
-            "prompt_tokens": request.num_prompt_tokens,
+            **after_worker_output(sched, first, request, done, meta),
             "hma": bool(d._is_hma_required)}
+
+
+def after_worker_output(sched: Any, scheduled: Any, request: Any, done: Any,
+                        meta: Any) -> dict[str, Any]:
+    """The scheduler's step output taken as the model runner hands it over (no tokens; the
+    worker's finished receives ``done`` and its ``meta``), then its next schedule: which
+    requests finished and why, and where ``request`` stands."""
+    u = unit_utils()
+    engine_out = sched.update_from_output(scheduled, u.create_model_runner_output(
+        reqs=[], finished_recving=set(done), kv_connector_worker_meta=meta))
+    after = sched.schedule()
+    held = sched.requests.get(request.request_id)
+    return {"finished": [(o.request_id, str(o.finish_reason))
+                         for outs in (engine_out or {}).values() for o in outs.outputs
+                         if o.finish_reason is not None],
+            "status_after": None if held is None else held.status.name,
+            "computed_after": None if held is None else held.num_computed_tokens,
+            "scheduled_tokens_after": after.num_scheduled_tokens.get(request.request_id),
+            "prompt_tokens": request.num_prompt_tokens}
 
 
 SCENARIOS = {"hma_fail": lambda: scenario("fail"),

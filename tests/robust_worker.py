@@ -465,6 +465,25 @@ def _reads_by_req(worker: Any) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def handshaken_decoder(*, hma: bool = False, extra: dict | None = None, d_blocks: int = 32,
+                       p_blocks: int = 40, hybrid_manager: bool = False) -> Any:
+    """A decode worker ("decode-engine") whose handshake with a prefill worker
+    ("prefill-engine", agent P0) a first request completed (a warm-up read of block 0 in each
+    group), so that a batch after it is read in one step, in order; ``extra``: the decode
+    engine's ``kv_connector_extra_config``; the rest as :func:`build_worker`."""
+    d = build_worker("decode-engine", num_blocks=d_blocks, hma=hma, extra=extra,
+                     hybrid_manager=hybrid_manager)
+    p = build_worker("prefill-engine", role="kv_producer", num_blocks=p_blocks, hma=hma,
+                     hybrid_manager=hybrid_manager)
+    errors = connect_by_handshake(d, {0: remote_metadata(p, "prefill-engine", "P0")}, 1)
+    groups = len(d.kv_cache_config.kv_cache_groups)
+    step(d, recv_metadata([{"req_id": "warmup", "local_ids": [[0]] * groups,
+                            "remote_ids": [[0]] * groups, "engine": "prefill-engine"}]))
+    _, warm = run_until(d, lambda a: "warmup" in a["done_recving"])
+    assert warm is None and not errors, (warm, errors)
+    return d
+
+
 def scenario_read_assert(hma: bool = False, extra: dict | None = None) -> dict[str, Any]:
     """Bug 1: a producer that sent fewer blocks than the decode side allocated.
 
@@ -475,15 +494,8 @@ def scenario_read_assert(hma: bool = False, extra: dict | None = None) -> dict[s
     hybrid (full + sliding-window) KV-cache layout, two block-id groups per request;
     ``extra``: the decode engine's ``kv_connector_extra_config``.
     """
-    d = build_worker("decode-engine", num_blocks=32, hma=hma, extra=extra)
-    p = build_worker("prefill-engine", role="kv_producer", num_blocks=40, hma=hma)
+    d = handshaken_decoder(hma=hma, extra=extra)
     g = 2 if hma else 1
-    connect_by_handshake(d, {0: remote_metadata(p, "prefill-engine", "P0")}, 1)
-    # A first request completes the handshake, so the batch below is read in one step, in order.
-    warm = step(d, recv_metadata([{"req_id": "warmup", "local_ids": [[0]] * g,
-                                   "remote_ids": [[0]] * g, "engine": "prefill-engine"}]))
-    _, warm = run_until(d, lambda a: "warmup" in a["done_recving"])
-    assert warm is None, warm
     batch = recv_metadata([
         {"req_id": "bad", "local_ids": [[1, 2, 3]] * g, "remote_ids": [[7]] * g,
          "engine": "prefill-engine"},
@@ -521,7 +533,12 @@ def worker_meta(worker: Any) -> list[str] | None:
     no meta, or a release before 0.22, which has no such hand-over)."""
     if version_of() < Version("0.22"):
         return None
-    meta = worker_meta_object(worker)
+    return failed_ids(worker_meta_object(worker))
+
+
+def failed_ids(meta: Any) -> list[str] | None:
+    """The request ids a worker meta names failed (pdpatch's ``FailedReceives``); None: no
+    meta."""
     return None if meta is None else sorted(getattr(meta, "req_ids", ()))
 
 
@@ -828,13 +845,7 @@ def scenario_hma_fail_in_flight() -> dict[str, Any]:
     patch fails it mid-read): it must wait for them, then name the request failed."""
     from pdpatch.patches.hma_failed_recv import wrappers as channel
 
-    d = build_worker("decode-engine", num_blocks=32, hma=True)
-    p = build_worker("prefill-engine", role="kv_producer", num_blocks=40, hma=True)
-    connect_by_handshake(d, {0: remote_metadata(p, "prefill-engine", "P0")}, 1)
-    warm = step(d, recv_metadata([{"req_id": "warmup", "local_ids": [[0]] * 2,
-                                   "remote_ids": [[0]] * 2, "engine": "prefill-engine"}]))
-    _, warm = run_until(d, lambda a: "warmup" in a["done_recving"])
-    assert warm is None, warm
+    d = handshaken_decoder(hma=True)
     crash = step(d, recv_metadata([{"req_id": "r", "local_ids": [[1, 2]] * 2,
                                     "remote_ids": [[3, 4]] * 2, "engine": "prefill-engine"}]))
     in_flight = bool(d._recving_transfers.get("r"))

@@ -119,17 +119,9 @@ def scenario(policy: str) -> dict[str, Any]:
     local = [list(g) for g in recv.local_block_ids]
     remote = [list(g) for g in params["remote_block_ids"]]
 
-    d = rw.build_worker("decode-engine", num_blocks=64, hma=True, hybrid_manager=True)
-    p = rw.build_worker("prefill-engine", role="kv_producer", num_blocks=64, hma=True,
-                        hybrid_manager=True)
-    errors = rw.connect_by_handshake(d, {0: rw.remote_metadata(p, "prefill-engine", "P0")}, 1)
-    # the handshake first (a warm-up read: it registers the harness's regions, which have no
+    # the handshake first (its warm-up read registers the harness's regions, which have no
     # Mamba state to describe), then the second group is the Mamba group
-    warm = rw.step(d, rw.recv_metadata([{"req_id": "warmup", "local_ids": [[0], [0]],
-                                         "remote_ids": [[0], [0]],
-                                         "engine": "prefill-engine"}]))
-    _, warm = rw.run_until(d, lambda a: "warmup" in a["done_recving"])
-    assert warm is None and not errors, (warm, errors)
+    d = rw.handshaken_decoder(hma=True, d_blocks=64, p_blocks=64, hybrid_manager=True)
     d._has_mamba = True
     d._group_spec_types = (FullAttentionSpec, MambaSpec)
     with rw.pdpatch_warnings() as logged:
@@ -146,20 +138,9 @@ def scenario(policy: str) -> dict[str, Any]:
     if crash is not None:
         return observed
     meta = rw.worker_meta_object(d)
-    engine_out = d_sched.update_from_output(first, u.create_model_runner_output(
-        reqs=[], finished_recving=set(results.get("done_recving", ())),
-        kv_connector_worker_meta=meta))
-    after = d_sched.schedule()
-    held = d_sched.requests.get(req.request_id)
-    observed.update(
-        worker_meta=sorted(getattr(meta, "req_ids", ())) if meta is not None else None,
-        finished=[(o.request_id, str(o.finish_reason)) for outs in engine_out.values()
-                  for o in outs.outputs if o.finish_reason is not None],
-        status_after=None if held is None else held.status.name,
-        computed_after=None if held is None else held.num_computed_tokens,
-        scheduled_tokens_after=after.num_scheduled_tokens.get(req.request_id),
-        prompt_tokens=req.num_prompt_tokens)
-    return observed
+    return {**observed, "worker_meta": rw.failed_ids(meta),
+            **hfr.after_worker_output(d_sched, first, req, results.get("done_recving", ()),
+                                      meta)}
 
 
 SCENARIOS = {"ssm_fail": lambda: scenario("fail"),

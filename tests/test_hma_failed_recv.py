@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import pytest
 import robust_matrix
-from packaging.version import Version
 from scheduler_scenarios import observed, report
 from versions_harness import releases_in
 
 from pdpatch import vllm_sites
-from pdpatch.patches import hma_failed_recv
 
 NAMES = ["hma_fail", "hma_recompute"]
 RELEASES = releases_in(vllm_sites.HMA_FAILURE_UNREPORTED)
@@ -42,8 +40,7 @@ def test_failed_hma_receive_is_failed_not_decoded(ver):
     assert again["scheduled_tokens_after"] == again["prompt_tokens"], again
 
 
-@pytest.mark.parametrize("ver", [v for v in robust_matrix.OLD_RELEASES if v == "<none>"
-                                 or Version(v) in hma_failed_recv.PATCH.versions])
+@pytest.mark.parametrize("ver", RELEASES)
 def test_channel_takes_a_request_mid_read_after_its_reads(ver):
     """Another patch failing an HMA request whose READs are posted (``fail_alone``): stock has
     no channel (the request is reported loaded); patched, it is named failed once its READs

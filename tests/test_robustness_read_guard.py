@@ -11,6 +11,7 @@ import pytest
 import robust_matrix
 import robust_worker as rw
 from packaging.version import Version
+from versions_harness import releases_in
 
 from pdpatch import vllm_sites
 from pdpatch.patches import hma_failed_recv, read_guard
@@ -110,8 +111,7 @@ def test_read_assert_hma_on_old_release(ver):
     assert_hma(robust_matrix.scenario(ver, "patched", "read_assert_hma"), Version(ver))
 
 
-@pytest.mark.parametrize("ver", [v for v in robust_matrix.OLD_RELEASES
-                                 if v == "<none>" or Version(v) in hma_failed_recv.PATCH.versions])
+@pytest.mark.parametrize("ver", releases_in(hma_failed_recv.PATCH.versions))
 def test_read_assert_hma_without_the_channel_keeps_the_crash(ver):
     """``hma_failed_recv`` switched off for the engine: read_guard has no way to fail an HMA
     request alone there, and leaves the release's crash (never a request reported loaded)."""
